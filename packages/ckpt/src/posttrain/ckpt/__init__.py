@@ -1,0 +1,1 @@
+"""Crash-safe, reshardable DCP checkpoints and Hugging Face export for posttrain."""

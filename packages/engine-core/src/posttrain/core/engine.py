@@ -1,0 +1,177 @@
+"""BaseEngine: the contract a training backend implements (the shape of verl's ``BaseEngine``).
+
+An engine owns one model (plus its optimizer, LR scheduler and checkpoint hooks) sharded its own way. Callers
+never touch parameters: they hand it packed batches and a loss function, ask it for an optimizer step, and ask
+it for a stream of full HF-named tensors when the rollout needs new weights. ``train_mode()`` / ``eval_mode()``
+move what the offload flags say onto the device on entry and back on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .batch import LossFn, PackedBatch
+from .config import CheckpointConfig, EngineConfig, ModelConfig, OptimizerConfig
+
+PerTensorParams = tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any] | None]
+"""(lazy stream of (HF name, full tensor), peft config dict or None)."""
+
+
+class EngineModeCtx:
+    """Load on enter, offload on exit, for ``mode`` in {train, eval}."""
+
+    def __init__(self, engine: BaseEngine, mode: str, disable_auto_offload: bool = False) -> None:
+        if mode not in ("train", "eval"):
+            raise ValueError(f"engine mode {mode!r}: use train or eval")
+        self.engine, self.mode, self.disable_auto_offload = engine, mode, disable_auto_offload
+
+    def __enter__(self) -> BaseEngine:
+        if not self.disable_auto_offload:
+            training = self.mode == "train"
+            self.engine.to(self.engine.device, model=True, optimizer=training, grad=training)
+        self.engine.mode = self.mode
+        self.engine.on_mode_enter(self.mode)
+        return self.engine
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.on_mode_exit(self.mode)
+        if self.mode == "train":
+            self.engine.optimizer_zero_grad()
+        if not self.disable_auto_offload:
+            self.engine.to("cpu", model=self.engine.is_param_offload_enabled,
+                           optimizer=self.engine.is_optimizer_offload_enabled and self.mode == "train",
+                           grad=self.engine.is_param_offload_enabled and self.mode == "train")
+        self.engine.mode = None
+
+
+class BaseEngine(ABC):
+    """One model, its optimizer and schedule, behind a backend-neutral interface."""
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, optimizer_config: OptimizerConfig,
+                 checkpoint_config: CheckpointConfig) -> None:
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.optimizer_config = optimizer_config
+        self.checkpoint_config = checkpoint_config
+        self.mode: str | None = None
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    @abstractmethod
+    def initialize(self) -> None:
+        """Build the model, optimizer, LR scheduler and checkpoint hooks, then apply the offload config."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """The device compute runs on."""
+
+    @property
+    @abstractmethod
+    def is_param_offload_enabled(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def is_optimizer_offload_enabled(self) -> bool: ...
+
+    def train_mode(self, **kwargs: Any) -> EngineModeCtx:
+        """Context: model, optimizer and grads on the device; zero grads and offload on exit."""
+        return EngineModeCtx(self, "train", **kwargs)
+
+    def eval_mode(self, **kwargs: Any) -> EngineModeCtx:
+        """Context: model on the device for forward-only work."""
+        return EngineModeCtx(self, "eval", **kwargs)
+
+    def on_mode_enter(self, mode: str) -> None:
+        """Backend hook run after loading (e.g. ``module.train()``)."""
+
+    def on_mode_exit(self, mode: str) -> None:
+        """Backend hook run before offloading (e.g. reshard)."""
+
+    @abstractmethod
+    def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        """Move model / optimizer state / grads to ``device`` regardless of the offload config."""
+
+    # ------------------------------------------------------------------ compute
+    @abstractmethod
+    def forward_backward_batch(self, batch: PackedBatch, loss_fn: LossFn | None,
+                               forward_only: bool = False) -> dict[str, Any]:
+        """Run the batch in micro-batches; backward too unless ``forward_only``.
+
+        Returns ``{"model_output": {name: (T,) tensor in batch order}, "loss": [per micro-batch], "metrics":
+        {...}}``; on ranks where :meth:`is_mp_src_rank_with_outputs` is False it may return ``{}``."""
+
+    @abstractmethod
+    def optimizer_zero_grad(self) -> None: ...
+
+    @abstractmethod
+    def clip_grad_norm(self) -> float:
+        """Clip gradients to ``optimizer_config.clip_grad`` and return the global norm before clipping."""
+
+    @abstractmethod
+    def apply_optimizer_step(self) -> None:
+        """Apply the optimizer update with the current gradients."""
+
+    def optimizer_step(self) -> float:
+        """Clip, then step unless the norm is non-finite (the step is skipped and counted). Returns the norm."""
+        grad_norm = self.clip_grad_norm()
+        if math.isfinite(grad_norm):
+            self.apply_optimizer_step()
+        else:
+            self.skipped_steps += 1
+        return grad_norm
+
+    @abstractmethod
+    def lr_scheduler_step(self) -> float:
+        """Advance the schedule one step and return the learning rate now in force."""
+
+    def train_batch(self, batch: PackedBatch, loss_fn: LossFn) -> dict[str, Any]:
+        """zero_grad -> forward_backward_batch -> optimizer_step; adds ``grad_norm`` to the metrics."""
+        self.optimizer_zero_grad()
+        out = self.forward_backward_batch(batch, loss_fn, forward_only=False)
+        grad_norm = self.optimizer_step()
+        if self.is_mp_src_rank_with_outputs():
+            out.setdefault("metrics", {})["grad_norm"] = grad_norm
+            out["metrics"]["skipped_step"] = 0.0 if math.isfinite(grad_norm) else 1.0
+        return out
+
+    def infer_batch(self, batch: PackedBatch, loss_fn: LossFn | None = None) -> dict[str, Any]:
+        """Forward only, no autograd graph."""
+        with torch.no_grad():
+            return self.forward_backward_batch(batch, loss_fn, forward_only=True)
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    @abstractmethod
+    def get_per_tensor_param(self, **kwargs: Any) -> PerTensorParams:
+        """Lazy stream of full, HF-named tensors for the rollout, and the peft config (LoRA) or None."""
+
+    @abstractmethod
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None,
+                        **kwargs: Any) -> None: ...
+
+    @abstractmethod
+    def load_checkpoint(self, local_path: str, **kwargs: Any) -> None: ...
+
+    # ------------------------------------------------------------------ parallel layout
+    @abstractmethod
+    def get_data_parallel_size(self) -> int: ...
+
+    @abstractmethod
+    def get_data_parallel_rank(self) -> int: ...
+
+    @abstractmethod
+    def get_data_parallel_group(self) -> Any: ...
+
+    @abstractmethod
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        """True on the rank of each model-parallel group whose outputs the caller should collect."""
+
+    def disable_adapter(self) -> contextlib.AbstractContextManager[Any]:
+        """Context in which a LoRA model runs as its base model (so the actor serves as reference)."""
+        return contextlib.nullcontext()

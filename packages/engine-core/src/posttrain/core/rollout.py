@@ -1,0 +1,161 @@
+"""The rollout contract: generate responses, take new weights, sleep and wake.
+
+A rollout receives weights as a stream of (HF name, full tensor) pairs. Backends move them with the bucketed
+protocol of :mod:`posttrain.core.weight_sync`, so every sync is checksummed whatever the transport.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """How to sample one response."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 = all."""
+    n: int = 1
+    """Responses per prompt."""
+    max_new_tokens: int = 64
+    """Response length cap."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Generation stops after any of these (the eos token is always one)."""
+    seed: int | None = None
+    """Seed for this batch's sampling (None: the rollout's own generator)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"n={self.n} and max_new_tokens={self.max_new_tokens} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Which rollout backend, and its engine options (field names follow verl's ``actor_rollout_ref.rollout``)."""
+
+    name: str = "hf"
+    """Backend: ``hf`` (transformers generate, the CPU default) or ``vllm``."""
+    mode: str = "sync"
+    """``sync`` (colocated SPMD) or ``async`` (server)."""
+    temperature: float = 1.0
+    """Sampling temperature in training rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling in training rollouts."""
+    top_k: int = -1
+    """Top-k in training rollouts (-1 = off)."""
+    n: int = 1
+    """Responses per prompt (GRPO group size)."""
+    prompt_length: int = 512
+    """Longest prompt in tokens."""
+    response_length: int = 512
+    """Longest response in tokens."""
+    dtype: str = "bfloat16"
+    """Weights dtype inside the rollout engine."""
+    tensor_model_parallel_size: int = 1
+    """Rollout TP degree, independent of training."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory the vLLM engine may take (weights + KV cache)."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs in vLLM."""
+    free_cache_engine: bool = True
+    """Sleep the rollout (free KV cache) while training runs."""
+    max_num_batched_tokens: int = 8192
+    """vLLM scheduler token budget."""
+    max_num_seqs: int = 1024
+    """vLLM scheduler sequence budget."""
+    max_model_len: int | None = None
+    """Context length of the rollout engine; None = prompt_length + response_length."""
+    enable_prefix_caching: bool = True
+    """vLLM prefix cache (reset after every weight sync)."""
+    update_weights_bucket_megabytes: int = 512
+    """Bucket size of the weight-sync protocol."""
+    load_format: str = "auto"
+    """``dummy`` starts from random weights and relies on the first sync."""
+    seed: int = 0
+    """Rollout sampling seed."""
+    val_temperature: float = 0.0
+    """Sampling temperature when validating (0 = greedy)."""
+    val_n: int = 1
+    """Responses per prompt when validating."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the backend's engine constructor."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"rollout.mode={self.mode!r}: use sync or async")
+        if self.n < 1:
+            raise ValueError(f"rollout.n={self.n} must be >= 1")
+        if self.update_weights_bucket_megabytes < 1:
+            raise ValueError(f"rollout.update_weights_bucket_megabytes={self.update_weights_bucket_megabytes} "
+                             "must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+
+    def sampling(self, validate: bool = False) -> SamplingConfig:
+        """Sampling parameters for a training (or validation) rollout."""
+        if validate:
+            return SamplingConfig(temperature=self.val_temperature, n=self.val_n, max_new_tokens=self.response_length)
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, n=self.n,
+                              max_new_tokens=self.response_length)
+
+
+@dataclass
+class RolloutSample:
+    """One generated response."""
+
+    prompt_index: int
+    """Index of its prompt in the request."""
+    prompt_ids: list[int]
+    """Prompt token ids."""
+    response_ids: list[int]
+    """Generated token ids (stop token included when generation stopped on one)."""
+    log_probs: torch.Tensor
+    """(len(response_ids),) float32 log-probs of the sampled tokens under the sampling distribution."""
+    finish_reason: str = "length"
+    """``stop`` or ``length``."""
+
+
+@dataclass
+class SyncReport:
+    """What a weight sync moved."""
+
+    num_tensors: int = 0
+    num_bytes: int = 0
+    num_buckets: int = 0
+    seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class BaseRollout(ABC):
+    """A generation engine that can take new weights."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
+        """``sampling.n`` samples per prompt, grouped by prompt (prompt 0's n samples first)."""
+
+    @abstractmethod
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, peft_config: dict[str, Any] | None = None,
+                       base_sync_done: bool = False) -> SyncReport:
+        """Load a stream of (HF name, full tensor); every tensor is verified before generation resumes."""
+
+    def sleep(self, level: int = 1) -> None:
+        """Free memory for training (level 1: KV cache and weights offloaded; level 2: weights discarded)."""
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back ``weights`` and/or ``kv_cache`` (both when None)."""
+
+    def release(self) -> None:
+        """Free everything; the rollout cannot be used afterwards."""

@@ -1,0 +1,175 @@
+"""Bucketed weight-sync protocol between a trainer and a rollout.
+
+The sender casts each (name, tensor) to the rollout dtype and packs it into a flat byte bucket of a fixed size.
+When the next tensor does not fit, the bucket goes out with its metadata (name, shape, dtype, offset, nbytes and
+a checksum of the tensor's bytes); the receiver rebuilds views of the bucket and verifies every checksum before
+handing tensors on. A transport only moves ``(buffer, metadata)``: in-process here, CUDA IPC or shared memory in
+the rollout packages. The checksum is a position-weighted sum of the bytes read as int32 words, computed in
+chunks on the tensor's own device, so a swapped, stale or truncated tensor fails loudly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .rollout import SyncReport
+
+_CHUNK_WORDS = 1 << 24
+_MOD = (1 << 61) - 1
+
+
+class WeightSyncError(RuntimeError):
+    """A bucket arrived damaged, stale or incomplete."""
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """Checksum of a tensor's raw bytes (its dtype and shape are checked separately)."""
+    flat = t.detach().contiguous().view(-1).view(torch.uint8)
+    pad = (-flat.numel()) % 4
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    words = flat.view(torch.int32)
+    total_a, total_b = 0, 0
+    for start in range(0, words.numel(), _CHUNK_WORDS):
+        chunk = words[start:start + _CHUNK_WORDS].to(torch.int64)
+        weights = torch.arange(start + 1, start + 1 + chunk.numel(), device=chunk.device, dtype=torch.int64) % 65521
+        total_a += int(chunk.sum())
+        total_b += int((chunk * weights).sum())
+    return (total_a * 1_000_003 + total_b) % _MOD
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one tensor sits inside a bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+    checksum: int
+
+
+@dataclass
+class Bucket:
+    """A flat uint8 buffer and the tensors packed in it."""
+
+    buffer: torch.Tensor
+    metas: list[TensorMeta]
+    index: int
+    is_last: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class BucketTransport(Protocol):
+    """Moves a bucket from the trainer to the rollout; returns after the receiver has consumed it."""
+
+    def send(self, bucket: Bucket) -> None: ...
+
+
+class InProcessTransport:
+    """Hands each bucket to a callable in the same process (the HF rollout, tests)."""
+
+    def __init__(self, receive: Callable[[Bucket], None]) -> None:
+        self.receive = receive
+
+    def send(self, bucket: Bucket) -> None:
+        self.receive(bucket)
+
+
+def _pack(buffer: torch.Tensor, offset: int, tensor: torch.Tensor) -> int:
+    raw = tensor.contiguous().view(-1).view(torch.uint8)
+    buffer[offset:offset + raw.numel()].copy_(raw, non_blocking=False)
+    return raw.numel()
+
+
+class BucketSender:
+    """Packs a (name, tensor) stream into buckets of ``bucket_bytes`` and sends them."""
+
+    def __init__(self, transport: BucketTransport, bucket_bytes: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket size {bucket_bytes} bytes must be positive")
+        self.transport, self.bucket_bytes, self.dtype = transport, bucket_bytes, dtype
+        self.buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
+        """Send every tensor; the last bucket is flagged ``is_last``. Returns counts and timings."""
+        start = time.perf_counter()
+        report = SyncReport()
+        metas: list[TensorMeta] = []
+        offset = 0
+        for name, tensor in weights:
+            if self.dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(self.dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes > self.bucket_bytes:
+                raise ValueError(f"tensor {name!r} has {nbytes / 2**20:.1f} MiB, more than the weight-sync bucket "
+                                 f"({self.bucket_bytes / 2**20:.1f} MiB): raise "
+                                 f"rollout.update_weights_bucket_megabytes to at least {nbytes // 2**20 + 1}")
+            if offset + nbytes > self.bucket_bytes:
+                self._flush(metas, report, is_last=False)
+                metas, offset = [], 0
+            tensor = tensor.to(self.buffer.device)
+            _pack(self.buffer, offset, tensor)
+            metas.append(TensorMeta(name, tuple(tensor.shape), tensor.dtype, offset, nbytes, tensor_checksum(tensor)))
+            offset += (nbytes + 255) // 256 * 256
+            report.num_tensors += 1
+            report.num_bytes += nbytes
+        self._flush(metas, report, is_last=True)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _flush(self, metas: list[TensorMeta], report: SyncReport, is_last: bool) -> None:
+        self.transport.send(Bucket(self.buffer, list(metas), report.num_buckets, is_last))
+        report.num_buckets += 1
+
+
+def unpack_bucket(bucket: Bucket, verify: bool = True, clone: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views (or clones) of the tensors in ``bucket``, each checksum-verified first."""
+    for meta in bucket.metas:
+        end = meta.offset + meta.nbytes
+        if end > bucket.buffer.numel():
+            raise WeightSyncError(f"bucket {bucket.index}: tensor {meta.name!r} ends at byte {end}, past the "
+                                  f"buffer's {bucket.buffer.numel()} bytes (partial transfer)")
+        tensor = bucket.buffer[meta.offset:end].view(meta.dtype).view(meta.shape)
+        if verify:
+            got = tensor_checksum(tensor)
+            if got != meta.checksum:
+                raise WeightSyncError(f"bucket {bucket.index}: checksum mismatch for {meta.name!r} (sent "
+                                      f"{meta.checksum}, received {got}); the rollout's weights are not updated")
+        yield meta.name, tensor.clone() if clone else tensor
+
+
+class BucketReceiver:
+    """Verifies buckets and feeds their tensors to ``load``; knows when a sync is complete."""
+
+    def __init__(self, load: Callable[[list[tuple[str, torch.Tensor]]], None], verify: bool = True) -> None:
+        self.load, self.verify = load, verify
+        self.expected_index = 0
+        self.complete = False
+        self.num_tensors = 0
+
+    def __call__(self, bucket: Bucket) -> None:
+        if bucket.index != self.expected_index:
+            raise WeightSyncError(f"bucket {bucket.index} arrived, expected bucket {self.expected_index} (lost or "
+                                  "reordered bucket)")
+        tensors = list(unpack_bucket(bucket, verify=self.verify))
+        self.load(tensors)
+        self.num_tensors += len(tensors)
+        self.expected_index += 1
+        self.complete = bucket.is_last
+
+    def finish(self) -> int:
+        """Raise unless the last bucket arrived; return the number of tensors loaded and reset."""
+        if not self.complete:
+            raise WeightSyncError(f"weight sync incomplete: {self.expected_index} bucket(s) received and none was "
+                                  "flagged last")
+        n = self.num_tensors
+        self.expected_index, self.complete, self.num_tensors = 0, False, 0
+        return n

@@ -1,0 +1,1 @@
+"""transformers-generate rollout for posttrain: the CPU default."""

@@ -1,0 +1,1 @@
+"""vLLM rollout and the trainer -> vLLM weight-sync bridge for posttrain."""

@@ -1,0 +1,1 @@
+"""SFT, PPO and GRPO trainers, algorithms, data, rewards and the posttrain CLI."""
