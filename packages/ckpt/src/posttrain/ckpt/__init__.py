@@ -1,1 +1,32 @@
-"""Crash-safe, reshardable DCP checkpoints and Hugging Face export for posttrain."""
+"""Crash-safe, reshardable DCP checkpoints and Hugging Face export for posttrain.
+
+``CheckpointManager`` stages, commits (fsync, atomic rename, then the tracker) and retains step directories;
+``save_role``/``load_role`` write and read one model's DCP shards (keyed by HF names), extra state and HF files;
+``AsyncWriter`` runs the writes of an async save in the background; ``export_hf`` turns a role into an HF model.
+"""
+
+from .extra import capture_rng, restore_rng
+from .hf import export_hf, load_full_model_state
+from .layout import TRACKER, is_complete
+from .manager import CheckpointManager, find_latest, load_trainer_state
+from .role import RoleInfo, RoleState, load_role, read_role_manifest, save_role
+from .writer import AsyncWriter, CheckpointWriteError
+
+__all__ = [
+    "TRACKER",
+    "AsyncWriter",
+    "CheckpointManager",
+    "CheckpointWriteError",
+    "RoleInfo",
+    "RoleState",
+    "capture_rng",
+    "export_hf",
+    "find_latest",
+    "is_complete",
+    "load_full_model_state",
+    "load_role",
+    "load_trainer_state",
+    "read_role_manifest",
+    "restore_rng",
+    "save_role",
+]

@@ -42,21 +42,34 @@ class PackedBatch:
     def __post_init__(self) -> None:
         total = self.input_ids.numel()
         if self.input_ids.dim() != 1:
-            raise ValueError(f"PackedBatch.input_ids must be 1-D (packed), got shape {tuple(self.input_ids.shape)}")
+            raise ValueError(
+                f"PackedBatch.input_ids must be 1-D (packed), got shape {tuple(self.input_ids.shape)}"
+            )
         if self.cu_seqlens.dim() != 1 or self.cu_seqlens.numel() < 1 or int(self.cu_seqlens[0]) != 0:
             raise ValueError("PackedBatch.cu_seqlens must be 1-D and start at 0")
         if int(self.cu_seqlens[-1]) != total:
-            raise ValueError(f"PackedBatch.cu_seqlens ends at {int(self.cu_seqlens[-1])} but there are {total} tokens")
-        for name, t in [("position_ids", self.position_ids), ("loss_mask", self.loss_mask), *self.fields.items()]:
+            raise ValueError(
+                f"PackedBatch.cu_seqlens ends at {int(self.cu_seqlens[-1])} but there are {total} tokens"
+            )
+        for name, t in [
+            ("position_ids", self.position_ids),
+            ("loss_mask", self.loss_mask),
+            *self.fields.items(),
+        ]:
             if t.shape[0] != total:
-                raise ValueError(f"PackedBatch field {name!r} has {t.shape[0]} entries, expected {total} (one per token)")
+                raise ValueError(
+                    f"PackedBatch field {name!r} has {t.shape[0]} entries, expected {total} (one per token)"
+                )
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_sequences(cls, sequences: Sequence[Sequence[int] | torch.Tensor],
-                       loss_masks: Sequence[Sequence[float] | torch.Tensor] | None = None,
-                       fields: dict[str, Sequence[Sequence[float] | torch.Tensor]] | None = None,
-                       meta: dict[str, Any] | None = None) -> PackedBatch:
+    def from_sequences(
+        cls,
+        sequences: Sequence[Sequence[int] | torch.Tensor],
+        loss_masks: Sequence[Sequence[float] | torch.Tensor] | None = None,
+        fields: dict[str, Sequence[Sequence[float] | torch.Tensor]] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> PackedBatch:
         """Pack lists of token ids (and matching per-token lists) into one batch."""
         if len(sequences) == 0:
             raise ValueError("PackedBatch.from_sequences needs at least one sequence")
@@ -68,9 +81,18 @@ class PackedBatch:
         cu[1:] = torch.cumsum(torch.tensor(lens), 0)
         pos = torch.cat([torch.arange(n) for n in lens])
         masks = loss_masks if loss_masks is not None else [torch.ones(n) for n in lens]
-        packed = {k: torch.cat([torch.as_tensor(v, dtype=torch.float32) for v in vals]) for k, vals in (fields or {}).items()}
-        return cls(torch.cat(ids), pos, cu, torch.cat([torch.as_tensor(m, dtype=torch.float32) for m in masks]),
-                   packed, dict(meta or {}))
+        packed = {
+            k: torch.cat([torch.as_tensor(v, dtype=torch.float32) for v in vals])
+            for k, vals in (fields or {}).items()
+        }
+        return cls(
+            torch.cat(ids),
+            pos,
+            cu,
+            torch.cat([torch.as_tensor(m, dtype=torch.float32) for m in masks]),
+            packed,
+            dict(meta or {}),
+        )
 
     # ---------------------------------------------------------------- views
     @property
@@ -91,13 +113,19 @@ class PackedBatch:
 
     def token_tensors(self) -> dict[str, torch.Tensor]:
         """Every per-token tensor by name."""
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "loss_mask": self.loss_mask,
-                **self.fields}
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "loss_mask": self.loss_mask,
+            **self.fields,
+        }
 
     def seq_index(self) -> torch.Tensor:
         """(T,) int64: which sequence each token belongs to."""
-        return torch.repeat_interleave(torch.arange(self.num_seqs, device=self.cu_seqlens.device),
-                                       (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long())
+        return torch.repeat_interleave(
+            torch.arange(self.num_seqs, device=self.cu_seqlens.device),
+            (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long(),
+        )
 
     def select(self, indices: Sequence[int]) -> PackedBatch:
         """A new batch of the sequences ``indices`` in that order."""
@@ -107,13 +135,24 @@ class PackedBatch:
         new_cu = torch.zeros(len(indices) + 1, dtype=torch.int32)
         new_cu[1:] = torch.cumsum(lens, 0)
         tensors = {k: v.index_select(0, token_idx.to(v.device)) for k, v in self.token_tensors().items()}
-        return PackedBatch(tensors.pop("input_ids"), tensors.pop("position_ids"), new_cu.to(self.cu_seqlens.device),
-                           tensors.pop("loss_mask"), tensors, dict(self.meta))
+        return PackedBatch(
+            tensors.pop("input_ids"),
+            tensors.pop("position_ids"),
+            new_cu.to(self.cu_seqlens.device),
+            tensors.pop("loss_mask"),
+            tensors,
+            dict(self.meta),
+        )
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        return PackedBatch(self.input_ids.to(device), self.position_ids.to(device), self.cu_seqlens.to(device),
-                           self.loss_mask.to(device), {k: v.to(device) for k, v in self.fields.items()},
-                           dict(self.meta))
+        return PackedBatch(
+            self.input_ids.to(device),
+            self.position_ids.to(device),
+            self.cu_seqlens.to(device),
+            self.loss_mask.to(device),
+            {k: v.to(device) for k, v in self.fields.items()},
+            dict(self.meta),
+        )
 
     def split_tokens(self, packed: torch.Tensor) -> list[torch.Tensor]:
         """Split a (T, ...) tensor aligned with this batch into one tensor per sequence."""
@@ -158,12 +197,16 @@ def partition_by_tokens(lengths: Sequence[int], max_tokens: int, min_num_bins: i
         return []
     longest = max(lengths)
     if longest > max_tokens:
-        raise ValueError(f"a sequence of {longest} tokens exceeds the micro-batch token budget {max_tokens}: raise "
-                         f"max_token_len_per_gpu to at least {longest} or shorten the data")
+        raise ValueError(
+            f"a sequence of {longest} tokens exceeds the micro-batch token budget {max_tokens}: raise "
+            f"max_token_len_per_gpu to at least {longest} or shorten the data"
+        )
     num_bins = max(min_num_bins, -(-sum(lengths) // max_tokens))
     while True:
         bins = _balanced_bins(lengths, min(num_bins, len(lengths)))
-        if all(sum(lengths[i] for i in b) <= max_tokens for b in bins) and len(bins) >= min(min_num_bins, len(lengths)):
+        if all(sum(lengths[i] for i in b) <= max_tokens for b in bins) and len(bins) >= min(
+            min_num_bins, len(lengths)
+        ):
             return bins
         num_bins += 1
 
@@ -175,14 +218,22 @@ def partition_by_count(num_seqs: int, micro_batch_size: int) -> list[list[int]]:
     return [list(range(i, min(i + micro_batch_size, num_seqs))) for i in range(0, num_seqs, micro_batch_size)]
 
 
-def make_micro_batches(batch: PackedBatch, *, max_tokens: int | None, micro_batch_size: int | None,
-                       use_dynamic_bsz: bool, dp_group: Any = None) -> list[list[int]]:
+def make_micro_batches(
+    batch: PackedBatch,
+    *,
+    max_tokens: int | None,
+    micro_batch_size: int | None,
+    use_dynamic_bsz: bool,
+    dp_group: Any = None,
+) -> list[list[int]]:
     """Partitions of ``batch``'s sequences; with a process group every rank gets the same partition count
     (ranks with fewer sequences than partitions get fewer, and the engine must still step in lockstep)."""
     lengths = batch.seqlens
     if use_dynamic_bsz:
         if max_tokens is None:
-            raise ValueError("use_dynamic_bsz=true needs max_token_len_per_gpu (e.g. engine.max_token_len_per_gpu=8192)")
+            raise ValueError(
+                "use_dynamic_bsz=true needs max_token_len_per_gpu (e.g. engine.max_token_len_per_gpu=8192)"
+            )
         parts = partition_by_tokens(lengths, max_tokens)
         if dp_group is not None and torch.distributed.is_initialized():
             n = torch.tensor([len(parts)])
@@ -195,8 +246,9 @@ def make_micro_batches(batch: PackedBatch, *, max_tokens: int | None, micro_batc
     return partition_by_count(batch.num_seqs, micro_batch_size)
 
 
-def restore_order(parts: Sequence[Sequence[int]], micro_batches: Sequence[PackedBatch],
-                  outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+def restore_order(
+    parts: Sequence[Sequence[int]], micro_batches: Sequence[PackedBatch], outputs: Sequence[torch.Tensor]
+) -> torch.Tensor:
     """Concatenate per-micro-batch (T_i, ...) outputs back into the original sequence order."""
     per_seq: dict[int, torch.Tensor] = {}
     for idx, mb, out in zip(parts, micro_batches, outputs):

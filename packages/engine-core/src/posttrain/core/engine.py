@@ -44,17 +44,25 @@ class EngineModeCtx:
         if self.mode == "train":
             self.engine.optimizer_zero_grad()
         if not self.disable_auto_offload:
-            self.engine.to("cpu", model=self.engine.is_param_offload_enabled,
-                           optimizer=self.engine.is_optimizer_offload_enabled and self.mode == "train",
-                           grad=self.engine.is_param_offload_enabled and self.mode == "train")
+            self.engine.to(
+                "cpu",
+                model=self.engine.is_param_offload_enabled,
+                optimizer=self.engine.is_optimizer_offload_enabled and self.mode == "train",
+                grad=self.engine.is_param_offload_enabled and self.mode == "train",
+            )
         self.engine.mode = None
 
 
 class BaseEngine(ABC):
     """One model, its optimizer and schedule, behind a backend-neutral interface."""
 
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, optimizer_config: OptimizerConfig,
-                 checkpoint_config: CheckpointConfig) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        optimizer_config: OptimizerConfig,
+        checkpoint_config: CheckpointConfig,
+    ) -> None:
         self.model_config = model_config
         self.engine_config = engine_config
         self.optimizer_config = optimizer_config
@@ -95,13 +103,16 @@ class BaseEngine(ABC):
         """Backend hook run before offloading (e.g. reshard)."""
 
     @abstractmethod
-    def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+    def to(
+        self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> None:
         """Move model / optimizer state / grads to ``device`` regardless of the offload config."""
 
     # ------------------------------------------------------------------ compute
     @abstractmethod
-    def forward_backward_batch(self, batch: PackedBatch, loss_fn: LossFn | None,
-                               forward_only: bool = False) -> dict[str, Any]:
+    def forward_backward_batch(
+        self, batch: PackedBatch, loss_fn: LossFn | None, forward_only: bool = False
+    ) -> dict[str, Any]:
         """Run the batch in micro-batches; backward too unless ``forward_only``.
 
         Returns ``{"model_output": {name: (T,) tensor in batch order}, "loss": [per micro-batch], "metrics":
@@ -152,8 +163,9 @@ class BaseEngine(ABC):
         """Lazy stream of full, HF-named tensors for the rollout, and the peft config (LoRA) or None."""
 
     @abstractmethod
-    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None,
-                        **kwargs: Any) -> None: ...
+    def save_checkpoint(
+        self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None, **kwargs: Any
+    ) -> None: ...
 
     @abstractmethod
     def load_checkpoint(self, local_path: str, **kwargs: Any) -> None: ...

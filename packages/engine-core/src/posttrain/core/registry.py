@@ -61,8 +61,10 @@ class _EntryPointRegistry:
 
     def register(self, name: str, target: str, source: str = "code") -> None:
         if name in self._targets and self._targets[name] != target:
-            raise ValueError(f"{self.group}: {name!r} is registered twice ({self._targets[name]} from "
-                             f"{self._sources[name]} and {target} from {source}): uninstall one of them")
+            raise ValueError(
+                f"{self.group}: {name!r} is registered twice ({self._targets[name]} from "
+                f"{self._sources[name]} and {target} from {source}): uninstall one of them"
+            )
         self._targets[name] = target
         self._sources[name] = source
 
@@ -82,8 +84,10 @@ class EngineRegistry(_EntryPointRegistry):
         if key not in self._targets:
             hint = self.packages.get(backend, f"a package that provides backend {backend!r}")
             have = ", ".join(self.names()) or "none"
-            raise ValueError(f"no engine for model_type={model_type!r}, backend={backend!r}, device={device!r}. "
-                             f"Installed engines: {have}. Install {hint} or choose another backend.")
+            raise ValueError(
+                f"no engine for model_type={model_type!r}, backend={backend!r}, device={device!r}. "
+                f"Installed engines: {have}. Install {hint} or choose another backend."
+            )
         cls = _load(self._targets[key])
         from .engine import BaseEngine
 
@@ -105,8 +109,10 @@ class RolloutRegistry(_EntryPointRegistry):
         if name not in self._targets:
             hint = self.packages.get(name, f"a package that provides rollout {name!r}")
             have = ", ".join(self.names()) or "none"
-            raise ValueError(f"no rollout named {name!r}. Installed rollouts: {have}. Install {hint} or set "
-                             f"rollout.name to one of those.")
+            raise ValueError(
+                f"no rollout named {name!r}. Installed rollouts: {have}. Install {hint} or set "
+                f"rollout.name to one of those."
+            )
         cls = _load(self._targets[name])
         from .rollout import BaseRollout
 

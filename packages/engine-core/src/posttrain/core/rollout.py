@@ -99,17 +99,27 @@ class RolloutConfig:
         if self.n < 1:
             raise ValueError(f"rollout.n={self.n} must be >= 1")
         if self.update_weights_bucket_megabytes < 1:
-            raise ValueError(f"rollout.update_weights_bucket_megabytes={self.update_weights_bucket_megabytes} "
-                             "must be >= 1")
+            raise ValueError(
+                f"rollout.update_weights_bucket_megabytes={self.update_weights_bucket_megabytes} must be >= 1"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+            raise ValueError(
+                f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
 
     def sampling(self, validate: bool = False) -> SamplingConfig:
         """Sampling parameters for a training (or validation) rollout."""
         if validate:
-            return SamplingConfig(temperature=self.val_temperature, n=self.val_n, max_new_tokens=self.response_length)
-        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, n=self.n,
-                              max_new_tokens=self.response_length)
+            return SamplingConfig(
+                temperature=self.val_temperature, n=self.val_n, max_new_tokens=self.response_length
+            )
+        return SamplingConfig(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            n=self.n,
+            max_new_tokens=self.response_length,
+        )
 
 
 @dataclass
@@ -147,8 +157,13 @@ class BaseRollout(ABC):
         """``sampling.n`` samples per prompt, grouped by prompt (prompt 0's n samples first)."""
 
     @abstractmethod
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, peft_config: dict[str, Any] | None = None,
-                       base_sync_done: bool = False) -> SyncReport:
+    def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        peft_config: dict[str, Any] | None = None,
+        base_sync_done: bool = False,
+    ) -> SyncReport:
         """Load a stream of (HF name, full tensor); every tensor is verified before generation resumes."""
 
     def sleep(self, level: int = 1) -> None:

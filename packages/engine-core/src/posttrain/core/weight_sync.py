@@ -36,8 +36,10 @@ def tensor_checksum(t: torch.Tensor) -> int:
     words = flat.view(torch.int32)
     total_a, total_b = 0, 0
     for start in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[start:start + _CHUNK_WORDS].to(torch.int64)
-        weights = torch.arange(start + 1, start + 1 + chunk.numel(), device=chunk.device, dtype=torch.int64) % 65521
+        chunk = words[start : start + _CHUNK_WORDS].to(torch.int64)
+        weights = (
+            torch.arange(start + 1, start + 1 + chunk.numel(), device=chunk.device, dtype=torch.int64) % 65521
+        )
         total_a += int(chunk.sum())
         total_b += int((chunk * weights).sum())
     return (total_a * 1_000_003 + total_b) % _MOD
@@ -84,19 +86,35 @@ class InProcessTransport:
 
 def _pack(buffer: torch.Tensor, offset: int, tensor: torch.Tensor) -> int:
     raw = tensor.contiguous().view(-1).view(torch.uint8)
-    buffer[offset:offset + raw.numel()].copy_(raw, non_blocking=False)
+    buffer[offset : offset + raw.numel()].copy_(raw, non_blocking=False)
     return raw.numel()
 
 
 class BucketSender:
     """Packs a (name, tensor) stream into buckets of ``bucket_bytes`` and sends them."""
 
-    def __init__(self, transport: BucketTransport, bucket_bytes: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        transport: BucketTransport,
+        bucket_bytes: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        buffer: torch.Tensor | None = None,
+    ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket size {bucket_bytes} bytes must be positive")
+        if buffer is not None and (
+            buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < bucket_bytes
+        ):
+            raise ValueError(
+                f"bucket buffer must be a 1-D uint8 tensor of at least {bucket_bytes} bytes, got "
+                f"{buffer.dtype} of shape {tuple(buffer.shape)}"
+            )
         self.transport, self.bucket_bytes, self.dtype = transport, bucket_bytes, dtype
-        self.buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+        # A transport may own the buffer (shared memory, CUDA IPC) so the receiver reads it where it lies.
+        self.buffer = (
+            buffer if buffer is not None else torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+        )
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
         """Send every tensor; the last bucket is flagged ``is_last``. Returns counts and timings."""
@@ -109,15 +127,19 @@ class BucketSender:
                 tensor = tensor.to(self.dtype)
             nbytes = tensor.numel() * tensor.element_size()
             if nbytes > self.bucket_bytes:
-                raise ValueError(f"tensor {name!r} has {nbytes / 2**20:.1f} MiB, more than the weight-sync bucket "
-                                 f"({self.bucket_bytes / 2**20:.1f} MiB): raise "
-                                 f"rollout.update_weights_bucket_megabytes to at least {nbytes // 2**20 + 1}")
+                raise ValueError(
+                    f"tensor {name!r} has {nbytes / 2**20:.1f} MiB, more than the weight-sync bucket "
+                    f"({self.bucket_bytes / 2**20:.1f} MiB): raise "
+                    f"rollout.update_weights_bucket_megabytes to at least {nbytes // 2**20 + 1}"
+                )
             if offset + nbytes > self.bucket_bytes:
                 self._flush(metas, report, is_last=False)
                 metas, offset = [], 0
             tensor = tensor.to(self.buffer.device)
             _pack(self.buffer, offset, tensor)
-            metas.append(TensorMeta(name, tuple(tensor.shape), tensor.dtype, offset, nbytes, tensor_checksum(tensor)))
+            metas.append(
+                TensorMeta(name, tuple(tensor.shape), tensor.dtype, offset, nbytes, tensor_checksum(tensor))
+            )
             offset += (nbytes + 255) // 256 * 256
             report.num_tensors += 1
             report.num_bytes += nbytes
@@ -130,19 +152,25 @@ class BucketSender:
         report.num_buckets += 1
 
 
-def unpack_bucket(bucket: Bucket, verify: bool = True, clone: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def unpack_bucket(
+    bucket: Bucket, verify: bool = True, clone: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Views (or clones) of the tensors in ``bucket``, each checksum-verified first."""
     for meta in bucket.metas:
         end = meta.offset + meta.nbytes
         if end > bucket.buffer.numel():
-            raise WeightSyncError(f"bucket {bucket.index}: tensor {meta.name!r} ends at byte {end}, past the "
-                                  f"buffer's {bucket.buffer.numel()} bytes (partial transfer)")
-        tensor = bucket.buffer[meta.offset:end].view(meta.dtype).view(meta.shape)
+            raise WeightSyncError(
+                f"bucket {bucket.index}: tensor {meta.name!r} ends at byte {end}, past the "
+                f"buffer's {bucket.buffer.numel()} bytes (partial transfer)"
+            )
+        tensor = bucket.buffer[meta.offset : end].view(meta.dtype).view(meta.shape)
         if verify:
             got = tensor_checksum(tensor)
             if got != meta.checksum:
-                raise WeightSyncError(f"bucket {bucket.index}: checksum mismatch for {meta.name!r} (sent "
-                                      f"{meta.checksum}, received {got}); the rollout's weights are not updated")
+                raise WeightSyncError(
+                    f"bucket {bucket.index}: checksum mismatch for {meta.name!r} (sent "
+                    f"{meta.checksum}, received {got}); the rollout's weights are not updated"
+                )
         yield meta.name, tensor.clone() if clone else tensor
 
 
@@ -157,8 +185,10 @@ class BucketReceiver:
 
     def __call__(self, bucket: Bucket) -> None:
         if bucket.index != self.expected_index:
-            raise WeightSyncError(f"bucket {bucket.index} arrived, expected bucket {self.expected_index} (lost or "
-                                  "reordered bucket)")
+            raise WeightSyncError(
+                f"bucket {bucket.index} arrived, expected bucket {self.expected_index} (lost or "
+                "reordered bucket)"
+            )
         tensors = list(unpack_bucket(bucket, verify=self.verify))
         self.load(tensors)
         self.num_tensors += len(tensors)
@@ -168,8 +198,9 @@ class BucketReceiver:
     def finish(self) -> int:
         """Raise unless the last bucket arrived; return the number of tensors loaded and reset."""
         if not self.complete:
-            raise WeightSyncError(f"weight sync incomplete: {self.expected_index} bucket(s) received and none was "
-                                  "flagged last")
+            raise WeightSyncError(
+                f"weight sync incomplete: {self.expected_index} bucket(s) received and none was flagged last"
+            )
         n = self.num_tensors
         self.expected_index, self.complete, self.num_tensors = 0, False, 0
         return n

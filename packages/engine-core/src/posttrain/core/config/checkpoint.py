@@ -17,13 +17,19 @@ def check_contents(contents: list[str], key: str) -> None:
     """Raise if ``contents`` names an unknown item or breaks a dependency between items."""
     unknown = [c for c in contents if c not in CONTENTS]
     if unknown:
-        raise ValueError(f"{key}={list(contents)} has unknown item(s) {unknown}: choose from {', '.join(CONTENTS)}")
+        raise ValueError(
+            f"{key}={list(contents)} has unknown item(s) {unknown}: choose from {', '.join(CONTENTS)}"
+        )
     if "hf_model" in contents and "model" not in contents:
-        raise ValueError(f"{key}={list(contents)} lists hf_model without model: the HF export is written from "
-                         f"the model state, add model to {key}")
+        raise ValueError(
+            f"{key}={list(contents)} lists hf_model without model: the HF export is written from "
+            f"the model state, add model to {key}"
+        )
     if "optimizer" in contents and "model" not in contents:
-        raise ValueError(f"{key}={list(contents)} lists optimizer without model: optimizer state is keyed by "
-                         f"the model's parameters, add model to {key}")
+        raise ValueError(
+            f"{key}={list(contents)} lists optimizer without model: optimizer state is keyed by "
+            f"the model's parameters, add model to {key}"
+        )
 
 
 @dataclass(kw_only=True)
@@ -45,4 +51,6 @@ class CheckpointConfig:
         check_contents(self.save_contents, "checkpoint.save_contents")
         check_contents(self.load_contents, "checkpoint.load_contents")
         if self.max_ckpt_to_keep is not None and self.max_ckpt_to_keep < 1:
-            raise ValueError(f"checkpoint.max_ckpt_to_keep={self.max_ckpt_to_keep} must be >= 1 or null (keep all)")
+            raise ValueError(
+                f"checkpoint.max_ckpt_to_keep={self.max_ckpt_to_keep} must be >= 1 or null (keep all)"
+            )

@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("bfloat16", "float16", "float32")
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+}
 
 
 def normalize_dtype(value: str, key: str) -> str:
@@ -101,17 +107,25 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype, "engine.dtype")
-        for name in ("max_token_len_per_gpu", "micro_batch_size_per_gpu", "infer_max_token_len_per_gpu",
-                     "infer_micro_batch_size_per_gpu"):
+        for name in (
+            "max_token_len_per_gpu",
+            "micro_batch_size_per_gpu",
+            "infer_max_token_len_per_gpu",
+            "infer_micro_batch_size_per_gpu",
+        ):
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise ValueError(f"engine.{name}={value} must be a positive integer (or null to use the default)")
+                raise ValueError(
+                    f"engine.{name}={value} must be a positive integer (or null to use the default)"
+                )
 
     def micro_batching(self, forward_only: bool) -> tuple[int | None, int | None]:
         """(token budget, sequences per micro-batch) for a training or a forward-only pass."""
         if forward_only:
-            return (self.infer_max_token_len_per_gpu or self.max_token_len_per_gpu,
-                    self.infer_micro_batch_size_per_gpu or self.micro_batch_size_per_gpu)
+            return (
+                self.infer_max_token_len_per_gpu or self.max_token_len_per_gpu,
+                self.infer_micro_batch_size_per_gpu or self.micro_batch_size_per_gpu,
+            )
         return self.max_token_len_per_gpu, self.micro_batch_size_per_gpu
 
 
@@ -157,16 +171,22 @@ class FSDPEngineConfig(EngineConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.strategy not in ("fsdp", "fsdp2"):
-            raise ValueError(f"FSDPEngineConfig.strategy={self.strategy!r}: use fsdp or fsdp2 "
-                             "(for megatron the engine config is McoreEngineConfig)")
+            raise ValueError(
+                f"FSDPEngineConfig.strategy={self.strategy!r}: use fsdp or fsdp2 "
+                "(for megatron the engine config is McoreEngineConfig)"
+            )
         self.model_dtype = normalize_dtype(self.model_dtype, "engine.model_dtype")
         if self.ulysses_sequence_parallel_size != 1:
-            raise ValueError(f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} is not "
-                             "implemented: set it to 1 (use the megatron engine's context_parallel_size for long "
-                             "sequences)")
+            raise ValueError(
+                f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} is not "
+                "implemented: set it to 1 (use the megatron engine's context_parallel_size for long "
+                "sequences)"
+            )
         if self.fsdp_size == 0 or self.fsdp_size < -1:
-            raise ValueError(f"engine.fsdp_size={self.fsdp_size}: use -1 (all ranks) or a positive divisor of "
-                             "the world size")
+            raise ValueError(
+                f"engine.fsdp_size={self.fsdp_size}: use -1 (all ranks) or a positive divisor of "
+                "the world size"
+            )
 
 
 @dataclass(kw_only=True)
@@ -236,24 +256,39 @@ class McoreEngineConfig(EngineConfig):
             raise ValueError(f"McoreEngineConfig.strategy={self.strategy!r}: must be megatron")
         self._check_sizes()
         if not self.use_mbridge:
-            raise ValueError("engine.use_mbridge=false is not supported: posttrain builds Megatron models only "
-                             "through a bridge; set engine.use_mbridge=true")
+            raise ValueError(
+                "engine.use_mbridge=false is not supported: posttrain builds Megatron models only "
+                "through a bridge; set engine.use_mbridge=true"
+            )
         if self.vanilla_mbridge:
-            warnings.warn("engine.vanilla_mbridge=true selects the deprecated standalone mbridge package; "
-                          "set engine.vanilla_mbridge=false to use Megatron-Bridge", FutureWarning, stacklevel=2)
+            warnings.warn(
+                "engine.vanilla_mbridge=true selects the deprecated standalone mbridge package; "
+                "set engine.vanilla_mbridge=false to use Megatron-Bridge",
+                FutureWarning,
+                stacklevel=1,
+            )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            warnings.warn("engine.sequence_parallel=true has no effect at tensor_model_parallel_size=1; "
-                          "turning it off", UserWarning, stacklevel=2)
+            warnings.warn(
+                "engine.sequence_parallel=true has no effect at tensor_model_parallel_size=1; turning it off",
+                UserWarning,
+                stacklevel=1,
+            )
             self.sequence_parallel = False
         if self.use_megatron_fsdp and not self.use_distributed_optimizer:
-            raise ValueError("engine.use_megatron_fsdp=true needs engine.use_distributed_optimizer=true "
-                             "(Megatron-FSDP shards optimizer state itself): set engine.use_distributed_optimizer=true")
+            raise ValueError(
+                "engine.use_megatron_fsdp=true needs engine.use_distributed_optimizer=true "
+                "(Megatron-FSDP shards optimizer state itself): set engine.use_distributed_optimizer=true"
+            )
         if self.dynamic_context_parallel:
             raise ValueError("engine.dynamic_context_parallel=true is not implemented: set it to false")
 
     def _check_sizes(self) -> None:
-        for name in ("tensor_model_parallel_size", "expert_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size"):
+        for name in (
+            "tensor_model_parallel_size",
+            "expert_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name}={getattr(self, name)} must be >= 1")
         for name in ("expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size"):
@@ -264,7 +299,9 @@ class McoreEngineConfig(EngineConfig):
     @property
     def model_parallel_size(self) -> int:
         """TP x PP x CP: ranks that hold one copy of the model."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        return (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        )
 
     def check_world_size(self, world_size: int) -> int:
         """Check the layout fits ``world_size`` ranks and return the data-parallel size."""
@@ -274,7 +311,8 @@ class McoreEngineConfig(EngineConfig):
                 f"tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size = "
                 f"{self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size} x "
                 f"{self.context_parallel_size} = {mp} does not divide the world size {world_size}: "
-                f"choose sizes whose product divides {world_size}")
+                f"choose sizes whose product divides {world_size}"
+            )
         dp = world_size // mp
         etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
         expert_span = dp * self.context_parallel_size * self.tensor_model_parallel_size
@@ -282,7 +320,8 @@ class McoreEngineConfig(EngineConfig):
             raise ValueError(
                 f"expert_model_parallel_size x expert_tensor_parallel_size = {self.expert_model_parallel_size} x "
                 f"{etp} does not divide data-parallel x context-parallel x tensor-parallel = {expert_span} "
-                f"(world size {world_size}): pick an expert_model_parallel_size that divides {expert_span // etp}")
+                f"(world size {world_size}): pick an expert_model_parallel_size that divides {expert_span // etp}"
+            )
         return dp
 
 
@@ -299,5 +338,6 @@ def engine_config_class(strategy: str) -> type[EngineConfig]:
     try:
         return ENGINE_CONFIGS[strategy]
     except KeyError:
-        raise ValueError(f"engine strategy {strategy!r} is unknown: use one of "
-                         f"{', '.join(ENGINE_CONFIGS)}") from None
+        raise ValueError(
+            f"engine strategy {strategy!r} is unknown: use one of {', '.join(ENGINE_CONFIGS)}"
+        ) from None

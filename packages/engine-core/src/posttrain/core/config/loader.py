@@ -50,7 +50,9 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
         raise ConfigError(f"cannot parse overrides {list(overrides)}: {str(exc).splitlines()[0]}") from None
 
 
-def merge_config(root: T, presets: Iterable[str | Path] = (), overrides: Sequence[str] | DictConfig = ()) -> T:
+def merge_config(
+    root: T, presets: Iterable[str | Path] = (), overrides: Sequence[str] | DictConfig = ()
+) -> T:
     """Return a new ``root`` (a dataclass instance) with presets then overrides applied and validated."""
     schema = OmegaConf.structured(root)
     layers: list[Any] = []

@@ -44,8 +44,10 @@ class OptimizerConfig:
         if self.optimizer.lower() != "adamw":
             raise ValueError(f"optim.optimizer={self.optimizer!r} is not implemented: use AdamW")
         if self.lr_decay_style not in DECAY_STYLES:
-            raise ValueError(f"optim.lr_decay_style={self.lr_decay_style!r} is unknown: use one of "
-                             f"{', '.join(DECAY_STYLES)}")
+            raise ValueError(
+                f"optim.lr_decay_style={self.lr_decay_style!r} is unknown: use one of "
+                f"{', '.join(DECAY_STYLES)}"
+            )
         if len(self.betas) != 2:
             raise ValueError(f"optim.betas={list(self.betas)} must have two values, e.g. [0.9, 0.999]")
         if not 0.0 <= self.lr_warmup_steps_ratio <= 1.0:

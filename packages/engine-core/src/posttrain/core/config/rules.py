@@ -20,7 +20,10 @@ def check_checkpoint_for_engine(engine: EngineConfig, ckpt: CheckpointConfig, ro
         if "optimizer" in contents and "model" not in contents:
             raise ValueError(
                 f"checkpoint.{key}={list(contents)} with {role}.engine.use_megatron_fsdp=true: Megatron-FSDP "
-                f"cannot save or load the optimizer without the model; add model to checkpoint.{key}")
+                f"cannot save or load the optimizer without the model; add model to checkpoint.{key}"
+            )
     if ckpt.async_save:
-        raise ValueError(f"checkpoint.async_save=true with {role}.engine.use_megatron_fsdp=true is not supported "
-                         "by Megatron-FSDP checkpointing: set checkpoint.async_save=false")
+        raise ValueError(
+            f"checkpoint.async_save=true with {role}.engine.use_megatron_fsdp=true is not supported "
+            "by Megatron-FSDP checkpointing: set checkpoint.async_save=false"
+        )

@@ -1,0 +1,193 @@
+"""Save and load one role (actor, critic, ...) of a torch model: DCP shards keyed by HF names, extra, HF files.
+
+``torch.distributed.checkpoint.state_dict.get_state_dict`` gives the model state under the module's own FQNs
+(wrapper prefixes such as FSDP1's or activation checkpointing's are stripped), which for a Hugging Face model
+are its HF parameter names, and the optimizer state flattened per parameter (``state.<name>.exp_avg``,
+``param_groups.<name>.lr``). Under FSDP2 these are DTensors, under FSDP1 sharded tensors, in one process plain
+tensors; DCP stores global shapes and offsets, so a checkpoint written by N ranks loads on M ranks.
+``set_state_dict`` puts loaded values back through the same mapping. The role's ``manifest.json`` is written last.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from posttrain.core.config.checkpoint import check_contents
+
+from . import dist as ckpt_dist
+from .extra import capture_extra, load_extra, save_extra
+from .hf import write_hf_metadata, write_safetensors
+from .layout import DIST_CKPT, EXTRA_DIR, FORMAT, FORMAT_VERSION, HF_DIR, ROLE_MANIFEST, read_json, write_json
+from .snapshot import snapshot_to_host
+from .writer import AsyncWriter
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass(kw_only=True)
+class RoleState:
+    """What one role checkpoints: the (possibly sharded) model and its training state."""
+
+    model: torch.nn.Module
+    """The model, plain or wrapped by FSDP1/FSDP2; its FQNs are HF parameter names."""
+    optimizer: torch.optim.Optimizer | None = None
+    """Its optimizer (None for forward-only roles)."""
+    lr_scheduler: Any | None = None
+    """Anything with ``state_dict``/``load_state_dict`` (a torch LR scheduler)."""
+    counters: dict[str, Any] = field(default_factory=dict)
+    """Step counters saved in extra (e.g. global_step, skipped_steps)."""
+
+
+@dataclass(kw_only=True)
+class RoleInfo:
+    """Description of a role written into its manifest and its ``huggingface/`` directory."""
+
+    backend: str = "torch"
+    """Training backend that wrote the checkpoint (fsdp, fsdp2, megatron, torch)."""
+    parallel_sizes: dict[str, int] = field(default_factory=dict)
+    """Parallel layout at save time (dp, fsdp, tp, ...)."""
+    hf_config: Any | None = None
+    """A transformers config (``save_pretrained``) or None to copy ``model_dir/config.json``."""
+    model_dir: str | None = None
+    """The HF model directory the role started from (config, generation config)."""
+    tokenizer_dir: str | None = None
+    """Tokenizer directory (default ``model_dir``)."""
+    dcp_thread_count: int = 4
+    """Writer threads per rank for the DCP files."""
+
+
+def _check_save(state: RoleState, contents: list[str]) -> None:
+    check_contents(contents, "checkpoint.save_contents")
+    if "optimizer" in contents and state.optimizer is None:
+        raise ValueError(f"checkpoint.save_contents={contents} lists optimizer but this role has no optimizer "
+                         "(forward-only): remove optimizer from checkpoint.save_contents")
+
+
+def _sharded_state(state: RoleState, contents: list[str]) -> dict[str, Any]:
+    if "optimizer" in contents:
+        msd, osd = get_state_dict(state.model, state.optimizer, options=_OPTIONS)
+        return {"model": msd, "optimizer": osd}
+    if "model" in contents:
+        return {"model": get_model_state_dict(state.model, options=_OPTIONS)}
+    return {}
+
+
+def _full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
+    # cpu_offload keeps the gathered tensors on rank 0 only; FSDP1's rank0-only path segfaults on CPU
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_cuda))
+
+
+def save_role(role_dir: str | Path, state: RoleState, info: RoleInfo, contents: list[str], global_step: int,
+              writer: AsyncWriter | None = None) -> None:
+    """Write one role into ``role_dir`` on every rank (collective).
+
+    With ``writer`` this blocks only for the device-to-host snapshot (plus the full-model gather when
+    ``hf_model`` is saved) and queues the file writes on the writer's thread.
+    """
+    role_dir = Path(role_dir)
+    _check_save(state, contents)
+    sharded = _sharded_state(state, contents)
+    extra = capture_extra(state.lr_scheduler, state.counters) if "extra" in contents else None
+    full = _full_model_state(state.model) if "hf_model" in contents else None
+    rank, world = ckpt_dist.get_rank(), ckpt_dist.get_world_size()
+    manifest = _manifest(state, info, contents, global_step, world)
+    if writer is None:
+        _write_role(role_dir, sharded, extra, full, info, manifest, rank, None)
+        return
+    key = role_dir.name
+    extra = copy.deepcopy(extra)
+    sharded = snapshot_to_host(sharded, writer.host_buffers, f"{key}/sharded")
+    if full is not None and rank == 0:
+        full = snapshot_to_host(full, writer.host_buffers, f"{key}/full")
+    writer.submit(_write_role, role_dir, sharded, extra, full, info, manifest, rank, writer.process_group)
+
+
+def _write_role(role_dir: Path, sharded: dict[str, Any], extra: dict[str, Any] | None,
+                full: dict[str, torch.Tensor] | None, info: RoleInfo, manifest: dict[str, Any], rank: int,
+                group: dist.ProcessGroup | None) -> None:
+    role_dir.mkdir(parents=True, exist_ok=True)
+    if sharded:
+        writer = dcp.FileSystemWriter(str(role_dir / DIST_CKPT), thread_count=info.dcp_thread_count)
+        dcp.save(sharded, storage_writer=writer, process_group=group)
+    if extra is not None:
+        save_extra(role_dir / DIST_CKPT / EXTRA_DIR, rank, extra)
+    if rank == 0:
+        write_hf_metadata(role_dir / HF_DIR, info.hf_config, info.model_dir, info.tokenizer_dir)
+        if full is not None:
+            tie = bool(getattr(info.hf_config, "tie_word_embeddings", False))
+            manifest["hf_files"] = write_safetensors(role_dir / HF_DIR, full, tie_word_embeddings=tie)
+    ckpt_dist.barrier(group)
+    if rank == 0:
+        manifest["written_unix"] = time.time()
+        write_json(role_dir / ROLE_MANIFEST, manifest)
+    ckpt_dist.barrier(group)
+
+
+def _version(dist_name: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _manifest(state: RoleState, info: RoleInfo, contents: list[str], global_step: int,
+              world: int) -> dict[str, Any]:
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "global_step": global_step,
+        "contents": list(contents), "backend": info.backend, "layout": "dcp-hf-names",
+        "optimizer": type(state.optimizer).__name__ if state.optimizer is not None else None,
+        "world_size": world, "parallel_sizes": dict(info.parallel_sizes),
+        "versions": {"torch": torch.__version__, "posttrain-ckpt": _version("posttrain-ckpt"),
+                     "transformers": _version("transformers")},
+    }
+
+
+def read_role_manifest(role_dir: str | Path) -> dict[str, Any]:
+    """The manifest of a complete role directory; ValueError when it is missing."""
+    manifest = read_json(Path(role_dir) / ROLE_MANIFEST)
+    if manifest is None:
+        raise ValueError(f"{role_dir} has no readable {ROLE_MANIFEST}: it is not a complete posttrain checkpoint "
+                         "role directory (pass global_step_N/<role> of a committed checkpoint)")
+    return manifest
+
+
+def load_role(role_dir: str | Path, state: RoleState, contents: list[str]) -> dict[str, Any]:
+    """Restore ``contents`` of one role into ``state`` on every rank (collective); return the saved counters."""
+    role_dir = Path(role_dir)
+    check_contents(contents, "checkpoint.load_contents")
+    saved = read_role_manifest(role_dir)["contents"]
+    missing = [c for c in contents if c not in saved and c != "hf_model"]
+    if missing:
+        raise ValueError(f"checkpoint.load_contents={contents} asks for {missing} but {role_dir} was saved with "
+                         f"save_contents={saved}: remove {missing} from checkpoint.load_contents")
+    if "optimizer" in contents and state.optimizer is None:
+        raise ValueError(f"checkpoint.load_contents={contents} lists optimizer but this role has no optimizer "
+                         "(forward-only): remove optimizer from checkpoint.load_contents")
+    sharded = _sharded_state(state, contents)
+    if sharded:
+        dcp.load(sharded, storage_reader=dcp.FileSystemReader(str(role_dir / DIST_CKPT)))
+        if "optimizer" in sharded:
+            set_state_dict(state.model, state.optimizer, model_state_dict=sharded["model"],
+                           optim_state_dict=sharded["optimizer"], options=_OPTIONS)
+        else:
+            set_model_state_dict(state.model, sharded["model"], options=_OPTIONS)
+    if "extra" in contents:
+        return load_extra(role_dir / DIST_CKPT / EXTRA_DIR, ckpt_dist.get_rank(), state.lr_scheduler)
+    return {}

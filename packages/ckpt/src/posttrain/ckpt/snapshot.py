@@ -1,0 +1,62 @@
+"""Device-to-host snapshot of a state dict, the only part of an async save that blocks training.
+
+Each tensor (or each DTensor's local shard) is copied into a host buffer that is kept between saves, so only
+the first async save pays for allocating (and, for CUDA sources, pinning) host memory; later saves are one
+``copy_(non_blocking=True)`` per tensor and one synchronisation. DTensors keep their spec (mesh, placements,
+global shape) around the host shard, so DCP still writes each rank's shard with its global offsets.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def snapshot_to_host(state: Any, buffers: dict[str, Any], prefix: str = "") -> Any:
+    """Copy of ``state`` (nested dicts/lists of tensors, DTensors and plain values) with host tensors.
+
+    ``buffers`` maps a key path to the host tensor (or host DTensor) reused across calls.
+    """
+    out = _copy(state, buffers, prefix)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return out
+
+
+def _copy(obj: Any, buffers: dict[str, Any], path: str) -> Any:
+    if isinstance(obj, DTensor):
+        return _copy_dtensor(obj, buffers, path)
+    if isinstance(obj, torch.Tensor):
+        host = _host_buffer(obj, buffers, path)
+        host.copy_(obj.detach(), non_blocking=obj.device.type == "cuda")
+        return host
+    if isinstance(obj, dict):
+        return {k: _copy(v, buffers, f"{path}.{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copy(v, buffers, f"{path}.{i}") for i, v in enumerate(obj))
+    return copy.deepcopy(obj)
+
+
+def _host_buffer(src: torch.Tensor, buffers: dict[str, Any], path: str) -> torch.Tensor:
+    buf = buffers.get(path)
+    if isinstance(buf, torch.Tensor) and not isinstance(buf, DTensor) and buf.shape == src.shape \
+            and buf.dtype == src.dtype:
+        return buf
+    buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.device.type == "cuda")
+    buffers[path] = buf
+    return buf
+
+
+def _copy_dtensor(src: DTensor, buffers: dict[str, Any], path: str) -> DTensor:
+    local = src.to_local()
+    buf = buffers.get(path)
+    if not (isinstance(buf, DTensor) and buf._local_tensor.shape == local.shape and buf.dtype == src.dtype
+            and buf._spec == src._spec):
+        host = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.device.type == "cuda")
+        buf = DTensor(host, src._spec, requires_grad=False)
+        buffers[path] = buf
+    buf._local_tensor.copy_(local.detach(), non_blocking=local.device.type == "cuda")
+    return buf

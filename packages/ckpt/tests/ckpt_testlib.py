@@ -1,0 +1,89 @@
+"""Shared pieces of the ckpt tests: a tiny Qwen2 model directory, deterministic training, exact comparisons."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+K_STEPS, N_STEPS = 2, 4
+
+
+def make_model_dir(path: Path, tie: bool = False) -> Path:
+    """A tiny Qwen2 checkpoint (random init, dropout on) with a word-level tokenizer, saved to ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attention_dropout=0.1, tie_word_embeddings=tie)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    vocab = {f"w{i}": i for i in range(250)} | {"<unk>": 250}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
+    return path
+
+
+def build(model_dir: Path, mesh: Any | None = None, lr: float = 1e-2) -> tuple[Any, Any, Any]:
+    """Model (FSDP2 per layer + root when ``mesh``), AdamW and a warm-up LambdaLR."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    return model, opt, sched
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    """Token ids of ``step`` on ``rank``, independent of any global RNG."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 250, (2, 12), generator=g)
+
+
+def train_step(model: Any, opt: Any, sched: Any, step: int, rank: int) -> torch.Tensor:
+    """One AdamW step on ``batch(step, rank)`` (dropout draws from the torch RNG); returns the loss."""
+    ids = batch(step, rank)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach().clone()
+
+
+def full_state(model: Any, opt: Any) -> dict[str, torch.Tensor]:
+    """Full (gathered) model and flattened optimizer state as CPU tensors/values (collective under FSDP)."""
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                   flatten_optimizer_state_dict=True))
+    out = {f"model.{k}": v for k, v in msd.items()}
+    out.update({f"optim.{k}": v for k, v in osd.items()})
+    return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def assert_identical(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
+    """Same keys, bit-identical tensors, equal plain values."""
+    assert a.keys() == b.keys(), f"{what}: keys differ: {sorted(set(a) ^ set(b))[:10]}"
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, f"{what}: {k} dtype/shape differ"
+            assert torch.equal(a[k], b[k]), f"{what}: {k} differs (max {float((a[k] - b[k]).abs().max())})"
+        else:
+            assert a[k] == b[k], f"{what}: {k}: {a[k]!r} != {b[k]!r}"
+
+
+def rng_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """True when two ``capture_rng()`` results describe the same generator states."""
+    return (a["python"] == b["python"] and torch.equal(a["torch"], b["torch"])
+            and torch.equal(a["numpy"]["keys"], b["numpy"]["keys"]) and a["numpy"]["pos"] == b["numpy"]["pos"])

@@ -1,0 +1,78 @@
+"""Bucketed weight sync: round trip, bucket boundaries, checksums catch corruption, order and completeness."""
+
+import pytest
+import torch
+
+from posttrain.core.weight_sync import (
+    Bucket,
+    BucketReceiver,
+    BucketSender,
+    InProcessTransport,
+    WeightSyncError,
+    tensor_checksum,
+)
+
+
+def _weights():
+    g = torch.Generator().manual_seed(0)
+    return [(f"w{i}", torch.randn(3 + i, 7, generator=g)) for i in range(6)] + [("ids", torch.arange(5))]
+
+
+def test_roundtrip_across_buckets_and_dtype_cast():
+    got = []
+    receiver = BucketReceiver(lambda ts: got.extend((n, t.clone()) for n, t in ts))
+    report = BucketSender(InProcessTransport(receiver), bucket_bytes=256, dtype=torch.bfloat16).send(
+        _weights()
+    )
+    assert receiver.finish() == 7 and report.num_buckets > 2
+    for (name, ref), (gname, gt) in zip(_weights(), got):
+        assert name == gname
+        expected = ref.to(torch.bfloat16) if ref.is_floating_point() else ref
+        assert gt.dtype == expected.dtype and torch.equal(gt, expected)
+
+
+def test_corrupted_bucket_is_rejected():
+    def corrupt_then_receive(bucket: Bucket):
+        bucket.buffer[bucket.metas[0].offset] ^= 1
+        receiver(bucket)
+
+    receiver = BucketReceiver(lambda ts: None)
+    with pytest.raises(WeightSyncError, match="checksum mismatch for 'w0'"):
+        BucketSender(InProcessTransport(corrupt_then_receive), 4096).send(_weights())
+
+
+def test_lost_bucket_and_incomplete_sync_raise():
+    receiver = BucketReceiver(lambda ts: None)
+    sent = []
+    BucketSender(InProcessTransport(sent.append), 256).send(_weights())
+    with pytest.raises(WeightSyncError, match="expected bucket 0"):
+        receiver(sent[1])
+    receiver2 = BucketReceiver(lambda ts: None)
+    sent2 = []
+    sender = BucketSender(
+        InProcessTransport(lambda b: sent2.append(Bucket(b.buffer.clone(), b.metas, b.index, b.is_last))), 256
+    )
+    sender.send(_weights())
+    for b in sent2[:-1]:
+        receiver2(b)
+    with pytest.raises(WeightSyncError, match="incomplete"):
+        receiver2.finish()
+
+
+def test_tensor_larger_than_bucket_names_fix():
+    with pytest.raises(ValueError, match="raise rollout.update_weights_bucket_megabytes"):
+        BucketSender(InProcessTransport(lambda b: None), 64).send([("big", torch.zeros(100))])
+
+
+def test_checksum_sees_swaps_and_bit_flips():
+    t = torch.arange(10, dtype=torch.float32)
+    swapped = t.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    flipped = t.clone()
+    flipped.view(torch.int32)[3] ^= 1
+    c = tensor_checksum(t)
+    assert c == tensor_checksum(t.clone())
+    assert c != tensor_checksum(swapped) and c != tensor_checksum(flipped)
+    assert tensor_checksum(torch.ones(3, dtype=torch.bfloat16)) != tensor_checksum(
+        torch.ones(2, dtype=torch.bfloat16)
+    )

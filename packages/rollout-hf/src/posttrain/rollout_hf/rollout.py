@@ -1,0 +1,217 @@
+"""HFRollout: batched generation with a transformers causal LM, the CPU default rollout.
+
+Generation is a decode loop over the HF model's own forward with a ``DynamicCache`` (the KV cache that
+``model.generate`` uses) rather than ``model.generate`` itself, so that sampling draws from a
+``torch.Generator`` (reproducible from ``SamplingConfig.seed`` or the rollout seed without touching the global
+RNG) and the reported log-probs are exactly those of :mod:`posttrain.rollout_hf.sampling`. Prompts are
+repeated ``n`` times (prompt 0's samples first), left-padded into one batch with an attention mask and
+positions that start at 0 on each prompt's first real token, prefilled once, then decoded one token per step
+until every row has produced a stop token (eos always counts) or ``max_new_tokens`` tokens.
+
+Weights arrive through engine-core's bucketed protocol even though trainer and rollout share a process:
+``BucketSender -> InProcessTransport -> BucketReceiver`` checksums every tensor, and the receiver copies each
+one into the HF parameter or buffer of the same name under ``no_grad`` (an unknown name or a shape mismatch
+raises ``WeightSyncError``). Until a sync completes the rollout refuses to generate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from posttrain.core import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
+from posttrain.core.weight_sync import (
+    Bucket,
+    BucketReceiver,
+    BucketSender,
+    BucketTransport,
+    InProcessTransport,
+    WeightSyncError,
+)
+
+from .sampling import select_tokens
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A torch dtype from a config string such as ``bfloat16``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"rollout dtype {dtype!r} is not supported: use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def eos_token_ids(model: Any) -> set[int]:
+    """The model's eos token id(s) from its generation config, else its model config."""
+    ids: set[int] = set()
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else list(eos))
+    return ids
+
+
+class HFRollout(BaseRollout):
+    """A transformers causal LM that generates in batches and takes new weights through bucketed sync."""
+
+    def __init__(self, config: RolloutConfig, model_path: str, device: str | torch.device = "cpu",
+                 dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype if dtype is not None else config.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
+                                                          trust_remote_code=trust_remote_code)
+        self.model.to(self.device).eval()
+        self.pad_token_id = self.model.config.pad_token_id or 0
+        self.eos_ids = eos_token_ids(self.model)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+        self._weights_valid = True
+        self._asleep = False
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
+        """``sampling.n`` samples per prompt, prompt 0's first; see the module docstring for the log-probs."""
+        if not self._weights_valid:
+            raise RuntimeError("the last weight sync into the HF rollout failed: its weights are partly updated; "
+                               "run update_weights again before generating")
+        if self._asleep:
+            raise RuntimeError("the HF rollout is asleep: call wake_up() before generate()")
+        if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate() needs at least one prompt and every prompt needs at least one token")
+        generator = self.generator
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(sampling.seed)
+        rows = [list(p) for p in prompts for _ in range(sampling.n)]
+        with torch.no_grad():
+            tokens, log_probs, lengths, stopped = self._decode(rows, sampling, generator)
+        return [RolloutSample(prompt_index=i // sampling.n, prompt_ids=rows[i],
+                              response_ids=tokens[i, :lengths[i]].tolist(),
+                              log_probs=log_probs[i, :lengths[i]].float().cpu(),
+                              finish_reason="stop" if stopped[i] else "length")
+                for i in range(len(rows))]
+
+    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _decode(self, rows: list[list[int]], sampling: SamplingConfig,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
+        from transformers import DynamicCache
+
+        ids, mask = self._left_pad(rows)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        stop_ids = torch.tensor(sorted(self.eos_ids | set(sampling.stop_token_ids)), device=self.device)
+        num = len(rows)
+        out_tokens = torch.full((num, sampling.max_new_tokens), self.pad_token_id, device=self.device)
+        out_logps = torch.zeros((num, sampling.max_new_tokens), device=self.device)
+        lengths = torch.zeros(num, dtype=torch.long, device=self.device)
+        done = torch.zeros(num, dtype=torch.bool, device=self.device)
+        stopped = torch.zeros(num, dtype=torch.bool, device=self.device)
+        cache = DynamicCache(config=self.model.config)
+        step_ids, step_pos = ids, positions
+        for step in range(sampling.max_new_tokens):
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            token, logp = select_tokens(out.logits[:, -1, :], sampling, generator)
+            token = torch.where(done, torch.full_like(token, self.pad_token_id), token)
+            out_tokens[:, step], out_logps[:, step] = token, torch.where(done, 0.0, logp)
+            lengths += (~done).long()
+            hit_stop = torch.isin(token, stop_ids) & ~done
+            stopped |= hit_stop
+            done |= hit_stop
+            if bool(done.all()):
+                break
+            cache = out.past_key_values
+            step_ids, step_pos = token.unsqueeze(-1), step_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones((num, 1), dtype=mask.dtype, device=self.device)], dim=-1)
+        return out_tokens.cpu(), out_logps.cpu(), lengths.tolist(), stopped.tolist()
+
+    # ------------------------------------------------------------------ weights
+    def _named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every HF state-dict name (tied weights appear under each of their names)."""
+        return dict(self.model.state_dict(keep_vars=True))
+
+    def _load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        targets = self._named_tensors()
+        with torch.no_grad():
+            for name, tensor in tensors:
+                if name not in targets:
+                    raise WeightSyncError(f"weight sync sent {name!r}, which the HF rollout model does not have "
+                                          f"(it has e.g. {sorted(targets)[:3]}): trainer and rollout models differ")
+                target = targets[name]
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise WeightSyncError(f"weight sync sent {name!r} with shape {tuple(tensor.shape)}, the rollout "
+                                          f"model has {tuple(target.shape)}")
+                target.copy_(tensor)
+
+    def _make_transport(self, receiver: BucketReceiver) -> BucketTransport:
+        """How buckets reach the receiver: in-process here."""
+        return InProcessTransport(receiver)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, peft_config: dict[str, Any] | None = None,
+                       base_sync_done: bool = False) -> SyncReport:
+        """Load a stream of full HF-named tensors through checksummed buckets; returns what moved."""
+        if peft_config is not None:
+            raise ValueError("the HF rollout takes full (merged) weights only, got a peft_config: have the engine "
+                             "stream merged LoRA weights (e.g. get_per_tensor_param(merge_lora=True)) or use vLLM")
+        if self._asleep:
+            raise RuntimeError("the HF rollout is asleep: call wake_up(['weights']) before update_weights()")
+        start = time.perf_counter()
+        receiver = BucketReceiver(self._load)
+        sender = BucketSender(self._make_transport(receiver), self.config.update_weights_bucket_megabytes << 20,
+                              device=self.device, dtype=self.dtype)
+        self._weights_valid = False
+        report = sender.send(weights)
+        loaded = receiver.finish()
+        if loaded != report.num_tensors:
+            raise WeightSyncError(f"weight sync sent {report.num_tensors} tensors but the rollout loaded {loaded}")
+        self._weights_valid = True
+        report.timings["update_weights"] = time.perf_counter() - start
+        return report
+
+    # ------------------------------------------------------------------ memory and state
+    def sleep(self, level: int = 1) -> None:
+        """Offload the weights to CPU memory (on CPU there is nothing to free); the KV cache lives only inside
+        ``generate``. Level 2 offloads too: the weights are kept so the next sync may be partial."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring the weights back to the device (``kv_cache`` needs nothing: it is built per call)."""
+        tags = list(tags) if tags is not None else ["weights", "kv_cache"]
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags {sorted(unknown)} are unknown: use 'weights' and/or 'kv_cache'")
+        if "weights" in tags:
+            self.model.to(self.device)
+            self._asleep = False
+
+    def release(self) -> None:
+        """Drop the model; the rollout cannot be used afterwards."""
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampling generator's state, so a resumed run draws the same samples."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])

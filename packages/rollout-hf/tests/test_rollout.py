@@ -1,0 +1,199 @@
+"""HFRollout against hand-written references built from the same HF model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import build_tiny_model
+
+from posttrain.core import RolloutConfig, RolloutRegistry, SamplingConfig
+from posttrain.core.weight_sync import WeightSyncError
+from posttrain.rollout_hf import HFRollout
+
+PROMPTS = [[5, 17, 33, 101, 7], [9, 250], [44, 45, 46, 300, 301, 302, 303, 12]]
+
+
+def make_rollout(path: str, **overrides) -> HFRollout:
+    cfg = RolloutConfig(dtype="float32", update_weights_bucket_megabytes=1, **overrides)
+    return HFRollout(cfg, path, device="cpu")
+
+
+def greedy_reference(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """One prompt, no padding, no KV cache: the full forward at every step, argmax."""
+    ids, logps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+            token = int(torch.argmax(logits))
+            logps.append(float(torch.log_softmax(logits, -1)[token]))
+            ids.append(token)
+    return ids[len(prompt):], logps
+
+
+def sampled_logprob_reference(model, prompt, response, temperature, top_k, top_p) -> list[float]:
+    """log p(token) under temperature, then top-k, then top-p, written per position in float64."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].double()
+    out = []
+    for j, token in enumerate(response):
+        scaled = (logits[len(prompt) - 1 + j] / temperature).tolist()
+        order = sorted(range(len(scaled)), key=lambda v: -scaled[v])
+        kept = order[:top_k] if top_k > 0 else order
+        z = [math.exp(scaled[v] - scaled[kept[0]]) for v in kept]
+        probs = [p / sum(z) for p in z]
+        nucleus, mass = [], 0.0
+        for v, p in zip(kept, probs):
+            if mass >= top_p:
+                break
+            nucleus.append(v)
+            mass += p
+        assert token in nucleus, f"sampled token {token} is outside the top-k/top-p set"
+        num = math.exp(scaled[token] - scaled[kept[0]])
+        out.append(math.log(num / sum(math.exp(scaled[v] - scaled[kept[0]]) for v in nucleus)))
+    return out
+
+
+def test_registry_finds_hf_rollout():
+    assert RolloutRegistry.from_entry_points().get_rollout_cls("hf") is HFRollout
+
+
+def test_greedy_matches_hand_written_loop(tiny_model_dir):
+    rollout = make_rollout(tiny_model_dir)
+    model = build_tiny_model()
+    samples = rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10))
+    assert [s.prompt_index for s in samples] == [0, 1, 2]
+    for prompt, sample in zip(PROMPTS, samples):
+        tokens, logps = greedy_reference(model, prompt, 10)
+        assert sample.prompt_ids == prompt
+        assert sample.response_ids == tokens
+        assert sample.finish_reason == "length"
+        torch.testing.assert_close(sample.log_probs.double(), torch.tensor(logps, dtype=torch.float64), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, -1, 1.0), (1.3, 20, 0.9), (1.0, -1, 0.5)])
+def test_sampled_logprobs_are_those_of_the_sampling_distribution(tiny_model_dir, temperature, top_k, top_p):
+    rollout = make_rollout(tiny_model_dir)
+    model = build_tiny_model()
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, n=3, max_new_tokens=6, seed=1)
+    samples = rollout.generate(PROMPTS[:2], sampling)
+    assert [s.prompt_index for s in samples] == [0, 0, 0, 1, 1, 1]
+    assert len({tuple(s.response_ids) for s in samples[:3]}) > 1, "n samples of one prompt should differ"
+    for s in samples:
+        ref = sampled_logprob_reference(model, s.prompt_ids, s.response_ids, temperature, top_k, top_p)
+        torch.testing.assert_close(s.log_probs.double(), torch.tensor(ref, dtype=torch.float64), atol=1e-4, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible(tiny_model_dir):
+    sampling = SamplingConfig(temperature=1.0, n=2, max_new_tokens=8)
+    a, b = make_rollout(tiny_model_dir, seed=3), make_rollout(tiny_model_dir, seed=3)
+    first = [s.response_ids for s in a.generate(PROMPTS, sampling)]
+    assert first == [s.response_ids for s in b.generate(PROMPTS, sampling)]
+    state = a.state_dict()
+    second = [s.response_ids for s in a.generate(PROMPTS, sampling)]
+    assert second != first, "the rollout generator must advance between calls"
+    b.load_state_dict(state)
+    assert second == [s.response_ids for s in b.generate(PROMPTS, sampling)]
+    seeded = SamplingConfig(temperature=1.0, n=2, max_new_tokens=8, seed=11)
+    assert [s.response_ids for s in a.generate(PROMPTS, seeded)] == [
+        s.response_ids for s in make_rollout(tiny_model_dir, seed=99).generate(PROMPTS, seeded)]
+
+
+def test_stop_tokens_end_a_response(tiny_model_dir):
+    rollout = make_rollout(tiny_model_dir)
+    free = rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10))
+    stop = free[0].response_ids[3]
+    cut = rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10, stop_token_ids=[stop]))
+    for f, c in zip(free, cut):
+        if stop in f.response_ids:
+            end = f.response_ids.index(stop) + 1
+            assert c.response_ids == f.response_ids[:end] and c.finish_reason == "stop"
+            assert len(c.log_probs) == end
+        else:
+            assert c.response_ids == f.response_ids and c.finish_reason == "length"
+    assert cut[0].finish_reason == "stop"
+
+
+def perturbed_state(seed: int = 5) -> dict[str, torch.Tensor]:
+    model = build_tiny_model()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+def test_update_weights_gives_the_greedy_tokens_of_the_new_model(tiny_model_dir):
+    rollout = make_rollout(tiny_model_dir)
+    new_model = perturbed_state()
+    before = [s.response_ids for s in rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10))]
+    report = rollout.update_weights(iter(new_model.state_dict().items()))
+    assert report.num_tensors == len(new_model.state_dict()) and report.num_buckets >= 2
+    after = rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10))
+    expected = [greedy_reference(new_model, p, 10)[0] for p in PROMPTS]
+    assert [s.response_ids for s in after] == expected
+    assert before != expected, "the perturbation must change the greedy tokens for this test to mean anything"
+
+
+class CorruptingRollout(HFRollout):
+    """Flips one byte of the second bucket in transit."""
+
+    def _make_transport(self, receiver):
+        inner = super()._make_transport(receiver)
+
+        class Corrupt:
+            def send(self, bucket):
+                if bucket.index == 1:
+                    meta = bucket.metas[0]
+                    bucket.buffer[meta.offset] ^= 0x10
+                inner.send(bucket)
+
+        return Corrupt()
+
+
+def test_corrupted_bucket_raises_and_blocks_generation(tiny_model_dir):
+    rollout = CorruptingRollout(RolloutConfig(dtype="float32", update_weights_bucket_megabytes=1), tiny_model_dir)
+    with pytest.raises(WeightSyncError, match="checksum mismatch"):
+        rollout.update_weights(iter(perturbed_state().state_dict().items()))
+    with pytest.raises(RuntimeError, match="weight sync"):
+        rollout.generate(PROMPTS, SamplingConfig(temperature=0))
+
+
+def test_unknown_name_and_wrong_shape_raise(tiny_model_dir):
+    rollout = make_rollout(tiny_model_dir)
+    with pytest.raises(WeightSyncError, match="does not have"):
+        rollout.update_weights(iter([("model.not_a_layer.weight", torch.zeros(3))]))
+    with pytest.raises(WeightSyncError, match="shape"):
+        rollout.update_weights(iter([("model.norm.weight", torch.zeros(7))]))
+    with pytest.raises(ValueError, match="peft_config"):
+        rollout.update_weights(iter([]), peft_config={"r": 8})
+
+
+def test_sleep_and_wake_up(tiny_model_dir):
+    rollout = make_rollout(tiny_model_dir)
+    rollout.sleep(1)
+    with pytest.raises(RuntimeError, match="asleep"):
+        rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=2))
+    with pytest.raises(ValueError, match="unknown"):
+        rollout.wake_up(["weights", "optimizer"])
+    rollout.wake_up()
+    assert len(rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=2))) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_generation_sync_and_offload(tiny_model_dir):
+    rollout = HFRollout(RolloutConfig(dtype="float32", update_weights_bucket_megabytes=1), tiny_model_dir, "cuda")
+    new_model = perturbed_state()
+    rollout.update_weights(iter(new_model.state_dict().items()))
+    rollout.sleep(1)
+    assert next(rollout.model.parameters()).device.type == "cpu"
+    rollout.wake_up(["weights"])
+    assert next(rollout.model.parameters()).device.type == "cuda"
+    samples = rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10))
+    assert [s.response_ids for s in samples] == [greedy_reference(new_model, p, 10)[0] for p in PROMPTS]
+    sampled = rollout.generate(PROMPTS, SamplingConfig(temperature=1.0, n=2, max_new_tokens=6, seed=4))
+    assert [s.response_ids for s in sampled] == [
+        s.response_ids for s in rollout.generate(PROMPTS, SamplingConfig(temperature=1.0, n=2, max_new_tokens=6,
+                                                                          seed=4))]

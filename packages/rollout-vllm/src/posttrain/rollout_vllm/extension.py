@@ -1,0 +1,193 @@
+"""The vLLM worker extension that receives weight buckets and loads them in place.
+
+vLLM mixes this class into its worker (``worker_extension_cls``), so its methods run on every rollout worker and
+are reached with ``collective_rpc("ws_...")``. Every name carries the ``ws_`` prefix: vLLM's own worker already
+has ``update_weights``, ``reload_weights``, ``start_weight_update`` and ``finish_weight_update``, and a clash
+stops the engine at start-up.
+
+A base sync is vLLM's in-place reload (``model_runner.reload_weights``) spread over buckets:
+``initialize_layerwise_reload`` once, ``model.load_weights`` per bucket, ``finalize_layerwise_reload`` once. The
+layerwise reload restores each layer's checkpoint-format parameters, buffers the tensors a layer receives and runs
+its ``process_weights_after_loading`` (CPU repacking, quantisation) as soon as the layer is complete, so a fused
+qkv or gate_up layer may straddle buckets. Calling ``model.load_weights`` after start-up without it is wrong on
+CPU, where linear weights were replaced by prepacked oneDNN handles. Tensors are cloned out of the bucket
+before loading because an incomplete layer keeps references to them after the bucket call returns.
+
+Each bucket is checksum-verified (:class:`~posttrain.core.weight_sync.BucketReceiver`) before any of its tensors
+is loaded; at the end the set of parameters vLLM reports as loaded must cover every parameter of the model. A
+failure aborts the sync, and the rollout refuses to generate until a later sync succeeds.
+
+A LoRA sync (after the first base sync) receives the adapter tensors the same way, writes them as a peft adapter
+directory and loads it with ``load_inplace=True`` (without it vLLM keeps serving the cached old adapter).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from posttrain.core.weight_sync import Bucket, BucketReceiver, WeightSyncError
+
+from .transport import BucketOpener
+
+
+class WeightSyncWorkerExtension:
+    """Methods added to each vLLM worker (``self`` is the worker: ``self.model_runner`` holds the model)."""
+
+    def ws_begin(self, kind: str = "base", peft_config: dict[str, Any] | None = None,
+                 lora: tuple[str, int] | None = None) -> None:
+        """Start a sync of the base weights (``kind="base"``) or of a LoRA adapter (``kind="lora"``)."""
+        if getattr(self, "_ws", None) is not None:
+            self.ws_abort()
+        if kind not in ("base", "lora"):
+            raise ValueError(f"weight-sync kind {kind!r}: use base or lora")
+        if kind == "lora" and (peft_config is None or lora is None):
+            raise ValueError("a LoRA sync needs the adapter's peft_config and (name, id)")
+        state: dict[str, Any] = {"kind": kind, "opener": BucketOpener(), "loaded": set(), "names": set(),
+                                 "tensors": {}, "bytes": 0, "peft_config": peft_config, "lora": lora,
+                                 "load_s": 0.0, "start": time.perf_counter()}
+        state["receiver"] = BucketReceiver(lambda tensors: self._ws_consume(state, tensors))
+        if kind == "base":
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            with self._ws_config():
+                initialize_layerwise_reload(self.model_runner.get_model())
+        self._ws = state
+
+    def ws_load_bucket(self, payload: Bucket | bytes) -> int:
+        """Verify one bucket's checksums, then load its tensors. Returns the number of tensors loaded."""
+        state = self._ws_state()
+        before = state["receiver"].num_tensors
+        try:
+            state["receiver"](state["opener"].open(payload))
+        except BaseException:
+            self.ws_abort()
+            raise
+        return state["receiver"].num_tensors - before
+
+    def ws_finish(self) -> dict[str, Any]:
+        """Check the sync is complete, finalize it and return counts; raise (and abort) otherwise."""
+        state = self._ws_state()
+        try:
+            num_tensors = state["receiver"].finish()
+            if state["kind"] == "base":
+                self._ws_finish_base(state)
+            else:
+                self._ws_finish_lora(state)
+        except BaseException:
+            self.ws_abort()
+            raise
+        state["opener"].close()
+        self._ws = None
+        return {"num_tensors": num_tensors, "num_bytes": state["bytes"], "load_s": state["load_s"],
+                "worker_s": time.perf_counter() - state["start"], "lora_path": state.get("lora_path")}
+
+    def ws_abort(self) -> None:
+        """Drop a sync half-way; a base model is left structurally usable but with mixed weights."""
+        state = getattr(self, "_ws", None)
+        self._ws = None
+        if state is None:
+            return
+        if state["kind"] == "base":
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            with self._ws_config():
+                finalize_layerwise_reload(self.model_runner.get_model(), self.model_runner.model_config)
+        state["opener"].close()
+
+    def ws_param_names(self) -> list[str]:
+        """vLLM's parameter names (``.base_layer`` of LoRA wrappers removed)."""
+        return sorted(_plain(n) for n, _ in self.model_runner.get_model().named_parameters())
+
+    # ------------------------------------------------------------------ internals
+    def _ws_state(self) -> dict[str, Any]:
+        state = getattr(self, "_ws", None)
+        if state is None:
+            raise WeightSyncError("no weight sync in progress on this worker: call ws_begin first")
+        return state
+
+    def _ws_config(self):
+        from vllm.config import set_current_vllm_config
+
+        return set_current_vllm_config(self.model_runner.vllm_config)
+
+    def _ws_consume(self, state: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> None:
+        start = time.perf_counter()
+        for name, tensor in tensors:
+            if name in state["names"]:
+                raise WeightSyncError(f"tensor {name!r} arrived twice in one weight sync")
+            state["names"].add(name)
+            state["bytes"] += tensor.numel() * tensor.element_size()
+        if state["kind"] == "base":
+            clones = [(name, tensor.clone()) for name, tensor in tensors]
+            with self._ws_config():
+                loaded = self.model_runner.get_model().load_weights(iter(clones))
+            state["loaded"].update(_plain(n) for n in loaded or ())
+        else:
+            state["tensors"].update({_peft_name(name): tensor.to("cpu", copy=True) for name, tensor in tensors})
+        if tensors and tensors[0][1].is_cuda:
+            torch.cuda.current_stream().synchronize()  # the sender reuses the buffer once we return
+        state["load_s"] += time.perf_counter() - start
+
+    def _ws_finish_base(self, state: dict[str, Any]) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        with self._ws_config():
+            finalize_layerwise_reload(model, self.model_runner.model_config)
+        missing = sorted(set(self.ws_param_names()) - state["loaded"])
+        if missing:
+            raise WeightSyncError(f"weight sync left {len(missing)} vLLM parameter(s) without new values, e.g. "
+                                  f"{missing[:5]}: the stream must carry every weight of the model")
+        # What vLLM's own reload_weights does after loading (reset_lora_state exists from vLLM 0.27 on).
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            if hasattr(self.model_runner, reset):
+                getattr(self.model_runner, reset)()
+
+    def _ws_finish_lora(self, state: dict[str, Any]) -> None:
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        name, lora_id = state["lora"]
+        root = getattr(self, "_ws_lora_root", None)
+        if root is None:
+            root = self._ws_lora_root = tempfile.mkdtemp(prefix="posttrain-lora-", dir=_scratch_dir())
+        path = os.path.join(root, f"{name}-{lora_id}")
+        os.makedirs(path, exist_ok=True)
+        save_file(state["tensors"], os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(_jsonable(state["peft_config"]), f)
+        # load_inplace: without it vLLM keeps serving the adapter it cached under this id.
+        self.model_runner.add_lora(LoRARequest(name, lora_id, path, load_inplace=True))
+        state["lora_path"] = path
+
+
+def _plain(name: str) -> str:
+    return name.replace(".base_layer.", ".")
+
+
+def _peft_name(name: str) -> str:
+    """peft's saved-adapter key (``base_model.model.<module>.lora_A.weight``) for an engine's adapter name."""
+    name = name.replace(".default.", ".")
+    return name if name.startswith("base_model.model.") else f"base_model.model.{name}"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(_jsonable(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value.value if hasattr(value, "value") else value)
+
+
+def _scratch_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None

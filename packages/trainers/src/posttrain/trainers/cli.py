@@ -1,0 +1,58 @@
+"""The ``posttrain`` command: a table of subcommands, each a module with ``main(argv) -> int``.
+
+Subcommands of other installed posttrain packages (``posttrain ckpt``, ``posttrain convert``) come from the
+``posttrain.commands`` entry-point group and are imported only when called.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+
+from posttrain.core.config.loader import ConfigError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "config": (
+        "posttrain.trainers.commands.config_cmd:main",
+        "show the resolved config: posttrain config show [k=v ...]",
+    ),
+}
+"""name -> (module:function, one-line help) for commands this package owns."""
+
+
+def _plugin_commands() -> dict[str, tuple[str, str]]:
+    found = {}
+    for ep in entry_points(group="posttrain.commands"):
+        dist = ep.dist.name if ep.dist is not None else "a plugin"
+        found[ep.name] = (ep.value, f"(from {dist}) run: posttrain {ep.name} --help")
+    return found
+
+
+def _usage(commands: dict[str, tuple[str, str]]) -> str:
+    lines = ["usage: posttrain <command> [args]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in sorted(commands.items())]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    commands = {**_plugin_commands(), **COMMANDS}
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage(commands))
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in commands:
+        print(f"posttrain: unknown command {name!r}\n\n{_usage(commands)}", file=sys.stderr)
+        return 2
+    module, _, func = commands[name][0].partition(":")
+    try:
+        return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    except ConfigError as exc:
+        print(f"posttrain {name}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the ``posttrain`` CLI, one module each."""

@@ -1,0 +1,1 @@
+"""Datasets, samplers and synthetic data for the trainers."""

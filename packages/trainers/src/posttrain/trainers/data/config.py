@@ -1,0 +1,47 @@
+"""Dataset config: which parquet files, which columns, how long and how to batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Parquet datasets for SFT (a chat column) and RL (verl's prompt columns)."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Training parquet files."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation parquet files."""
+    messages_key: str = "messages"
+    """SFT: column holding the chat (a list of {role, content})."""
+    prompt_key: str = "prompt"
+    """RL: column holding the prompt chat."""
+    reward_fn_key: str = "data_source"
+    """RL: column that selects the reward function."""
+    max_length: int = 1024
+    """SFT: longest tokenised conversation."""
+    truncation: str = "error"
+    """What to do with a longer one: error (names the row), left or right."""
+    max_prompt_length: int = 512
+    """RL: longest prompt in tokens (longer prompts are filtered out)."""
+    pad_mode: str = "no_padding"
+    """Batches are packed without padding (the only mode)."""
+    train_batch_size: int = 8
+    """Sequences (SFT) or prompts (RL) per optimizer step, over all data-parallel ranks."""
+    val_batch_size: int | None = None
+    """Batch size for validation (None: the whole validation set at once for RL, train_batch_size for SFT)."""
+    shuffle: bool = True
+    """Shuffle the training set each epoch."""
+    seed: int = 1
+    """Seed of the shuffle."""
+
+    def __post_init__(self) -> None:
+        if self.truncation not in ("error", "left", "right"):
+            raise ValueError(f"data.truncation={self.truncation!r}: use error, left or right")
+        if self.pad_mode != "no_padding":
+            raise ValueError(f"data.pad_mode={self.pad_mode!r} is not supported: use no_padding (packed batches)")
+        if self.train_batch_size < 1:
+            raise ValueError(f"data.train_batch_size={self.train_batch_size} must be >= 1")
+        if self.max_length < 2:
+            raise ValueError(f"data.max_length={self.max_length} must be >= 2")

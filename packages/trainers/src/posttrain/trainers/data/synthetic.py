@@ -1,0 +1,77 @@
+"""Synthetic tasks a tiny model can learn in minutes on a CPU, in the SFT and RL column layouts.
+
+``arithmetic``: "What is a + b?" with ``digits``-digit operands; the answer restates the sum and ends with
+``#### <sum>`` (the GSM8K convention the rule reward reads). Each row carries both layouts: ``messages`` (a
+user/assistant chat for SFT) and verl's RL columns ``data_source``, ``prompt`` (the user turn as a chat list),
+``ability``, ``reward_model`` ({style, ground_truth}) and ``extra_info``. Rows come from a seeded
+``random.Random``, so the same seed gives the same files; test rows never repeat a training question.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+DATA_SOURCE = "synthetic_arithmetic"
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+TASKS = ("arithmetic",)
+
+
+def arithmetic_example(a: int, b: int) -> tuple[str, str, str]:
+    """(question, full answer, ground truth) for ``a + b``."""
+    total = a + b
+    return f"What is {a} + {b}?", f"{a} + {b} = {total}\n#### {total}", str(total)
+
+
+def make_row(question: str, answer: str, truth: str, *, data_source: str, ability: str, instruction: str,
+             split: str, index: int) -> dict[str, Any]:
+    """One row with both the SFT chat and verl's RL columns."""
+    user = f"{question} {instruction}".strip()
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": user}],
+        "ability": ability,
+        "reward_model": {"style": "rule", "ground_truth": truth},
+        "extra_info": {"split": split, "index": index, "question": question, "answer": answer},
+        "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
+    }
+
+
+def arithmetic_rows(num_train: int, num_test: int, *, digits: int = 2, seed: int = 0) -> dict[str, list[dict]]:
+    """``{"train": rows, "test": rows}`` of distinct additions of ``digits``-digit numbers."""
+    if digits < 1:
+        raise ValueError(f"digits={digits} must be >= 1")
+    low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    space = (high - low + 1) ** 2
+    if num_train + num_test > space:
+        raise ValueError(f"num_train + num_test = {num_train + num_test} exceeds the {space} distinct "
+                         f"{digits}-digit additions: lower them or raise --digits")
+    rng = random.Random(seed)
+    pairs: list[tuple[int, int]] = []
+    seen: set[tuple[int, int]] = set()
+    while len(pairs) < num_train + num_test:
+        pair = (rng.randint(low, high), rng.randint(low, high))
+        if pair not in seen:
+            seen.add(pair)
+            pairs.append(pair)
+    out: dict[str, list[dict]] = {"train": [], "test": []}
+    for i, (a, b) in enumerate(pairs):
+        split = "train" if i < num_train else "test"
+        q, ans, truth = arithmetic_example(a, b)
+        out[split].append(make_row(q, ans, truth, data_source=DATA_SOURCE, ability="math",
+                                   instruction=INSTRUCTION, split=split, index=len(out[split])))
+    return out
+
+
+def tokenizer_corpus(num_lines: int = 4000, seed: int = 0) -> Iterator[str]:
+    """Text a tiny tokenizer is trained on: arithmetic chats plus plain English and markup."""
+    rng = random.Random(seed)
+    words = ("the answer is what think step by step and output final after let us a number sum plus minus "
+             "question user assistant system you are helpful solve problem total each how many more than "
+             "boxed equals times of to in for with result so we have then").split()
+    for i in range(num_lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        q, ans, _ = arithmetic_example(a, b)
+        yield f"{q} {INSTRUCTION}\n{ans}"
+        yield " ".join(rng.choice(words) for _ in range(12)) + (". " if i % 2 else "? ") + "\\boxed{" + str(a) + "}"

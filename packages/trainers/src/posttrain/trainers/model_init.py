@@ -1,0 +1,125 @@
+"""Offline model initialisation: a random-init Hugging Face model and a chat tokenizer, with no downloads.
+
+The tokenizer is a byte-level BPE trained with the ``tokenizers`` library on a synthetic corpus
+(:func:`posttrain.trainers.data.synthetic.tokenizer_corpus`): digits are split one per token (so arithmetic is
+learnable), the 256 byte symbols are always in the vocabulary (any text encodes), and ChatML special tokens
+``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos) are added. It is wrapped as a
+``PreTrainedTokenizerFast`` with a ChatML chat template. The model is built with
+``AutoModelForCausalLM.from_config`` under a fixed seed, its vocabulary rounded up to a multiple of 64.
+Sizes: ``tiny`` (hidden 128, 2 heads of head_dim 64, 1 KV head, 2 layers: about 0.35 M parameters, so SFT and GRPO
+run in minutes on two CPU cores; head_dim 64 is what vLLM's CPU attention accepts) and ``small``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (PAD, IM_START, IM_END)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ChatML, as Qwen2 uses it (without the default system turn)."""
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Shape of one preset size."""
+
+    hidden_size: int
+    """Model width."""
+    num_attention_heads: int
+    """Query heads (head_dim = hidden_size / heads = 64)."""
+    num_key_value_heads: int
+    """KV heads (grouped-query attention)."""
+    num_hidden_layers: int
+    """Decoder layers."""
+    intermediate_size: int
+    """MLP width."""
+    vocab_size: int
+    """Tokenizer vocabulary target (byte alphabet + merges + specials)."""
+
+
+SIZES = {
+    "tiny": ModelSize(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                      intermediate_size=256, vocab_size=384),
+    "small": ModelSize(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                       intermediate_size=768, vocab_size=1024),
+}
+ARCHS = ("qwen2",)
+
+
+def build_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with ChatML specials and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from .data.synthetic import tokenizer_corpus
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(tokenizer_corpus(seed=seed), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, unk_token=None,
+                                   bos_token=None, chat_template=CHAT_TEMPLATE, model_max_length=32768,
+                                   clean_up_tokenization_spaces=False)
+
+
+def model_config(arch: str, size: str, tokenizer: Any, max_position_embeddings: int = 2048):
+    """The HF config of ``arch`` at ``size`` for ``tokenizer``'s vocabulary."""
+    from transformers import AutoConfig
+
+    if arch not in ARCHS:
+        raise ValueError(f"--arch {arch!r} is not supported: use one of {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"--size {size!r} is unknown: use one of {', '.join(SIZES)}")
+    s = SIZES[size]
+    vocab = -(-len(tokenizer) // 64) * 64
+    return AutoConfig.for_model(
+        arch, vocab_size=vocab, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_key_value_heads, head_dim=s.hidden_size // s.num_attention_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END), pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+        bos_token_id=None, torch_dtype="float32")
+
+
+def init_model(out_dir: str | Path, *, arch: str = "qwen2", size: str = "tiny", seed: int = 0) -> Path:
+    """Write a random-init model, its generation config and tokenizer to ``out_dir``; return the path."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {str(out)!r} exists and is not empty: choose a new directory")
+    tokenizer = build_tokenizer(SIZES[size].vocab_size if size in SIZES else 0, seed=seed)
+    config = model_config(arch, size, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+                                               bos_token_id=None)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def count_parameters(model_dir: str | Path) -> int:
+    """Parameters of the model at ``model_dir``, counted on the meta device (nothing is loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,62 @@
+"""Per-role configs: the actor, the reference policy and the critic each own an engine and an optimizer.
+
+``<role>.engine`` is a :class:`~posttrain.core.config.FSDPEngineConfig` or a
+:class:`~posttrain.core.config.McoreEngineConfig`, chosen by the role's strategy (``model_engine=`` sets all three).
+Batch sizes follow verl: ``ppo_mini_batch_size`` counts prompts over all data-parallel ranks (multiplied by
+``rollout.n`` inside the trainer); ``*_micro_batch_size_per_gpu`` counts sequences on one rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from posttrain.core.config import EngineConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    """The policy being trained."""
+
+    engine: EngineConfig = field(default_factory=FSDPEngineConfig)
+    """Training backend and its parallel layout."""
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and LR schedule."""
+    ppo_mini_batch_size: int = 8
+    """Prompts per optimizer step (global); each prompt brings rollout.n responses."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    shuffle: bool = False
+    """Shuffle sequences between mini-batches."""
+
+    def __post_init__(self) -> None:
+        if self.ppo_mini_batch_size < 1 or self.ppo_epochs < 1:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={self.ppo_mini_batch_size} and actor.ppo_epochs="
+                f"{self.ppo_epochs} must be >= 1"
+            )
+
+
+@dataclass(kw_only=True)
+class RefConfig:
+    """The frozen reference policy for the KL term (a LoRA actor serves as its own reference)."""
+
+    engine: EngineConfig = field(default_factory=lambda: FSDPEngineConfig(forward_only=True))
+    """Backend of the reference model (forward only)."""
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    """The value model (GAE only)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Critic model; an empty path means the actor's model with a fresh value head."""
+    engine: EngineConfig = field(default_factory=FSDPEngineConfig)
+    """Training backend of the critic."""
+    optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    """Critic optimizer."""
+    ppo_mini_batch_size: int = 8
+    """Prompts per critic optimizer step (global)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    cliprange_value: float = 0.5
+    """Clip of the value update around the old values."""
