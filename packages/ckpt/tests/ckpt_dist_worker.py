@@ -1,6 +1,6 @@
 """torchrun worker of test_ckpt_dist.py (2 gloo ranks, FSDP2).
 
-``save``: train K steps, save (sync) at K with every content item, record the reference state; continue to N
+``save``: train K steps of TinyLM, save (sync) at K with every content item, record the reference state; continue to N
 with async saves at every step (max_ckpt_to_keep=1), record the losses and final state of this uninterrupted run.
 ``resume``: in new processes, load step K from the tracker, check model/optimizer/extra against the reference,
 train to N and check losses and final parameters bit for bit; then load the async checkpoint of step N.
@@ -20,7 +20,6 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_testlib import K_STEPS, N_STEPS, assert_identical, build, full_state, rng_equal, train_step  # noqa: E402
 
-from posttrain.core.config import CheckpointConfig  # noqa: E402
 from posttrain.ckpt import (  # noqa: E402
     CheckpointManager,
     RoleInfo,
@@ -31,18 +30,24 @@ from posttrain.ckpt import (  # noqa: E402
     load_trainer_state,
     save_role,
 )
+from posttrain.core.config import CheckpointConfig  # noqa: E402
 
 ALL = ["model", "optimizer", "extra", "hf_model"]
 
 
-def save_phase(out: Path, model_dir: Path, rank: int, mesh) -> None:
-    model, opt, sched = build(model_dir, mesh)
-    info = RoleInfo(backend="fsdp2", parallel_sizes={"dp": 2, "fsdp": 2}, model_dir=str(model_dir))
+def save_phase(out: Path, rank: int, mesh) -> None:
+    model, opt, sched = build(None, mesh)
+    info = RoleInfo(backend="fsdp2", parallel_sizes={"dp": 2, "fsdp": 2})
     losses = [train_step(model, opt, sched, s, rank) for s in range(1, K_STEPS + 1)]
     mgr = CheckpointManager(out / "sync", CheckpointConfig(save_contents=ALL))
     staging = mgr.stage(K_STEPS)
-    save_role(staging / "actor", RoleState(model=model, optimizer=opt, lr_scheduler=sched,
-                                           counters={"global_step": K_STEPS}), info, ALL, K_STEPS)
+    save_role(
+        staging / "actor",
+        RoleState(model=model, optimizer=opt, lr_scheduler=sched, counters={"global_step": K_STEPS}),
+        info,
+        ALL,
+        K_STEPS,
+    )
     mgr.save_trainer_state(K_STEPS, {"global_step": K_STEPS, "dataloader": {"epoch": 0, "index": K_STEPS}})
     mgr.commit(K_STEPS)
     ref = {"state": full_state(model, opt), "rng": capture_rng(), "sched": sched.state_dict()}
@@ -51,24 +56,32 @@ def save_phase(out: Path, model_dir: Path, rank: int, mesh) -> None:
     for s in range(K_STEPS + 1, N_STEPS + 1):
         losses.append(train_step(model, opt, sched, s, rank))
         staging = amgr.stage(s)  # waits for the previous async save
-        save_role(staging / "actor", RoleState(model=model, optimizer=opt, lr_scheduler=sched,
-                                               counters={"global_step": s}),
-                  info, ["model", "optimizer", "extra"], s, writer=amgr.writer)
+        save_role(
+            staging / "actor",
+            RoleState(model=model, optimizer=opt, lr_scheduler=sched, counters={"global_step": s}),
+            info,
+            ["model", "optimizer", "extra"],
+            s,
+            writer=amgr.writer,
+        )
         amgr.commit(s)
     final = full_state(model, opt)  # taken while the last async write may still run
     amgr.close()
     torch.save({"losses": losses, "state": final}, out / f"ref_n_rank{rank}.pt")
 
 
-def resume_phase(out: Path, model_dir: Path, rank: int, mesh) -> None:
+def resume_phase(out: Path, rank: int, mesh) -> None:
     ref_k = torch.load(out / f"ref_k_rank{rank}.pt", weights_only=False)
     ref_n = torch.load(out / f"ref_n_rank{rank}.pt", weights_only=False)
     step, path = find_latest(out / "sync")
     assert step == K_STEPS, step
-    model, opt, sched = build(model_dir, mesh)
+    model, opt, sched = build(None, mesh)
     torch.manual_seed(1234 + rank)  # a different RNG state: load must restore the saved one
-    counters = load_role(path / "actor", RoleState(model=model, optimizer=opt, lr_scheduler=sched),
-                         ["model", "optimizer", "extra"])
+    counters = load_role(
+        path / "actor",
+        RoleState(model=model, optimizer=opt, lr_scheduler=sched),
+        ["model", "optimizer", "extra"],
+    )
     assert counters == {"global_step": K_STEPS}, counters
     assert load_trainer_state(path)["dataloader"] == {"epoch": 0, "index": K_STEPS}
     assert_identical(full_state(model, opt), ref_k["state"], "state after 2->2 load")
@@ -80,9 +93,12 @@ def resume_phase(out: Path, model_dir: Path, rank: int, mesh) -> None:
     assert_identical(full_state(model, opt), ref_n["state"], "final state after resume")
     step, path = find_latest(out / "async")
     assert step == N_STEPS and not (out / "async" / f"global_step_{N_STEPS - 1}").exists()
-    model, opt, sched = build(model_dir, mesh)
-    load_role(path / "actor", RoleState(model=model, optimizer=opt, lr_scheduler=sched),
-              ["model", "optimizer", "extra"])
+    model, opt, sched = build(None, mesh)
+    load_role(
+        path / "actor",
+        RoleState(model=model, optimizer=opt, lr_scheduler=sched),
+        ["model", "optimizer", "extra"],
+    )
     assert_identical(full_state(model, opt), ref_n["state"], "async checkpoint of step N")
 
 
@@ -90,13 +106,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("phase", choices=["save", "resume"])
     parser.add_argument("out", type=Path)
-    parser.add_argument("model_dir", type=Path)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
-    (save_phase if args.phase == "save" else resume_phase)(args.out, args.model_dir, rank, mesh)
+    (save_phase if args.phase == "save" else resume_phase)(args.out, rank, mesh)
     dist.barrier()
     (args.out / f"{args.phase}_ok_rank{rank}").write_text("ok")
     dist.destroy_process_group()

@@ -17,9 +17,17 @@ def make_model_dir(path: Path, tie: bool = False) -> Path:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attention_dropout=0.1, tie_word_embeddings=tie)
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.1,
+        tie_word_embeddings=tie,
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     vocab = {f"w{i}": i for i in range(250)} | {"<unk>": 250}
@@ -29,15 +37,60 @@ def make_model_dir(path: Path, tie: bool = False) -> Path:
     return path
 
 
-def build(model_dir: Path, mesh: Any | None = None, lr: float = 1e-2) -> tuple[Any, Any, Any]:
-    """Model (FSDP2 per layer + root when ``mesh``), AdamW and a warm-up LambdaLR."""
-    from transformers import AutoModelForCausalLM
+class Block(torch.nn.Module):
+    """Pre-norm MLP block with dropout (so resuming needs the torch RNG state)."""
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.up_proj = torch.nn.Linear(hidden, 2 * hidden)
+        self.down_proj = torch.nn.Linear(2 * hidden, hidden)
+        self.dropout = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(self.down_proj(torch.nn.functional.gelu(self.up_proj(self.norm(x)))))
+
+
+class TinyLM(torch.nn.Module):
+    """A small causal-LM-shaped torch model (no transformers import: fast in subprocesses)."""
+
+    def __init__(self, vocab: int = 256, hidden: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList(Block(hidden) for _ in range(layers))
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.lm_head(h)
+
+    def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+        logits = self(input_ids)[:, :-1]
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1)
+        )
+
+
+def build(model_dir: Path | None = None, mesh: Any | None = None, lr: float = 1e-2) -> tuple[Any, Any, Any]:
+    """Model (TinyLM, or the HF model in ``model_dir``; FSDP2 per layer + root when ``mesh``), AdamW and a
+    warm-up LambdaLR."""
+    if model_dir is None:
+        torch.manual_seed(0)
+        model = TinyLM()
+        layers = model.layers
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        layers = model.model.layers
     if mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers:
+        for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     model.train()
@@ -55,7 +108,7 @@ def batch(step: int, rank: int) -> torch.Tensor:
 def train_step(model: Any, opt: Any, sched: Any, step: int, rank: int) -> torch.Tensor:
     """One AdamW step on ``batch(step, rank)`` (dropout draws from the torch RNG); returns the loss."""
     ids = batch(step, rank)
-    loss = model(input_ids=ids, labels=ids).loss
+    loss = model.loss(ids) if isinstance(model, TinyLM) else model(input_ids=ids, labels=ids).loss
     loss.backward()
     opt.step()
     sched.step()
@@ -65,8 +118,9 @@ def train_step(model: Any, opt: Any, sched: Any, step: int, rank: int) -> torch.
 
 def full_state(model: Any, opt: Any) -> dict[str, torch.Tensor]:
     """Full (gathered) model and flattened optimizer state as CPU tensors/values (collective under FSDP)."""
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
-                                                                   flatten_optimizer_state_dict=True))
+    msd, osd = get_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+    )
     out = {f"model.{k}": v for k, v in msd.items()}
     out.update({f"optim.{k}": v for k, v in osd.items()})
     return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
@@ -85,5 +139,9 @@ def assert_identical(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
 
 def rng_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """True when two ``capture_rng()`` results describe the same generator states."""
-    return (a["python"] == b["python"] and torch.equal(a["torch"], b["torch"])
-            and torch.equal(a["numpy"]["keys"], b["numpy"]["keys"]) and a["numpy"]["pos"] == b["numpy"]["pos"])
+    return (
+        a["python"] == b["python"]
+        and torch.equal(a["torch"], b["torch"])
+        and torch.equal(a["numpy"]["keys"], b["numpy"]["keys"])
+        and a["numpy"]["pos"] == b["numpy"]["pos"]
+    )

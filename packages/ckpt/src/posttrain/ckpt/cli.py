@@ -28,8 +28,12 @@ def _parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export-hf", help="write a loadable HF model from a checkpoint role directory")
     exp.add_argument("role_dir", type=Path, help="global_step_N/<role> of a posttrain checkpoint")
     exp.add_argument("out_dir", type=Path, help="output directory (created)")
-    exp.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
-                     help="cast the weights (default: keep the checkpoint's dtype)")
+    exp.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default=None,
+        help="cast the weights (default: keep the checkpoint's dtype)",
+    )
     exp.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size")
     ins = sub.add_parser("inspect", help="print manifests, sizes and the tensor list")
     ins.add_argument("path", type=Path, help="checkpoint root, global_step_N, or global_step_N/<role>")
@@ -42,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "export-hf":
-            files = export_hf(args.role_dir, args.out_dir, _DTYPES.get(args.dtype),
-                              int(args.max_shard_size_gb * (1 << 30)))
+            files = export_hf(
+                args.role_dir, args.out_dir, _DTYPES.get(args.dtype), int(args.max_shard_size_gb * (1 << 30))
+            )
             print(f"wrote {args.out_dir}: {', '.join(files)}")
         else:
             _inspect(args.path, tensors=not args.no_tensors)
@@ -55,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _inspect(path: Path, tensors: bool) -> None:
     if not path.is_dir():
-        raise ValueError(f"{path} is not a directory: pass a checkpoint root, global_step_N or a role directory")
+        raise ValueError(
+            f"{path} is not a directory: pass a checkpoint root, global_step_N or a role directory"
+        )
     if (path / ROLE_MANIFEST).is_file():
         _inspect_role(path, tensors)
         return

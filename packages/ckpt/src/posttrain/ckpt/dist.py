@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
+
 import torch.distributed as dist
 
 
@@ -24,3 +28,17 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Barrier on ``group``; nothing without a process group."""
     if is_initialized():
         dist.barrier(group=group)
+
+
+@contextlib.contextmanager
+def single_process_dcp() -> Iterator[bool]:
+    """Yield DCP's ``no_dist`` flag; without a process group, silence DCP's "assuming a single process" warning."""
+    no_dist = not is_initialized()
+    if not no_dist:
+        yield no_dist
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        yield no_dist

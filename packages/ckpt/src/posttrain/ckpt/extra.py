@@ -22,8 +22,13 @@ def capture_rng() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -35,13 +40,23 @@ def restore_rng(state: dict[str, Any]) -> None:
     """Put every RNG back to ``state`` (from :func:`capture_rng`)."""
     random.setstate(_as_tuple(state["python"]))
     npst = state["numpy"]
-    np.random.set_state((npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"],
-                         npst["cached_gaussian"]))
+    np.random.set_state(
+        (
+            npst["kind"],
+            npst["keys"].numpy().astype(np.uint32),
+            npst["pos"],
+            npst["has_gauss"],
+            npst["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         if len(state["cuda"]) != torch.cuda.device_count():
-            warnings.warn(f"checkpoint has CUDA RNG states for {len(state['cuda'])} devices, this process sees "
-                          f"{torch.cuda.device_count()}: CUDA RNG left as is", stacklevel=2)
+            warnings.warn(
+                f"checkpoint has CUDA RNG states for {len(state['cuda'])} devices, this process sees "
+                f"{torch.cuda.device_count()}: CUDA RNG left as is",
+                stacklevel=2,
+            )
         else:
             torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -52,8 +67,11 @@ def _as_tuple(obj: Any) -> Any:
 
 def capture_extra(lr_scheduler: Any | None, counters: dict[str, Any]) -> dict[str, Any]:
     """The extra item of one rank: scheduler state (or None), RNG states and counters."""
-    return {"lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "rng": capture_rng(), "counters": dict(counters)}
+    return {
+        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+        "rng": capture_rng(),
+        "counters": dict(counters),
+    }
 
 
 def extra_path(extra_dir: Path, rank: int) -> Path:
@@ -80,14 +98,18 @@ def load_extra(extra_dir: Path, rank: int, lr_scheduler: Any | None) -> dict[str
     own = extra_path(extra_dir, rank)
     path = own if own.is_file() else extra_path(extra_dir, 0)
     if not path.is_file():
-        raise ValueError(f"no extra state in {extra_dir}: the checkpoint was saved without extra; remove extra "
-                         "from checkpoint.load_contents")
+        raise ValueError(
+            f"no extra state in {extra_dir}: the checkpoint was saved without extra; remove extra "
+            "from checkpoint.load_contents"
+        )
     extra = torch.load(path, weights_only=True)
     if lr_scheduler is not None and extra["lr_scheduler"] is not None:
         lr_scheduler.load_state_dict(extra["lr_scheduler"])
     if path == own:
         restore_rng(extra["rng"])
     else:
-        warnings.warn(f"no RNG state for rank {rank} in {extra_dir} (saved on fewer ranks): RNG left as is",
-                      stacklevel=2)
+        warnings.warn(
+            f"no RNG state for rank {rank} in {extra_dir} (saved on fewer ranks): RNG left as is",
+            stacklevel=2,
+        )
     return extra["counters"]

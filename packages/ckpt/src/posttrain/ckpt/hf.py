@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,25 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .layout import DIST_CKPT, HF_DIR, atomic_write_text
 
 MODEL_PREFIX = "model."
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
-                    "chat_template.jinja", "chat_template.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def write_hf_metadata(out_dir: Path, hf_config: Any | None, model_dir: str | None, tokenizer_dir: str | None) -> None:
+def write_hf_metadata(
+    out_dir: Path, hf_config: Any | None, model_dir: str | None, tokenizer_dir: str | None
+) -> None:
     """Write config (``hf_config.save_pretrained`` or a copy of ``model_dir/config.json``), the generation
     config and the tokenizer files into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -46,8 +59,12 @@ def write_hf_metadata(out_dir: Path, hf_config: Any | None, model_dir: str | Non
                 shutil.copy2(tok / name, out_dir / name)
 
 
-def write_safetensors(out_dir: Path, state: dict[str, torch.Tensor], max_shard_bytes: int = 5 << 30,
-                      tie_word_embeddings: bool = False) -> list[str]:
+def write_safetensors(
+    out_dir: Path,
+    state: dict[str, torch.Tensor],
+    max_shard_bytes: int = 5 << 30,
+    tie_word_embeddings: bool = False,
+) -> list[str]:
     """Write ``state`` as HF safetensors shards (+ index when more than one); return the file names."""
     state = {k: v for k, v in state.items() if not (tie_word_embeddings and k == "lm_head.weight")}
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -79,29 +96,41 @@ def write_safetensors(out_dir: Path, state: dict[str, torch.Tensor], max_shard_b
 def dcp_tensor_metadata(dcp_dir: Path) -> dict[str, TensorStorageMetadata]:
     """Flattened DCP key -> tensor metadata (global shape, dtype) of every tensor in ``dcp_dir``."""
     if not (dcp_dir / ".metadata").is_file():
-        raise ValueError(f"{dcp_dir} is not a DCP checkpoint (no .metadata): pass a role directory that "
-                         f"contains {DIST_CKPT}/")
+        raise ValueError(
+            f"{dcp_dir} is not a DCP checkpoint (no .metadata): pass a role directory that "
+            f"contains {DIST_CKPT}/"
+        )
     meta = dcp.FileSystemReader(str(dcp_dir)).read_metadata()
     return {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
 def load_full_model_state(dcp_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Full model tensors (HF names) from a DCP checkpoint, on the CPU of one process."""
-    flat = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-            for k, m in dcp_tensor_metadata(dcp_dir).items() if k.startswith(MODEL_PREFIX)}
+    flat = {
+        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in dcp_tensor_metadata(dcp_dir).items()
+        if k.startswith(MODEL_PREFIX)
+    }
     if not flat:
         raise ValueError(f"{dcp_dir} holds no model tensors: it was saved without model in save_contents")
-    dcp.load(flat, storage_reader=dcp.FileSystemReader(str(dcp_dir)), no_dist=True)
-    return {k[len(MODEL_PREFIX):]: (v.to(dtype) if dtype is not None else v) for k, v in flat.items()}
+    with warnings.catch_warnings():  # no_dist=True is the intent here
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        dcp.load(flat, storage_reader=dcp.FileSystemReader(str(dcp_dir)), no_dist=True)
+    return {k[len(MODEL_PREFIX) :]: (v.to(dtype) if dtype is not None else v) for k, v in flat.items()}
 
 
-def export_hf(role_dir: Path, out_dir: Path, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = 5 << 30) -> list[str]:
+def export_hf(
+    role_dir: Path, out_dir: Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30
+) -> list[str]:
     """Write a loadable HF model directory from a checkpoint role directory; return the weight files."""
     hf_src = role_dir / HF_DIR
     if not (hf_src / "config.json").is_file():
-        raise ValueError(f"{hf_src}/config.json is missing: export-hf needs the role directory of a posttrain "
-                         "checkpoint (global_step_N/<role>), which holds huggingface/config.json")
+        raise ValueError(
+            f"{hf_src}/config.json is missing: export-hf needs the role directory of a posttrain "
+            "checkpoint (global_step_N/<role>), which holds huggingface/config.json"
+        )
     state = load_full_model_state(role_dir / DIST_CKPT, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     for src in hf_src.iterdir():
@@ -122,4 +151,9 @@ def tensor_table(dcp_dir: Path) -> Iterable[tuple[str, tuple[int, ...], str, int
         numel = 1
         for d in m.size:
             numel *= d
-        yield key, tuple(m.size), str(m.properties.dtype).removeprefix("torch."), numel * m.properties.dtype.itemsize
+        yield (
+            key,
+            tuple(m.size),
+            str(m.properties.dtype).removeprefix("torch."),
+            numel * m.properties.dtype.itemsize,
+        )

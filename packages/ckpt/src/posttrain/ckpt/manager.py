@@ -98,8 +98,10 @@ class CheckpointManager:
     def commit(self, step: int) -> None:
         """Make the staged step the latest checkpoint (queued behind the role writes when async)."""
         if not self.staging_dir(step).is_dir():
-            raise ValueError(f"no staging directory for step {step} at {self.staging_dir(step)}: call "
-                             f"stage({step}) and save into it before commit({step})")
+            raise ValueError(
+                f"no staging directory for step {step} at {self.staging_dir(step)}: call "
+                f"stage({step}) and save into it before commit({step})"
+            )
         if self.writer is not None:
             self.writer.submit(self._commit, step, self.writer.process_group)
         else:
@@ -124,10 +126,18 @@ class CheckpointManager:
     def _publish(self, step: int) -> None:
         staging, final = self.staging_dir(step), self.step_dir(step)
         roles = sorted(d.name for d in staging.iterdir() if (d / ROLE_MANIFEST).is_file())
-        write_json(staging / STEP_MANIFEST, {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "global_step": step, "roles": roles,
-            "world_size": self.world_size, "files": sorted(p.name for p in staging.iterdir() if p.is_file()),
-            "created_unix": time.time()})
+        write_json(
+            staging / STEP_MANIFEST,
+            {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "global_step": step,
+                "roles": roles,
+                "world_size": self.world_size,
+                "files": sorted(p.name for p in staging.iterdir() if p.is_file()),
+                "created_unix": time.time(),
+            },
+        )
         fsync_tree(staging)
         if final.exists():  # an earlier save of the same step (e.g. re-run after a resume): replace it
             old = self.root / f".tmp.old.{final.name}"
@@ -151,7 +161,7 @@ class CheckpointManager:
         if keep is None:
             return
         others = sorted((s for s in complete_steps(self.root) if s != step), reverse=True)
-        for old_step in others[keep - 1:]:
+        for old_step in others[keep - 1 :]:
             shutil.rmtree(self.step_dir(old_step))
 
     # ------------------------------------------------------------------ resume
@@ -188,6 +198,8 @@ def load_trainer_state(step_dir: str | Path, rank: int | None = None) -> dict[st
     step_dir = Path(step_dir)
     path = step_dir / (TRAINER_STATE if rank is None else f"data_rank_{rank}.pt")
     if not path.is_file():
-        raise ValueError(f"no trainer state at {path}: the checkpoint was saved without it (per_rank="
-                         f"{rank is not None}); load without trainer state or pass the matching rank")
+        raise ValueError(
+            f"no trainer state at {path}: the checkpoint was saved without it (per_rank="
+            f"{rank is not None}); load without trainer state or pass the matching rank"
+        )
     return torch.load(path, weights_only=True)

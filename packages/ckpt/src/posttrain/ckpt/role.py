@@ -75,8 +75,10 @@ class RoleInfo:
 def _check_save(state: RoleState, contents: list[str]) -> None:
     check_contents(contents, "checkpoint.save_contents")
     if "optimizer" in contents and state.optimizer is None:
-        raise ValueError(f"checkpoint.save_contents={contents} lists optimizer but this role has no optimizer "
-                         "(forward-only): remove optimizer from checkpoint.save_contents")
+        raise ValueError(
+            f"checkpoint.save_contents={contents} lists optimizer but this role has no optimizer "
+            "(forward-only): remove optimizer from checkpoint.save_contents"
+        )
 
 
 def _sharded_state(state: RoleState, contents: list[str]) -> dict[str, Any]:
@@ -94,8 +96,14 @@ def _full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_cuda))
 
 
-def save_role(role_dir: str | Path, state: RoleState, info: RoleInfo, contents: list[str], global_step: int,
-              writer: AsyncWriter | None = None) -> None:
+def save_role(
+    role_dir: str | Path,
+    state: RoleState,
+    info: RoleInfo,
+    contents: list[str],
+    global_step: int,
+    writer: AsyncWriter | None = None,
+) -> None:
     """Write one role into ``role_dir`` on every rank (collective).
 
     With ``writer`` this blocks only for the device-to-host snapshot (plus the full-model gather when
@@ -119,13 +127,21 @@ def save_role(role_dir: str | Path, state: RoleState, info: RoleInfo, contents: 
     writer.submit(_write_role, role_dir, sharded, extra, full, info, manifest, rank, writer.process_group)
 
 
-def _write_role(role_dir: Path, sharded: dict[str, Any], extra: dict[str, Any] | None,
-                full: dict[str, torch.Tensor] | None, info: RoleInfo, manifest: dict[str, Any], rank: int,
-                group: dist.ProcessGroup | None) -> None:
+def _write_role(
+    role_dir: Path,
+    sharded: dict[str, Any],
+    extra: dict[str, Any] | None,
+    full: dict[str, torch.Tensor] | None,
+    info: RoleInfo,
+    manifest: dict[str, Any],
+    rank: int,
+    group: dist.ProcessGroup | None,
+) -> None:
     role_dir.mkdir(parents=True, exist_ok=True)
     if sharded:
         writer = dcp.FileSystemWriter(str(role_dir / DIST_CKPT), thread_count=info.dcp_thread_count)
-        dcp.save(sharded, storage_writer=writer, process_group=group)
+        with ckpt_dist.single_process_dcp() as no_dist:
+            dcp.save(sharded, storage_writer=writer, process_group=group, no_dist=no_dist)
     if extra is not None:
         save_extra(role_dir / DIST_CKPT / EXTRA_DIR, rank, extra)
     if rank == 0:
@@ -147,15 +163,24 @@ def _version(dist_name: str) -> str | None:
         return None
 
 
-def _manifest(state: RoleState, info: RoleInfo, contents: list[str], global_step: int,
-              world: int) -> dict[str, Any]:
+def _manifest(
+    state: RoleState, info: RoleInfo, contents: list[str], global_step: int, world: int
+) -> dict[str, Any]:
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "global_step": global_step,
-        "contents": list(contents), "backend": info.backend, "layout": "dcp-hf-names",
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "global_step": global_step,
+        "contents": list(contents),
+        "backend": info.backend,
+        "layout": "dcp-hf-names",
         "optimizer": type(state.optimizer).__name__ if state.optimizer is not None else None,
-        "world_size": world, "parallel_sizes": dict(info.parallel_sizes),
-        "versions": {"torch": torch.__version__, "posttrain-ckpt": _version("posttrain-ckpt"),
-                     "transformers": _version("transformers")},
+        "world_size": world,
+        "parallel_sizes": dict(info.parallel_sizes),
+        "versions": {
+            "torch": torch.__version__,
+            "posttrain-ckpt": _version("posttrain-ckpt"),
+            "transformers": _version("transformers"),
+        },
     }
 
 
@@ -163,8 +188,10 @@ def read_role_manifest(role_dir: str | Path) -> dict[str, Any]:
     """The manifest of a complete role directory; ValueError when it is missing."""
     manifest = read_json(Path(role_dir) / ROLE_MANIFEST)
     if manifest is None:
-        raise ValueError(f"{role_dir} has no readable {ROLE_MANIFEST}: it is not a complete posttrain checkpoint "
-                         "role directory (pass global_step_N/<role> of a committed checkpoint)")
+        raise ValueError(
+            f"{role_dir} has no readable {ROLE_MANIFEST}: it is not a complete posttrain checkpoint "
+            "role directory (pass global_step_N/<role> of a committed checkpoint)"
+        )
     return manifest
 
 
@@ -175,17 +202,27 @@ def load_role(role_dir: str | Path, state: RoleState, contents: list[str]) -> di
     saved = read_role_manifest(role_dir)["contents"]
     missing = [c for c in contents if c not in saved and c != "hf_model"]
     if missing:
-        raise ValueError(f"checkpoint.load_contents={contents} asks for {missing} but {role_dir} was saved with "
-                         f"save_contents={saved}: remove {missing} from checkpoint.load_contents")
+        raise ValueError(
+            f"checkpoint.load_contents={contents} asks for {missing} but {role_dir} was saved with "
+            f"save_contents={saved}: remove {missing} from checkpoint.load_contents"
+        )
     if "optimizer" in contents and state.optimizer is None:
-        raise ValueError(f"checkpoint.load_contents={contents} lists optimizer but this role has no optimizer "
-                         "(forward-only): remove optimizer from checkpoint.load_contents")
+        raise ValueError(
+            f"checkpoint.load_contents={contents} lists optimizer but this role has no optimizer "
+            "(forward-only): remove optimizer from checkpoint.load_contents"
+        )
     sharded = _sharded_state(state, contents)
     if sharded:
-        dcp.load(sharded, storage_reader=dcp.FileSystemReader(str(role_dir / DIST_CKPT)))
+        with ckpt_dist.single_process_dcp() as no_dist:
+            dcp.load(sharded, storage_reader=dcp.FileSystemReader(str(role_dir / DIST_CKPT)), no_dist=no_dist)
         if "optimizer" in sharded:
-            set_state_dict(state.model, state.optimizer, model_state_dict=sharded["model"],
-                           optim_state_dict=sharded["optimizer"], options=_OPTIONS)
+            set_state_dict(
+                state.model,
+                state.optimizer,
+                model_state_dict=sharded["model"],
+                optim_state_dict=sharded["optimizer"],
+                options=_OPTIONS,
+            )
         else:
             set_model_state_dict(state.model, sharded["model"], options=_OPTIONS)
     if "extra" in contents:

@@ -42,8 +42,12 @@ def _copy(obj: Any, buffers: dict[str, Any], path: str) -> Any:
 
 def _host_buffer(src: torch.Tensor, buffers: dict[str, Any], path: str) -> torch.Tensor:
     buf = buffers.get(path)
-    if isinstance(buf, torch.Tensor) and not isinstance(buf, DTensor) and buf.shape == src.shape \
-            and buf.dtype == src.dtype:
+    if (
+        isinstance(buf, torch.Tensor)
+        and not isinstance(buf, DTensor)
+        and buf.shape == src.shape
+        and buf.dtype == src.dtype
+    ):
         return buf
     buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.device.type == "cuda")
     buffers[path] = buf
@@ -53,8 +57,12 @@ def _host_buffer(src: torch.Tensor, buffers: dict[str, Any], path: str) -> torch
 def _copy_dtensor(src: DTensor, buffers: dict[str, Any], path: str) -> DTensor:
     local = src.to_local()
     buf = buffers.get(path)
-    if not (isinstance(buf, DTensor) and buf._local_tensor.shape == local.shape and buf.dtype == src.dtype
-            and buf._spec == src._spec):
+    if not (
+        isinstance(buf, DTensor)
+        and buf._local_tensor.shape == local.shape
+        and buf.dtype == src.dtype
+        and buf._spec == src._spec
+    ):
         host = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.device.type == "cuda")
         buf = DTensor(host, src._spec, requires_grad=False)
         buffers[path] = buf

@@ -38,8 +38,9 @@ class AsyncWriter:
         def job() -> Any:
             with self._lock:
                 if self._error is not None:
-                    raise CheckpointWriteError(f"skipped {getattr(fn, '__name__', fn)}: an earlier checkpoint "
-                                               "write failed") from self._error
+                    raise CheckpointWriteError(
+                        f"skipped {getattr(fn, '__name__', fn)}: an earlier checkpoint write failed"
+                    ) from self._error
             try:
                 return fn(*args, **kwargs)
             except BaseException as exc:

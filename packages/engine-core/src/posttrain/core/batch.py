@@ -38,6 +38,8 @@ class PackedBatch:
     """Extra per-token (T,) tensors: temperature, old_log_probs, ref_log_probs, advantages, returns, values..."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Non-tensor options, e.g. ``calculate_entropy``."""
+    seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-sequence (B,) tensors: uid (prompt group), score, ..."""
 
     def __post_init__(self) -> None:
         total = self.input_ids.numel()
@@ -59,6 +61,12 @@ class PackedBatch:
             if t.shape[0] != total:
                 raise ValueError(
                     f"PackedBatch field {name!r} has {t.shape[0]} entries, expected {total} (one per token)"
+                )
+        for name, t in self.seq_fields.items():
+            if t.shape[0] != self.num_seqs:
+                raise ValueError(
+                    f"PackedBatch seq_field {name!r} has {t.shape[0]} entries, expected {self.num_seqs} "
+                    "(one per sequence)"
                 )
 
     # ---------------------------------------------------------------- construction
@@ -142,6 +150,10 @@ class PackedBatch:
             tensors.pop("loss_mask"),
             tensors,
             dict(self.meta),
+            {
+                k: v.index_select(0, torch.as_tensor(list(indices), device=v.device))
+                for k, v in self.seq_fields.items()
+            },
         )
 
     def to(self, device: torch.device | str) -> PackedBatch:
@@ -152,6 +164,7 @@ class PackedBatch:
             self.loss_mask.to(device),
             {k: v.to(device) for k, v in self.fields.items()},
             dict(self.meta),
+            {k: v.to(device) for k, v in self.seq_fields.items()},
         )
 
     def split_tokens(self, packed: torch.Tensor) -> list[torch.Tensor]:

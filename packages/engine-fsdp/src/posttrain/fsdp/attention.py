@@ -55,8 +55,9 @@ def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_api() is not None
 
 
-def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
-            scale: float | None) -> torch.Tensor:
+def _varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None
+) -> torch.Tensor:
     """q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D), causal inside each sequence."""
     varlen_attn, has_is_causal, has_gqa = _varlen_api()  # type: ignore[misc]
     kwargs: dict[str, Any] = {"scale": scale}
@@ -73,40 +74,66 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
-def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float | None,
-                  dropout: float) -> torch.Tensor:
+def _per_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float | None, dropout: float
+) -> torch.Tensor:
     """q (1, Hq, T, D), k/v (1, Hkv, T, D) -> (T, Hq, D): causal SDPA on each sequence separately."""
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for start, end in zip(cu[:-1], cu[1:]):
-        o = F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
-                                           dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(
+            q[:, :, start:end],
+            k[:, :, start:end],
+            v[:, :, start:end],
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scale,
+            enable_gqa=gqa,
+        )
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
 
 
-def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                             scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """HF attention-interface function: (1, H, T, D) inputs -> ((1, T, H, D) output, None)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if kwargs.get("sliding_window") is not None:
-        raise ValueError(f"sliding_window={kwargs['sliding_window']} attention is not implemented for packed "
-                         "sequences: use a model config with use_sliding_window=false")
+        raise ValueError(
+            f"sliding_window={kwargs['sliding_window']} attention is not implemented for packed "
+            "sequences: use a model config with use_sliding_window=false"
+        )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got batch size {query.shape[0]}")
     if varlen_available(query.device, query.dtype):
         if dropout > 0:
-            raise ValueError(f"attention dropout {dropout} is not supported by the varlen kernel: set the model "
-                             "config's attention_dropout to 0")
+            raise ValueError(
+                f"attention dropout {dropout} is not supported by the varlen kernel: set the model "
+                "config's attention_dropout to 0"
+            )
         max_len = int(kwargs["max_length_q"])
-        out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                      cu.to(torch.int32), max_len, scaling)
+        out = _varlen(
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            cu.to(torch.int32),
+            max_len,
+            scaling,
+        )
     else:
         out = _per_sequence(query, key, value, cu.tolist(), scaling, dropout)
     return out.unsqueeze(0), None

@@ -44,8 +44,9 @@ class HeadRequest:
     """For padded (B, S) inputs: flat indices of the real tokens, in packed order; None for packed inputs."""
 
 
-def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor,
-                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _chunk_stats(
+    logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     z = logits.float() * inv_temp.unsqueeze(-1)
     lse = torch.logsumexp(z, dim=-1)
     log_prob = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
@@ -55,8 +56,13 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Te
     return log_prob, entropy
 
 
-def next_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, request: HeadRequest,
-                     fn: Any = _chunk_stats) -> torch.Tensor:
+def next_token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    request: HeadRequest,
+    fn: Any = _chunk_stats,
+) -> torch.Tensor:
     """(T, H) hidden -> (T, 1 or 2) [log_prob, entropy] of ``request.targets``, chunked over tokens.
 
     ``fn`` is the per-chunk function (:func:`_chunk_stats` or a compiled copy of it)."""

@@ -10,8 +10,10 @@ until every row has produced a stop token (eos always counts) or ``max_new_token
 
 Weights arrive through engine-core's bucketed protocol even though trainer and rollout share a process:
 ``BucketSender -> InProcessTransport -> BucketReceiver`` checksums every tensor, and the receiver copies each
-one into the HF parameter or buffer of the same name under ``no_grad`` (an unknown name or a shape mismatch
-raises ``WeightSyncError``). Until a sync completes the rollout refuses to generate.
+one into the HF parameter or buffer of the same name under ``no_grad``. An unknown name, a shape mismatch, or a
+sync that leaves a parameter untouched (tied weights count once) raises ``WeightSyncError``, and until a sync
+completes the rollout refuses to generate. A LoRA actor may stream merged weights, or (verl's ``base_sync_done``
+protocol) the base weights once and then only its adapters, which :mod:`posttrain.rollout_hf.lora` merges.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import torch
 
 from posttrain.core import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
 from posttrain.core.weight_sync import (
-    Bucket,
     BucketReceiver,
     BucketSender,
     BucketTransport,
@@ -32,10 +33,17 @@ from posttrain.core.weight_sync import (
     WeightSyncError,
 )
 
+from .lora import AdapterMerger, check_peft_config
 from .sampling import select_tokens
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -60,15 +68,22 @@ def eos_token_ids(model: Any) -> set[int]:
 class HFRollout(BaseRollout):
     """A transformers causal LM that generates in batches and takes new weights through bucketed sync."""
 
-    def __init__(self, config: RolloutConfig, model_path: str, device: str | torch.device = "cpu",
-                 dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> None:
+    def __init__(
+        self,
+        config: RolloutConfig,
+        model_path: str,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.config = config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype if dtype is not None else config.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
-                                                          trust_remote_code=trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=self.dtype, trust_remote_code=trust_remote_code
+        )
         self.model.to(self.device).eval()
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.eos_ids = eos_token_ids(self.model)
@@ -76,17 +91,31 @@ class HFRollout(BaseRollout):
         self.generator.manual_seed(config.seed)
         self._weights_valid = True
         self._asleep = False
+        self._synced: set[int] = set()
+        self._adapters = AdapterMerger()
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
         """``sampling.n`` samples per prompt, prompt 0's first; see the module docstring for the log-probs."""
         if not self._weights_valid:
-            raise RuntimeError("the last weight sync into the HF rollout failed: its weights are partly updated; "
-                               "run update_weights again before generating")
+            raise RuntimeError(
+                "the last weight sync into the HF rollout failed: its weights are partly updated; "
+                "run update_weights again before generating"
+            )
+        if self.model is None:
+            raise RuntimeError("the HF rollout was released: build a new one")
         if self._asleep:
             raise RuntimeError("the HF rollout is asleep: call wake_up() before generate()")
         if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt and every prompt needs at least one token")
+        limit = self.config.max_model_len or self.config.prompt_length + self.config.response_length
+        longest = max(len(p) for p in prompts)
+        if longest + sampling.max_new_tokens > limit:
+            raise ValueError(
+                f"a prompt of {longest} tokens plus max_new_tokens={sampling.max_new_tokens} exceeds the rollout's "
+                f"context of {limit} tokens: raise rollout.max_model_len (or prompt_length/response_length) or "
+                "filter long prompts"
+            )
         generator = self.generator
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -94,51 +123,66 @@ class HFRollout(BaseRollout):
         rows = [list(p) for p in prompts for _ in range(sampling.n)]
         with torch.no_grad():
             tokens, log_probs, lengths, stopped = self._decode(rows, sampling, generator)
-        return [RolloutSample(prompt_index=i // sampling.n, prompt_ids=rows[i],
-                              response_ids=tokens[i, :lengths[i]].tolist(),
-                              log_probs=log_probs[i, :lengths[i]].float().cpu(),
-                              finish_reason="stop" if stopped[i] else "length")
-                for i in range(len(rows))]
+        return [
+            RolloutSample(
+                prompt_index=i // sampling.n,
+                prompt_ids=rows[i],
+                response_ids=tokens[i, : lengths[i]].tolist(),
+                log_probs=log_probs[i, : lengths[i]].float().cpu(),
+                finish_reason="stop" if stopped[i] else "length",
+            )
+            for i in range(len(rows))
+        ]
 
     def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def _decode(self, rows: list[list[int]], sampling: SamplingConfig,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
+    def _decode(
+        self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
+        """Prefill, then one token per step for the rows still running; finished rows leave the batch and
+        its KV cache."""
         from transformers import DynamicCache
 
-        ids, mask = self._left_pad(rows)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        step_ids, mask = self._left_pad(rows)
+        step_pos = (mask.cumsum(-1) - 1).clamp(min=0)
         stop_ids = torch.tensor(sorted(self.eos_ids | set(sampling.stop_token_ids)), device=self.device)
         num = len(rows)
         out_tokens = torch.full((num, sampling.max_new_tokens), self.pad_token_id, device=self.device)
         out_logps = torch.zeros((num, sampling.max_new_tokens), device=self.device)
-        lengths = torch.zeros(num, dtype=torch.long, device=self.device)
-        done = torch.zeros(num, dtype=torch.bool, device=self.device)
+        lengths = torch.full((num,), sampling.max_new_tokens, dtype=torch.long, device=self.device)
         stopped = torch.zeros(num, dtype=torch.bool, device=self.device)
+        active = torch.arange(num, device=self.device)
         cache = DynamicCache(config=self.model.config)
-        step_ids, step_pos = ids, positions
         for step in range(sampling.max_new_tokens):
-            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             token, logp = select_tokens(out.logits[:, -1, :], sampling, generator)
-            token = torch.where(done, torch.full_like(token, self.pad_token_id), token)
-            out_tokens[:, step], out_logps[:, step] = token, torch.where(done, 0.0, logp)
-            lengths += (~done).long()
-            hit_stop = torch.isin(token, stop_ids) & ~done
-            stopped |= hit_stop
-            done |= hit_stop
-            if bool(done.all()):
+            out_tokens[active, step], out_logps[active, step] = token, logp
+            hit_stop = torch.isin(token, stop_ids)
+            stopped[active[hit_stop]] = True
+            lengths[active[hit_stop]] = step + 1
+            keep = (~hit_stop).nonzero().squeeze(-1)
+            if keep.numel() == 0:
                 break
             cache = out.past_key_values
+            if keep.numel() < active.numel():
+                cache.batch_select_indices(keep)
+                active, token, mask, step_pos = active[keep], token[keep], mask[keep], step_pos[keep]
             step_ids, step_pos = token.unsqueeze(-1), step_pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((num, 1), dtype=mask.dtype, device=self.device)], dim=-1)
+            mask = torch.cat([mask, mask.new_ones((active.numel(), 1))], dim=-1)
         return out_tokens.cpu(), out_logps.cpu(), lengths.tolist(), stopped.tolist()
 
     # ------------------------------------------------------------------ weights
@@ -151,35 +195,68 @@ class HFRollout(BaseRollout):
         with torch.no_grad():
             for name, tensor in tensors:
                 if name not in targets:
-                    raise WeightSyncError(f"weight sync sent {name!r}, which the HF rollout model does not have "
-                                          f"(it has e.g. {sorted(targets)[:3]}): trainer and rollout models differ")
+                    raise WeightSyncError(
+                        f"weight sync sent {name!r}, which the HF rollout model does not have "
+                        f"(it has e.g. {sorted(targets)[:3]}): trainer and rollout models differ"
+                    )
                 target = targets[name]
                 if tuple(target.shape) != tuple(tensor.shape):
-                    raise WeightSyncError(f"weight sync sent {name!r} with shape {tuple(tensor.shape)}, the rollout "
-                                          f"model has {tuple(target.shape)}")
+                    raise WeightSyncError(
+                        f"weight sync sent {name!r} with shape {tuple(tensor.shape)}, the rollout "
+                        f"model has {tuple(target.shape)}"
+                    )
                 target.copy_(tensor)
+                self._synced.add(id(target))
+
+    def _check_complete(self) -> None:
+        """Raise unless every parameter (tied ones count once) received a tensor in this sync."""
+        missing = [name for name, p in self.model.named_parameters() if id(p) not in self._synced]
+        if missing:
+            raise WeightSyncError(
+                f"weight sync left {len(missing)} parameter(s) of the HF rollout untouched, e.g. {missing[:3]}: "
+                "stream every weight (a full sync), or the rollout would generate from stale weights"
+            )
 
     def _make_transport(self, receiver: BucketReceiver) -> BucketTransport:
         """How buckets reach the receiver: in-process here."""
         return InProcessTransport(receiver)
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, peft_config: dict[str, Any] | None = None,
-                       base_sync_done: bool = False) -> SyncReport:
-        """Load a stream of full HF-named tensors through checksummed buckets; returns what moved."""
-        if peft_config is not None:
-            raise ValueError("the HF rollout takes full (merged) weights only, got a peft_config: have the engine "
-                             "stream merged LoRA weights (e.g. get_per_tensor_param(merge_lora=True)) or use vLLM")
+    def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        peft_config: dict[str, Any] | None = None,
+        base_sync_done: bool = False,
+    ) -> SyncReport:
+        """Load a stream through checksummed buckets; returns what moved. Without ``peft_config`` (or with it
+        and ``base_sync_done=False``, LoRA's base weights) the stream is every weight under HF names; with
+        ``peft_config`` and ``base_sync_done=True`` it is the LoRA adapter only, merged by :mod:`.lora`."""
         if self._asleep:
             raise RuntimeError("the HF rollout is asleep: call wake_up(['weights']) before update_weights()")
+        adapter_only = peft_config is not None and base_sync_done
+        if peft_config is not None:
+            check_peft_config(peft_config)
         start = time.perf_counter()
-        receiver = BucketReceiver(self._load)
-        sender = BucketSender(self._make_transport(receiver), self.config.update_weights_bucket_megabytes << 20,
-                              device=self.device, dtype=self.dtype)
+        receiver = BucketReceiver(self._adapters.collect if adapter_only else self._load)
+        sender = BucketSender(
+            self._make_transport(receiver),
+            self.config.update_weights_bucket_megabytes << 20,
+            device=self.device,
+            dtype=self.dtype,
+        )
         self._weights_valid = False
+        self._synced = set()
         report = sender.send(weights)
         loaded = receiver.finish()
         if loaded != report.num_tensors:
-            raise WeightSyncError(f"weight sync sent {report.num_tensors} tensors but the rollout loaded {loaded}")
+            raise WeightSyncError(
+                f"weight sync sent {report.num_tensors} tensors but the rollout loaded {loaded}"
+            )
+        if adapter_only:
+            self._adapters.merge(self._named_tensors(), peft_config)
+        else:
+            self._check_complete()
+            self._adapters.reset_bases()
         self._weights_valid = True
         report.timings["update_weights"] = time.perf_counter() - start
         return report
@@ -187,7 +264,8 @@ class HFRollout(BaseRollout):
     # ------------------------------------------------------------------ memory and state
     def sleep(self, level: int = 1) -> None:
         """Offload the weights to CPU memory (on CPU there is nothing to free); the KV cache lives only inside
-        ``generate``. Level 2 offloads too: the weights are kept so the next sync may be partial."""
+        ``generate``. Level 2 does the same (the weights are kept, not discarded). Until :meth:`wake_up` brings the
+        weights back, ``generate`` and ``update_weights`` refuse to run, on CPU too."""
         if self.device.type != "cpu":
             self.model.to("cpu")
             torch.cuda.empty_cache()
@@ -205,7 +283,7 @@ class HFRollout(BaseRollout):
 
     def release(self) -> None:
         """Drop the model; the rollout cannot be used afterwards."""
-        del self.model
+        self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

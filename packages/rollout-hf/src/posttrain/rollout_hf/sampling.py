@@ -40,8 +40,9 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     return logits
 
 
-def select_tokens(logits: torch.Tensor, sampling: SamplingConfig,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_tokens(
+    logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of (N, V) logits; returns (tokens (N,), log-probs (N,) float32)."""
     processed = process_logits(logits, sampling)
     log_probs = torch.log_softmax(processed, dim=-1)

@@ -161,7 +161,7 @@ class WeightSyncWorkerExtension:
         os.makedirs(path, exist_ok=True)
         save_file(state["tensors"], os.path.join(path, "adapter_model.safetensors"))
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
-            json.dump(_jsonable(state["peft_config"]), f)
+            json.dump(jsonable(state["peft_config"]), f)
         # load_inplace: without it vLLM keeps serving the adapter it cached under this id.
         self.model_runner.add_lora(LoRARequest(name, lora_id, path, load_inplace=True))
         state["lora_path"] = path
@@ -177,13 +177,14 @@ def _peft_name(name: str) -> str:
     return name if name.startswith("base_model.model.") else f"base_model.model.{name}"
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """``value`` with sets as sorted lists and enums as their values (JSON and msgpack safe)."""
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (set, frozenset)):
-        return sorted(_jsonable(v) for v in value)
+        return sorted(jsonable(v) for v in value)
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value.value if hasattr(value, "value") else value)

@@ -21,6 +21,8 @@ buffer (once per segment or handle) and returns the :class:`Bucket`; checksums a
 
 from __future__ import annotations
 
+import mmap
+import os
 import pickle
 from collections.abc import Callable
 from multiprocessing import shared_memory
@@ -84,7 +86,7 @@ class BucketOpener:
     """Worker side: payload -> :class:`Bucket`, mapping each shared buffer once until :meth:`close`."""
 
     def __init__(self) -> None:
-        self._segments: dict[str, shared_memory.SharedMemory] = {}
+        self._maps: list[mmap.mmap] = []
         self._buffers: dict[Any, torch.Tensor] = {}
 
     def open(self, payload: Bucket | bytes) -> Bucket:
@@ -99,10 +101,7 @@ class BucketOpener:
         key = (kind, handle if kind == "shm" else handle[7])  # the IPC memory handle bytes identify the buffer
         if key not in self._buffers:
             if kind == "shm":
-                # Attach plainly: the segment belongs to the trainer, which unlinks it.
-                segment = shared_memory.SharedMemory(name=handle)
-                self._segments[handle] = segment
-                self._buffers[key] = torch.frombuffer(segment.buf, dtype=torch.uint8)
+                self._buffers[key] = self._map_segment(handle)
             elif kind == "cuda_ipc":
                 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -111,9 +110,24 @@ class BucketOpener:
                 raise ValueError(f"weight-sync payload of unknown kind {kind!r}")
         return self._buffers[key]
 
+    def _map_segment(self, name: str) -> torch.Tensor:
+        # Map /dev/shm/<name> directly rather than through SharedMemory: on Python < 3.13 attaching registers the
+        # segment with this process's resource tracker, which then reports it leaked (and unlinks it) at exit.
+        path = os.path.join("/dev/shm", name.lstrip("/"))
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"weight-sync shared-memory segment {path} does not exist (the trainer must "
+                                    "run on the same host and keep the segment until the sync ends)")
+        with open(path, "r+b") as f:
+            segment = mmap.mmap(f.fileno(), 0)
+        self._maps.append(segment)
+        return torch.frombuffer(segment, dtype=torch.uint8)
+
     def close(self) -> None:
         """Drop every mapping (the trainer may then free or reuse its buffers)."""
         self._buffers.clear()
-        for segment in self._segments.values():
-            segment.close()
-        self._segments.clear()
+        for segment in self._maps:
+            try:
+                segment.close()
+            except BufferError:  # a tensor still views it; the mapping goes when that tensor does
+                pass
+        self._maps.clear()

@@ -18,6 +18,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "posttrain.trainers.commands.config_cmd:main",
         "show the resolved config: posttrain config show [k=v ...]",
     ),
+    "sft": (
+        "posttrain.trainers.commands.sft_cmd:main",
+        "supervised fine-tuning: posttrain sft [--config P] [k=v ...]",
+    ),
+    "model": (
+        "posttrain.trainers.commands.model_cmd:main",
+        "offline models: posttrain model init --size tiny --out DIR",
+    ),
+    "data": (
+        "posttrain.trainers.commands.data_cmd:main",
+        "datasets: posttrain data synthetic|gsm8k|math --out DIR",
+    ),
+    "demo": ("posttrain.trainers.demo:main", "the main job: tiny model -> SFT -> GRPO on CPU, no downloads"),
+    "ppo": ("posttrain.trainers.main_ppo:main", "PPO (GAE + critic): posttrain ppo [--config P] [k=v ...]"),
+    "grpo": (
+        "posttrain.trainers.main_ppo:main_grpo",
+        "GRPO (no critic): posttrain grpo [--config P] [k=v ...]",
+    ),
 }
 """name -> (module:function, one-line help) for commands this package owns."""
 

@@ -1,6 +1,6 @@
 """The whole run's config: one dataclass tree, YAML presets and ``key=value`` overrides.
 
-Top-level keys: model, data, actor, ref, critic, rollout, algorithm, trainer, checkpoint, plus ``model_engine``
+Top-level keys: model, data, actor, ref, critic, rollout, algorithm, reward, trainer, checkpoint, plus ``model_engine``
 (fsdp | fsdp2 | megatron), which sets the strategy of actor, ref and critic at once; a per-role
 ``<role>.engine.strategy=...`` still wins. Each component validates its own fields; this module adds the rules
 that span components (checkpoint x engine, parallel layout x world size).
@@ -25,7 +25,9 @@ from posttrain.core.config import (
 from posttrain.core.config.loader import ConfigError, merge_config, parse_overrides
 from posttrain.core.rollout import RolloutConfig
 
+from .algorithms import AlgorithmConfig
 from .data.config import DataConfig
+from .rewards import RewardConfig
 from .roles import ActorConfig, CriticConfig, RefConfig
 from .trainer_config import TrainerConfig
 
@@ -51,6 +53,10 @@ class PostTrainConfig:
     """The value model."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation backend."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator and KL-in-reward (PPO / GRPO)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function (rule-based by data_source, or a user function)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, logging and resume."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

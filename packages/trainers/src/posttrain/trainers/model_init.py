@@ -48,10 +48,22 @@ class ModelSize:
 
 
 SIZES = {
-    "tiny": ModelSize(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
-                      intermediate_size=256, vocab_size=384),
-    "small": ModelSize(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
-                       intermediate_size=768, vocab_size=1024),
+    "tiny": ModelSize(
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        vocab_size=384,
+    ),
+    "small": ModelSize(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        intermediate_size=768,
+        vocab_size=1024,
+    ),
 }
 ARCHS = ("qwen2",)
 
@@ -64,17 +76,30 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     from .data.synthetic import tokenizer_corpus
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(tokenizer_corpus(seed=seed), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, unk_token=None,
-                                   bos_token=None, chat_template=CHAT_TEMPLATE, model_max_length=32768,
-                                   clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD,
+        unk_token=None,
+        bos_token=None,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def model_config(arch: str, size: str, tokenizer: Any, max_position_embeddings: int = 2048):
@@ -88,12 +113,21 @@ def model_config(arch: str, size: str, tokenizer: Any, max_position_embeddings: 
     s = SIZES[size]
     vocab = -(-len(tokenizer) // 64) * 64
     return AutoConfig.for_model(
-        arch, vocab_size=vocab, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
-        num_key_value_heads=s.num_key_value_heads, head_dim=s.hidden_size // s.num_attention_heads,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
-        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END), pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
-        bos_token_id=None, torch_dtype="float32")
+        arch,
+        vocab_size=vocab,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_hidden_layers,
+        num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_key_value_heads,
+        head_dim=s.hidden_size // s.num_attention_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
 
 
 def init_model(out_dir: str | Path, *, arch: str = "qwen2", size: str = "tiny", seed: int = 0) -> Path:
@@ -107,8 +141,9 @@ def init_model(out_dir: str | Path, *, arch: str = "qwen2", size: str = "tiny", 
     config = model_config(arch, size, tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-                                               bos_token_id=None)
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, bos_token_id=None
+    )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

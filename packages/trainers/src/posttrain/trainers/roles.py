@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 
 from posttrain.core.config import EngineConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
 
+from .algorithms import ActorLossConfig, CriticLossConfig
+
 
 @dataclass(kw_only=True)
-class ActorConfig:
-    """The policy being trained."""
+class ActorConfig(ActorLossConfig):
+    """The policy being trained: its engine, optimizer, PPO batching and (inherited) loss knobs."""
 
     engine: EngineConfig = field(default_factory=FSDPEngineConfig)
     """Training backend and its parallel layout."""
@@ -29,6 +31,7 @@ class ActorConfig:
     """Shuffle sequences between mini-batches."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.ppo_mini_batch_size < 1 or self.ppo_epochs < 1:
             raise ValueError(
                 f"actor.ppo_mini_batch_size={self.ppo_mini_batch_size} and actor.ppo_epochs="
@@ -45,8 +48,8 @@ class RefConfig:
 
 
 @dataclass(kw_only=True)
-class CriticConfig:
-    """The value model (GAE only)."""
+class CriticConfig(CriticLossConfig):
+    """The value model (GAE only): its model, engine, optimizer, batching and (inherited) loss knobs."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """Critic model; an empty path means the actor's model with a fresh value head."""
@@ -58,5 +61,3 @@ class CriticConfig:
     """Prompts per critic optimizer step (global)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
-    cliprange_value: float = 0.5
-    """Clip of the value update around the old values."""

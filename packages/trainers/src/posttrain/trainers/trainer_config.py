@@ -41,6 +41,8 @@ class TrainerConfig:
     """Global seed (data order, sampling, init)."""
     critic_warmup: int = 0
     """PPO: update only the critic for this many steps."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device for perf/mfu; None looks known GPUs up (a CPU run reports no MFU)."""
 
     def __post_init__(self) -> None:
         unknown = [x for x in self.logger if x not in LOGGERS]
@@ -60,5 +62,7 @@ class TrainerConfig:
                 f"trainer.nnodes={self.nnodes} and trainer.n_gpus_per_node={self.n_gpus_per_node} "
                 "must be >= 1"
             )
+        if self.total_training_steps is not None and self.total_training_steps < 1:
+            raise ValueError(f"trainer.total_training_steps={self.total_training_steps} must be >= 1 or null")
         if self.total_epochs < 1:
             raise ValueError(f"trainer.total_epochs={self.total_epochs} must be >= 1")

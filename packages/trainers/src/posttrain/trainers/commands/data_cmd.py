@@ -13,7 +13,9 @@ from ..data.synthetic import TASKS, arithmetic_rows
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="posttrain data", description="Make datasets (nothing is downloaded).")
     sub = p.add_subparsers(dest="action", required=True)
-    syn = sub.add_parser("synthetic", help="a task a tiny model learns in minutes -> OUT/{train,test}.parquet")
+    syn = sub.add_parser(
+        "synthetic", help="a task a tiny model learns in minutes -> OUT/{train,test}.parquet"
+    )
     syn.add_argument("--task", choices=TASKS, default="arithmetic")
     syn.add_argument("--out", required=True, help="output directory")
     syn.add_argument("--num-train", type=int, default=2000)
@@ -22,10 +24,16 @@ def parser() -> argparse.ArgumentParser:
     syn.add_argument("--seed", type=int, default=0)
     for name in ("gsm8k", "math"):
         conv = sub.add_parser(name, help=f"convert a local {name} parquet/jsonl -> OUT/<split>.parquet")
-        conv.add_argument("--input", required=True, help="local .parquet or .jsonl in the dataset's own format")
+        conv.add_argument(
+            "--input", required=True, help="local .parquet or .jsonl in the dataset's own format"
+        )
         conv.add_argument("--out", required=True, help="output directory")
-        conv.add_argument("--split", choices=("train", "test"), default=None,
-                          help="split name (default: test if the input file name contains 'test', else train)")
+        conv.add_argument(
+            "--split",
+            choices=("train", "test"),
+            default=None,
+            help="split name (default: test if the input file name contains 'test', else train)",
+        )
     return p
 
 

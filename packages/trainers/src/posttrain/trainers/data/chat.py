@@ -16,7 +16,9 @@ from typing import Any
 def _render(tokenizer: Any, messages: Sequence[dict], generation_prompt: bool) -> str:
     if not messages:
         return ""
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=generation_prompt
+    )
 
 
 def tokenize_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[float]]:
@@ -38,10 +40,12 @@ def tokenize_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> tuple[l
 
 def _extend(tokenizer: Any, ids: list[int], mask: list[float], done: str, text: str, value: float) -> None:
     if not text.startswith(done):
-        raise ValueError("the tokenizer's chat template does not render conversations as growing prefixes "
-                         f"(rendering of a longer chat does not start with {done[-40:]!r}); use a template "
-                         "where each message only appends text")
-    piece = text[len(done):]
+        raise ValueError(
+            "the tokenizer's chat template does not render conversations as growing prefixes "
+            f"(rendering of a longer chat does not start with {done[-40:]!r}); use a template "
+            "where each message only appends text"
+        )
+    piece = text[len(done) :]
     if piece:
         new = tokenizer(piece, add_special_tokens=False)["input_ids"]
         ids.extend(new)
@@ -53,8 +57,10 @@ def truncate(ids: list[int], mask: list[float], max_length: int, mode: str, wher
     if len(ids) <= max_length:
         return ids, mask
     if mode == "error":
-        raise ValueError(f"{where} has {len(ids)} tokens, more than data.max_length={max_length}: raise "
-                         "data.max_length, set data.truncation=left|right, or drop the sample")
+        raise ValueError(
+            f"{where} has {len(ids)} tokens, more than data.max_length={max_length}: raise "
+            "data.max_length, set data.truncation=left|right, or drop the sample"
+        )
     if mode == "left":
         return ids[-max_length:], mask[-max_length:]
     return ids[:max_length], mask[:max_length]

@@ -40,7 +40,9 @@ class DataConfig:
         if self.truncation not in ("error", "left", "right"):
             raise ValueError(f"data.truncation={self.truncation!r}: use error, left or right")
         if self.pad_mode != "no_padding":
-            raise ValueError(f"data.pad_mode={self.pad_mode!r} is not supported: use no_padding (packed batches)")
+            raise ValueError(
+                f"data.pad_mode={self.pad_mode!r} is not supported: use no_padding (packed batches)"
+            )
         if self.train_batch_size < 1:
             raise ValueError(f"data.train_batch_size={self.train_batch_size} must be >= 1")
         if self.max_length < 2:

@@ -27,7 +27,9 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a local ``.parquet`` or ``.jsonl``/``.json`` file as dicts."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--input {str(path)!r} does not exist (posttrain downloads nothing: pass a local file)")
+        raise ValueError(
+            f"--input {str(path)!r} does not exist (posttrain downloads nothing: pass a local file)"
+        )
     if path.suffix == ".parquet":
         return pq.read_table(path).to_pylist()
     if path.suffix in (".jsonl", ".json"):
@@ -61,17 +63,25 @@ def last_boxed(solution: str) -> str | None:
     for j in range(i, len(solution)):
         depth += {"{": 1, "}": -1}.get(solution[j], 0)
         if depth == 0:
-            return solution[i + 1:j]
+            return solution[i + 1 : j]
     return None
 
 
-def convert(task: str, records: list[dict[str, Any]], split: str, path: str = "input") -> list[dict[str, Any]]:
+def convert(
+    task: str, records: list[dict[str, Any]], split: str, path: str = "input"
+) -> list[dict[str, Any]]:
     """Rows of ``task`` (gsm8k or math) in posttrain's columns."""
     rows = []
     for i, r in enumerate(records):
         if task == "gsm8k":
             _require(r, ("question", "answer"), path, i)
-            q, a, truth, src, inst = r["question"], r["answer"], gsm8k_answer(r["answer"]), GSM8K_SOURCE, GSM8K_INSTRUCTION
+            q, a, truth, src, inst = (
+                r["question"],
+                r["answer"],
+                gsm8k_answer(r["answer"]),
+                GSM8K_SOURCE,
+                GSM8K_INSTRUCTION,
+            )
         elif task == "math":
             _require(r, ("problem", "solution"), path, i)
             truth = last_boxed(r["solution"])
@@ -80,7 +90,9 @@ def convert(task: str, records: list[dict[str, Any]], split: str, path: str = "i
             q, a, src, inst = r["problem"], r["solution"], MATH_SOURCE, MATH_INSTRUCTION
         else:
             raise ValueError(f"unknown dataset {task!r}: use gsm8k or math")
-        rows.append(make_row(q, a, truth, data_source=src, ability="math", instruction=inst, split=split, index=i))
+        rows.append(
+            make_row(q, a, truth, data_source=src, ability="math", instruction=inst, split=split, index=i)
+        )
     return rows
 
 

@@ -18,8 +18,10 @@ def _is_chat(t: pa.DataType) -> bool:
     if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_struct(t.value_type):
         return False
     names = {t.value_type.field(i).name: t.value_type.field(i).type for i in range(t.value_type.num_fields)}
-    return all(k in names and (pa.types.is_string(names[k]) or pa.types.is_large_string(names[k]))
-               for k in ("role", "content"))
+    return all(
+        k in names and (pa.types.is_string(names[k]) or pa.types.is_large_string(names[k]))
+        for k in ("role", "content")
+    )
 
 
 CHAT = "list<struct<role: string, content: string>>"
@@ -29,8 +31,10 @@ CHAT = "list<struct<role: string, content: string>>"
 def check_column(path: str, schema: pa.Schema, column: str, expected: str) -> None:
     """Raise unless ``schema`` has ``column`` of type ``expected`` (``CHAT`` or ``string``)."""
     if column not in schema.names:
-        raise ValueError(f"{path}: column {column!r} is missing (columns are {schema.names}); set the data key "
-                         f"(e.g. data.messages_key) to the column that holds it or fix the file")
+        raise ValueError(
+            f"{path}: column {column!r} is missing (columns are {schema.names}); set the data key "
+            f"(e.g. data.messages_key) to the column that holds it or fix the file"
+        )
     t = schema.field(column).type
     ok = _is_chat(t) if expected == CHAT else (pa.types.is_string(t) or pa.types.is_large_string(t))
     if not ok:

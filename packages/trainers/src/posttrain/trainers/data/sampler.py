@@ -20,8 +20,10 @@ class StatefulSampler:
 
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 1) -> None:
         if batch_size > num_samples:
-            raise ValueError(f"data.train_batch_size={batch_size} is larger than the training set ({num_samples} "
-                             "samples): lower data.train_batch_size or add data")
+            raise ValueError(
+                f"data.train_batch_size={batch_size} is larger than the training set ({num_samples} "
+                "samples): lower data.train_batch_size or add data"
+            )
         self.num_samples, self.batch_size, self.shuffle, self.seed = num_samples, batch_size, shuffle, seed
         self.epoch = 0
         self.step_in_epoch = 0
@@ -49,18 +51,26 @@ class StatefulSampler:
             self._order = self.order(self.epoch)
         start = self.step_in_epoch * self.batch_size
         self.step_in_epoch += 1
-        return self.epoch, self._order[start:start + self.batch_size]
+        return self.epoch, self._order[start : start + self.batch_size]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "num_samples": self.num_samples,
-                "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "num_samples": self.num_samples,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("num_samples", "batch_size", "shuffle", "seed"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"the checkpoint's sampler has {key}={state[key]} but this run has "
-                                 f"{getattr(self, key)}: resume with the same data and data.train_batch_size/"
-                                 "shuffle/seed, or start fresh (trainer.resume_mode=disable)")
+                raise ValueError(
+                    f"the checkpoint's sampler has {key}={state[key]} but this run has "
+                    f"{getattr(self, key)}: resume with the same data and data.train_batch_size/"
+                    "shuffle/seed, or start fresh (trainer.resume_mode=disable)"
+                )
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
         self._order = None
 
@@ -68,7 +78,9 @@ class StatefulSampler:
 def rank_slice(indices: list[int], rank: int, world: int) -> list[int]:
     """The contiguous share of ``indices`` that data-parallel ``rank`` of ``world`` trains on."""
     if len(indices) % world:
-        raise ValueError(f"a batch of {len(indices)} samples does not split over {world} data-parallel ranks: "
-                         f"make data.train_batch_size a multiple of {world}")
+        raise ValueError(
+            f"a batch of {len(indices)} samples does not split over {world} data-parallel ranks: "
+            f"make data.train_batch_size a multiple of {world}"
+        )
     per = len(indices) // world
-    return indices[rank * per:(rank + 1) * per]
+    return indices[rank * per : (rank + 1) * per]

@@ -35,9 +35,13 @@ def check_messages(messages: Any, where: str) -> None:
 class SFTDataset:
     """Tokenised conversations: ``input_ids[i]``, ``loss_mask[i]`` and where each came from."""
 
-    def __init__(self, files: Sequence[str], tokenizer: Any, config: DataConfig, key: str = "data.train_files"):
+    def __init__(
+        self, files: Sequence[str], tokenizer: Any, config: DataConfig, key: str = "data.train_files"
+    ):
         if not files:
-            raise ValueError(f"{key} is empty: give at least one parquet file, e.g. {key}=[data/train.parquet]")
+            raise ValueError(
+                f"{key} is empty: give at least one parquet file, e.g. {key}=[data/train.parquet]"
+            )
         tables = [(f, read_table(f, {config.messages_key: CHAT})) for f in files]
         self.input_ids: list[list[int]] = []
         self.loss_mask: list[list[float]] = []
@@ -64,5 +68,6 @@ class SFTDataset:
         """The samples ``indices`` packed end to end."""
         if not indices:
             raise ValueError("SFTDataset.batch needs at least one sample index")
-        return PackedBatch.from_sequences([self.input_ids[i] for i in indices],
-                                          [self.loss_mask[i] for i in indices], meta=meta)
+        return PackedBatch.from_sequences(
+            [self.input_ids[i] for i in indices], [self.loss_mask[i] for i in indices], meta=meta
+        )

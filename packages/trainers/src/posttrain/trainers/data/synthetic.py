@@ -24,8 +24,17 @@ def arithmetic_example(a: int, b: int) -> tuple[str, str, str]:
     return f"What is {a} + {b}?", f"{a} + {b} = {total}\n#### {total}", str(total)
 
 
-def make_row(question: str, answer: str, truth: str, *, data_source: str, ability: str, instruction: str,
-             split: str, index: int) -> dict[str, Any]:
+def make_row(
+    question: str,
+    answer: str,
+    truth: str,
+    *,
+    data_source: str,
+    ability: str,
+    instruction: str,
+    split: str,
+    index: int,
+) -> dict[str, Any]:
     """One row with both the SFT chat and verl's RL columns."""
     user = f"{question} {instruction}".strip()
     return {
@@ -38,15 +47,19 @@ def make_row(question: str, answer: str, truth: str, *, data_source: str, abilit
     }
 
 
-def arithmetic_rows(num_train: int, num_test: int, *, digits: int = 2, seed: int = 0) -> dict[str, list[dict]]:
+def arithmetic_rows(
+    num_train: int, num_test: int, *, digits: int = 2, seed: int = 0
+) -> dict[str, list[dict]]:
     """``{"train": rows, "test": rows}`` of distinct additions of ``digits``-digit numbers."""
     if digits < 1:
         raise ValueError(f"digits={digits} must be >= 1")
     low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
     space = (high - low + 1) ** 2
     if num_train + num_test > space:
-        raise ValueError(f"num_train + num_test = {num_train + num_test} exceeds the {space} distinct "
-                         f"{digits}-digit additions: lower them or raise --digits")
+        raise ValueError(
+            f"num_train + num_test = {num_train + num_test} exceeds the {space} distinct "
+            f"{digits}-digit additions: lower them or raise --digits"
+        )
     rng = random.Random(seed)
     pairs: list[tuple[int, int]] = []
     seen: set[tuple[int, int]] = set()
@@ -59,19 +72,37 @@ def arithmetic_rows(num_train: int, num_test: int, *, digits: int = 2, seed: int
     for i, (a, b) in enumerate(pairs):
         split = "train" if i < num_train else "test"
         q, ans, truth = arithmetic_example(a, b)
-        out[split].append(make_row(q, ans, truth, data_source=DATA_SOURCE, ability="math",
-                                   instruction=INSTRUCTION, split=split, index=len(out[split])))
+        out[split].append(
+            make_row(
+                q,
+                ans,
+                truth,
+                data_source=DATA_SOURCE,
+                ability="math",
+                instruction=INSTRUCTION,
+                split=split,
+                index=len(out[split]),
+            )
+        )
     return out
 
 
 def tokenizer_corpus(num_lines: int = 4000, seed: int = 0) -> Iterator[str]:
     """Text a tiny tokenizer is trained on: arithmetic chats plus plain English and markup."""
     rng = random.Random(seed)
-    words = ("the answer is what think step by step and output final after let us a number sum plus minus "
-             "question user assistant system you are helpful solve problem total each how many more than "
-             "boxed equals times of to in for with result so we have then").split()
+    words = (
+        "the answer is what think step by step and output final after let us a number sum plus minus "
+        "question user assistant system you are helpful solve problem total each how many more than "
+        "boxed equals times of to in for with result so we have then"
+    ).split()
     for i in range(num_lines):
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         q, ans, _ = arithmetic_example(a, b)
         yield f"{q} {INSTRUCTION}\n{ans}"
-        yield " ".join(rng.choice(words) for _ in range(12)) + (". " if i % 2 else "? ") + "\\boxed{" + str(a) + "}"
+        yield (
+            " ".join(rng.choice(words) for _ in range(12))
+            + (". " if i % 2 else "? ")
+            + "\\boxed{"
+            + str(a)
+            + "}"
+        )

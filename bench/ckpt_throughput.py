@@ -1,0 +1,188 @@
+"""Checkpoint throughput: save/load GB/s of a model + AdamW state against a raw write/read of the same bytes.
+
+Default: a Qwen2.5-1.5B-shaped model (1.54 B params, fp32 master weights + AdamW exp_avg/exp_avg_sq, about
+18.5 GB) on one GPU, in one process. In the same call it measures
+
+- raw write: the same bytes, already in host memory, written to one file in ``--dir`` with fsync (the disk's rate);
+- raw read: that file read back after its pages were dropped from the page cache (``posix_fadvise``);
+- sync save: ``CheckpointManager.stage`` + ``save_role`` + ``commit`` (D2H, DCP write, fsync, rename);
+- load: ``load_role`` of model + optimizer + extra into the live model (page cache dropped first);
+- async save, twice: the time ``save_role`` blocks training (D2H snapshot into pinned buffers; the first call
+  also allocates them) and the time until the background write and commit are done.
+
+Targets (issue 4): save >= 70% of the raw write rate; steady-state async blocking <= 1 s.
+
+    python bench/ckpt_throughput.py [--dir /tmp/ckpt_bench] [--threads 8] [--json out.json]
+    python bench/ckpt_throughput.py --tiny          # CPU smoke run, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from posttrain.ckpt import CheckpointManager, RoleInfo, RoleState, load_role, save_role
+from posttrain.core.config import CheckpointConfig
+
+SHAPES = {
+    "1.5b": {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "tiny": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 512,
+        "tie_word_embeddings": True,
+    },
+}
+CONTENTS = ["model", "optimizer", "extra"]
+
+
+def build(shape: str, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    """The model in fp32 on ``device`` with a populated AdamW state (one step on random gradients)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    with device:
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPES[shape]), dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return model, opt, sched
+
+
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor a checkpoint of model + optimizer holds."""
+    out = [p.detach() for p in model.parameters()]
+    for st in opt.state.values():
+        out += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def sync_device() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def drop_cache(path: Path) -> None:
+    """Evict the (clean, fsynced) pages of every file under ``path`` from the page cache."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_write_read(tensors: list[torch.Tensor], target: Path) -> tuple[float, float]:
+    """Seconds to write the host copies of ``tensors`` to one file (fsync), and to read them back cold."""
+    host = [t.cpu() for t in tensors]
+    t0 = time.perf_counter()
+    with open(target, "wb") as f:
+        for t in host:
+            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t0
+    drop_cache(target)
+    t0 = time.perf_counter()
+    with open(target, "rb") as f:
+        for t in host:
+            f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    read_s = time.perf_counter() - t0
+    target.unlink()
+    return write_s, read_s
+
+
+def save(mgr: CheckpointManager, state: RoleState, step: int, threads: int) -> float:
+    """One save through the manager; with a writer, returns the seconds save_role blocked."""
+    staging = mgr.stage(step)
+    t0 = time.perf_counter()
+    save_role(
+        staging / "actor",
+        state,
+        RoleInfo(backend="torch", dcp_thread_count=threads),
+        CONTENTS,
+        step,
+        writer=mgr.writer,
+    )
+    blocked = time.perf_counter() - t0
+    mgr.commit(step)
+    return blocked
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    model, opt, sched = build("tiny" if args.tiny else "1.5b", device)
+    state = RoleState(model=model, optimizer=opt, lr_scheduler=sched, counters={"global_step": 0})
+    nbytes = sum(t.numel() * t.element_size() for t in state_tensors(model, opt))
+    root = Path(args.dir)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    res: dict[str, float] = {"state_gb": nbytes / 1e9, "device": device.type}
+    write_s, read_s = raw_write_read(state_tensors(model, opt), root / "raw.bin")
+    res |= {"raw_write_gbps": nbytes / 1e9 / write_s, "raw_read_gbps": nbytes / 1e9 / read_s}
+
+    mgr = CheckpointManager(root / "sync", CheckpointConfig(save_contents=CONTENTS, max_ckpt_to_keep=1))
+    sync_device()
+    t0 = time.perf_counter()
+    save(mgr, state, 1, args.threads)
+    res["save_s"] = time.perf_counter() - t0
+    res["save_gbps"] = nbytes / 1e9 / res["save_s"]
+    drop_cache(root / "sync")
+    t0 = time.perf_counter()
+    load_role(root / "sync" / "global_step_1" / "actor", state, CONTENTS)
+    sync_device()
+    res["load_s"] = time.perf_counter() - t0
+    res["load_gbps"] = nbytes / 1e9 / res["load_s"]
+    shutil.rmtree(root / "sync")
+
+    amgr = CheckpointManager(
+        root / "async", CheckpointConfig(save_contents=CONTENTS, async_save=True, max_ckpt_to_keep=1)
+    )
+    for i, key in ((1, "async_first"), (2, "async_steady")):
+        t0 = time.perf_counter()
+        res[f"{key}_blocking_s"] = save(amgr, state, i, args.threads)
+        amgr.wait()
+        res[f"{key}_total_s"] = time.perf_counter() - t0
+    amgr.close()
+    res["save_vs_raw_write"] = res["save_gbps"] / res["raw_write_gbps"]
+    res["load_vs_raw_read"] = res["load_gbps"] / res["raw_read_gbps"]
+    shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke run)")
+    parser.add_argument("--dir", default="/tmp/ckpt_bench", help="scratch directory on the disk under test")
+    parser.add_argument("--threads", type=int, default=8, help="DCP writer threads")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+    res = run(args)
+    for k, v in res.items():
+        print(f"{k:>28}: {v:.3f}" if isinstance(v, float) else f"{k:>28}: {v}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

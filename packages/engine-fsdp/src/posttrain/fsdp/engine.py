@@ -1,0 +1,426 @@
+"""FSDP2 / FSDP1 engines over Hugging Face models: a causal LM and a value model (one-label token classifier).
+
+Layout. Under ``torchrun`` (``WORLD_SIZE`` set) the engine initialises the default process group if the caller
+has not (NCCL on CUDA, gloo on CPU) and shards with FSDP2 (``strategy=fsdp2``) or FSDP1 (``fsdp``) over all
+ranks, or HSDP when ``0 < fsdp_size < world``; every rank is a data-parallel rank. In a plain process with no
+process group it runs the unwrapped module (autocast to ``dtype`` when that differs from ``model_dtype``).
+
+A step. ``forward_backward_batch`` splits the packed batch into micro-batches (by token budget with
+``use_dynamic_bsz``, else by count), runs every rank through the same number of them (a rank with fewer runs
+zero-weighted 2-token filler passes so FSDP's collectives line up), and hands each micro-batch's outputs to the
+loss function with the step's global token counts (:func:`posttrain.core.loss_context`). The model sees one
+packed row per micro-batch (:mod:`posttrain.fsdp.inputs`); the causal LM's head returns next-token log-probs
+(and entropy on request) chunk by chunk (:mod:`posttrain.fsdp.logprobs`), aligned so ``log_probs[t]`` scores
+token ``t``. ``optimizer_step`` clips to ``clip_grad`` and skips the update on a non-finite norm; the LR follows
+``OptimizerConfig.lr_multiplier`` through ``LambdaLR``.
+
+Offload. ``to(device, model, optimizer, grad)`` moves parameter shards (FSDP1 flat parameters in place),
+AdamW state and gradients; ``train_mode`` / ``eval_mode`` call it according to ``param_offload`` /
+``optimizer_offload``. With FSDP2's ``offload_policy`` the parameters live on the CPU and ``to`` leaves them there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.core.batch import LossFn, PackedBatch, loss_context, make_micro_batches, restore_order
+from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
+from posttrain.core.engine import BaseEngine, PerTensorParams
+
+from . import sharding
+from .inputs import ModelInputs, packed_inputs, padded_inputs, temperatures
+from .logprobs import HeadRequest, PackedLogProbHead, align_to_tokens, shifted_targets
+from .modeling import build_model, has_safetensors, init_rope_buffers, load_weights, materialize
+from .weights import (
+    iter_rollout_tensors,
+    lora_scalings,
+    peft_config_dict,
+    sharded_state_dict,
+    tied_duplicates,
+)
+
+
+def ensure_process_group() -> bool:
+    """Initialise the default group under torchrun if nobody has; True when a group exists."""
+    if not dist.is_available():
+        return False
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return dist.is_initialized()
+
+
+class FSDPEngine(BaseEngine):
+    """Shared machinery; subclasses set :attr:`value_model` and what the forward returns."""
+
+    value_model = False
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        engine_config: FSDPEngineConfig,
+        optimizer_config: OptimizerConfig,
+        checkpoint_config: CheckpointConfig,
+    ) -> None:
+        if not isinstance(engine_config, FSDPEngineConfig):
+            raise ValueError(
+                f"the FSDP engine needs an FSDPEngineConfig, got {type(engine_config).__name__}: "
+                "set engine.strategy=fsdp2 (or fsdp)"
+            )
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+        self.engine_config: FSDPEngineConfig = engine_config
+        self.module: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: Any = None
+        self.hf_config: Any = None
+        self.device_mesh: Any = None
+        self.is_lora = False
+        self.peft_merge = False
+        """Default of ``get_per_tensor_param(peft_merge=...)``: stream LoRA merged into the base weights."""
+        self.fsdp_version = 0
+        """0 = plain module (no process group), 1 = FSDP1, 2 = FSDP2."""
+        self.peft_config: Any = None
+        self._peft_model: Any = None
+        self._hf_model: torch.nn.Module | None = None
+        self._tied_names: set[str] = set()
+        self._device = torch.device("cpu")
+
+    # ------------------------------------------------------------------ construction
+    def initialize(self) -> None:
+        cfg = self.engine_config
+        distributed = ensure_process_group()
+        if torch.cuda.is_available():
+            self._device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self._device)
+        self.fsdp_version = (2 if cfg.strategy == "fsdp2" else 1) if distributed else 0
+        cpu_params = self.fsdp_version == 2 and cfg.offload_policy
+        init_device = torch.device("cpu") if self.fsdp_version == 1 or cpu_params else self._device
+        built = build_model(
+            self.model_config,
+            cfg,
+            value_model=self.value_model,
+            init_device=init_device,
+            meta=self.fsdp_version != 1,
+        )
+        self.hf_config, self._hf_model, self.peft_config = built.hf_config, built.hf_model, built.peft_config
+        self.is_lora = built.peft_config is not None
+        self._tied_names = tied_duplicates(built.hf_model)
+        self._peft_model = built.module if self.is_lora else None
+        module = built.module
+        load_kwargs = {
+            "adapter_dir": self.model_config.lora_adapter_path,
+            "seed": cfg.seed,
+            "init_std": getattr(self.hf_config, "initializer_range", 0.02),
+        }
+        if not built.on_meta and has_safetensors(self.model_config.path):
+            load_weights(module, self.model_config.path, **load_kwargs)
+        if self.fsdp_version:
+            self.device_mesh = sharding.build_mesh(self._device.type, cfg.fsdp_size)
+            layers = sharding.decoder_layer_classes(built.hf_model)
+            if self.fsdp_version == 2:
+                sharding.apply_fsdp2(module, layers, self.device_mesh, cfg)
+            else:
+                module = sharding.apply_fsdp1(
+                    module,
+                    layers,
+                    self.device_mesh,
+                    cfg,
+                    self._device,
+                    use_orig_params=cfg.use_orig_params or self.is_lora,
+                )
+        if built.on_meta:
+            materialize(module, "cpu" if cpu_params else self._device)
+            load_weights(module, self.model_config.path, **load_kwargs)
+            init_rope_buffers(built.hf_model)
+        self.module = module
+        if not cfg.forward_only:
+            self._build_optimizer(fused=self._device.type == "cuda" and not cpu_params)
+        self.to(
+            "cpu",
+            model=self.is_param_offload_enabled,
+            optimizer=self.is_optimizer_offload_enabled,
+            grad=self.is_param_offload_enabled,
+        )
+
+    def _build_optimizer(self, fused: bool) -> None:
+        oc = self.optimizer_config
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=oc.lr,
+            betas=tuple(oc.betas),
+            eps=oc.eps,
+            weight_decay=oc.weight_decay,
+            fused=fused or None,
+        )
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: oc.lr_multiplier(step)
+        )
+
+    # ------------------------------------------------------------------ properties and layout
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return self.engine_config.param_offload
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return self.engine_config.optimizer_offload
+
+    def get_data_parallel_size(self) -> int:
+        return dist.get_world_size() if self.fsdp_version else 1
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank() if self.fsdp_version else 0
+
+    def get_data_parallel_group(self) -> Any:
+        return dist.group.WORLD if self.fsdp_version else None
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        return True
+
+    def disable_adapter(self) -> contextlib.AbstractContextManager[Any]:
+        return self._peft_model.disable_adapter() if self.is_lora else contextlib.nullcontext()
+
+    def on_mode_enter(self, mode: str) -> None:
+        self.module.train(mode == "train")
+
+    def on_mode_exit(self, mode: str) -> None:
+        self._reshard()
+
+    def _reshard(self) -> None:
+        """Free parameters FSDP2 still holds gathered (the root's after forward, and every layer's when
+        ``reshard_after_forward`` is off) once no backward follows."""
+        if self.fsdp_version == 2:
+            from torch.distributed.fsdp import FSDPModule
+
+            for sub in self.module.modules():
+                if isinstance(sub, FSDPModule):
+                    sub.reshard()
+
+    # ------------------------------------------------------------------ device moves
+    def to(
+        self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> None:
+        device = torch.device(device)
+        params = list(self.module.parameters())
+        keep_on_cpu = self.fsdp_version == 2 and self.engine_config.offload_policy
+        if model and not keep_on_cpu:
+            if self.fsdp_version == 1:
+                sharding.move_fsdp1_params(self.module, device)
+            else:
+                self.module.to(device)
+        if grad and not keep_on_cpu:
+            sharding.move_grads(params, device)
+        if optimizer and self.optimizer is not None:
+            sharding.move_optimizer_state(self.optimizer, "cpu" if keep_on_cpu else device)
+        if device.type == "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ compute
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        compute = getattr(torch, self.engine_config.dtype)
+        master = getattr(torch, self.engine_config.model_dtype)
+        if self.fsdp_version or compute == master:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device.type, dtype=compute)
+
+    def _inputs(self, mb: PackedBatch) -> ModelInputs:
+        cfg = self.engine_config
+        if not cfg.use_remove_padding:
+            return padded_inputs(mb)
+        return packed_inputs(mb, cfg.pad_to_length_bucket if cfg.pad_to_length else None)
+
+    def _forward_micro(self, mb: PackedBatch) -> dict[str, torch.Tensor]:
+        """Per-token outputs of one micro-batch (already on the device)."""
+        raise NotImplementedError
+
+    def forward_backward_batch(
+        self, batch: PackedBatch, loss_fn: LossFn | None, forward_only: bool = False
+    ) -> dict[str, Any]:
+        if loss_fn is None and not forward_only:
+            raise ValueError("forward_backward_batch(forward_only=False) needs a loss_fn")
+        max_tokens, per_micro = self.engine_config.micro_batching(forward_only)
+        group = self.get_data_parallel_group()
+        parts = make_micro_batches(
+            batch,
+            max_tokens=max_tokens,
+            micro_batch_size=per_micro,
+            use_dynamic_bsz=self.engine_config.use_dynamic_bsz,
+            dp_group=None,  # counts are equalised below (core's all-reduce uses a CPU tensor, which NCCL rejects)
+        )
+        steps = self._lockstep_count(len(parts))
+        ctx = loss_context(batch, group)
+        micro_batches = [batch.select(p) for p in parts]
+        outputs: list[dict[str, torch.Tensor]] = []
+        losses: list[float] = []
+        metrics: dict[str, list[float]] = {}
+        for mb in micro_batches:
+            mb = mb.to(self._device)
+            out = self._forward_micro(mb)
+            if loss_fn is not None:
+                loss, mb_metrics = loss_fn(out, mb, ctx)
+                if not forward_only:
+                    loss.backward()
+                losses.append(float(loss.detach()))
+                for key, value in (mb_metrics or {}).items():
+                    metrics.setdefault(key, []).append(float(value))
+            outputs.append({k: v.detach() for k, v in out.items()})
+        for _ in range(steps - len(micro_batches)):
+            self._filler_pass(forward_only)
+        if forward_only:
+            self._reshard()
+        target = batch.input_ids.device
+        model_output = {
+            k: restore_order(parts, micro_batches, [o[k] for o in outputs]).to(target) for k in outputs[0]
+        }
+        return {"model_output": model_output, "loss": losses, "metrics": metrics}
+
+    def _lockstep_count(self, count: int) -> int:
+        """The largest micro-batch count over the data-parallel ranks (FSDP needs equal counts)."""
+        if self.get_data_parallel_size() == 1:
+            return count
+        n = torch.tensor([count], device=self._device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return int(n.item())
+
+    def _filler_pass(self, forward_only: bool) -> None:
+        """A 2-token pass with zero weight, so this rank joins the collectives of a micro-batch it lacks."""
+        filler = PackedBatch.from_sequences([[0, 0]]).to(self._device)
+        out = self._forward_micro(filler)
+        if not forward_only:
+            (sum(v.sum() for v in out.values()) * 0.0).backward()
+
+    def optimizer_zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.module.zero_grad(set_to_none=True)
+
+    def clip_grad_norm(self) -> float:
+        max_norm = self.optimizer_config.clip_grad
+        if self.fsdp_version == 1:
+            return float(self.module.clip_grad_norm_(max_norm if max_norm > 0 else float("inf")))
+        group = None
+        if self.fsdp_version == 2:
+            mesh = self.device_mesh
+            group = mesh.get_group("fsdp") if mesh.ndim == 2 else mesh.get_group()
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        return sharding.grad_norm_and_clip(params, max_norm, group, self._device)
+
+    def apply_optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def lr_scheduler_step(self) -> float:
+        self.lr_scheduler.step()
+        return float(self.lr_scheduler.get_last_lr()[0])
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def get_per_tensor_param(
+        self,
+        layered_summon: bool = False,
+        base_sync_done: bool = False,
+        dtype: torch.dtype | str | None = None,
+        peft_merge: bool | None = None,
+        **kwargs: Any,
+    ) -> PerTensorParams:
+        """Lazy (HF name, full tensor) stream in ``dtype`` (default: the compute dtype).
+
+        Tensors are gathered one at a time whatever ``layered_summon`` says. Without LoRA: every weight, peft
+        config None. With LoRA and ``peft_merge`` (default :attr:`peft_merge`): base weights with the adapter
+        merged, peft config None. Otherwise the base weights when ``base_sync_done`` is False, and only the
+        adapter tensors (peft names) when it is True, with the peft config dict. Every rank must consume it."""
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        dtype = dtype or getattr(torch, self.engine_config.dtype)
+        if (
+            self.fsdp_version == 1 and self.is_param_offload_enabled
+        ):  # FSDP1 flat shards must be on the device
+            self.to(self._device, model=True, optimizer=False, grad=False)
+        state = sharded_state_dict(self.module, self.fsdp_version)
+        merge = self.peft_merge if peft_merge is None else peft_merge
+        scalings = lora_scalings(self.module) if self.is_lora else {}
+        stream = iter_rollout_tensors(
+            state,
+            device=self._device,
+            dtype=dtype,
+            scalings=scalings,
+            merge=merge or not self.is_lora,
+            adapter_only=self.is_lora and base_sync_done,
+            skip=self._tied_names,
+        )
+        if not self.is_lora or merge:
+            return stream, None
+        return stream, peft_config_dict(self.peft_config)
+
+    def save_checkpoint(
+        self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None, **kwargs: Any
+    ) -> None:
+        """Delegates to ``posttrain.fsdp.checkpoint.save_fsdp_checkpoint`` (retention is the caller's job)."""
+        from .checkpoint import save_fsdp_checkpoint
+
+        save_fsdp_checkpoint(self, local_path, global_step)
+
+    def load_checkpoint(self, local_path: str, **kwargs: Any) -> None:
+        """Delegates to ``posttrain.fsdp.checkpoint.load_fsdp_checkpoint``."""
+        from .checkpoint import load_fsdp_checkpoint
+
+        load_fsdp_checkpoint(self, local_path)
+
+
+class FSDPLanguageModelEngine(FSDPEngine):
+    """Causal LM: ``log_probs`` (and ``entropy`` when ``batch.meta['calculate_entropy']``) per token."""
+
+    value_model = False
+
+    def _head(self) -> PackedLogProbHead:
+        return self._hf_model.lm_head
+
+    def _forward_micro(self, mb: PackedBatch) -> dict[str, torch.Tensor]:
+        inputs = self._inputs(mb)
+        temp = temperatures(mb)
+        filler = inputs.stream_ids.numel() - mb.num_tokens
+        if filler:
+            temp = torch.cat([temp, temp.new_ones(filler)])
+        targets, inv_temp = shifted_targets(inputs.stream_ids, temp)
+        with_entropy = bool(mb.meta.get("calculate_entropy", False))
+        head = self._head()
+        head.request = HeadRequest(
+            targets,
+            inv_temp,
+            with_entropy,
+            self.engine_config.entropy_from_logits_chunk_size,
+            inputs.valid_index,
+        )
+        try:
+            with self._autocast():
+                stats = self.module(**inputs.kwargs, use_cache=False).logits
+        finally:
+            head.request = None
+        stats = stats[: mb.num_tokens].float()
+        out = {"log_probs": align_to_tokens(stats[:, 0], mb.cu_seqlens)}
+        if with_entropy:
+            out["entropy"] = align_to_tokens(stats[:, 1], mb.cu_seqlens)
+        return out
+
+
+class FSDPValueModelEngine(FSDPEngine):
+    """Value model (HF token classification, one label): ``values[t]`` is the head's output at token t."""
+
+    value_model = True
+
+    def _forward_micro(self, mb: PackedBatch) -> dict[str, torch.Tensor]:
+        inputs = self._inputs(mb)
+        with self._autocast():
+            logits = self.module(**inputs.kwargs, use_cache=False).logits
+        flat = logits.reshape(-1).float()
+        if inputs.valid_index is not None:
+            flat = flat.index_select(0, inputs.valid_index)
+        return {"values": flat[: mb.num_tokens]}

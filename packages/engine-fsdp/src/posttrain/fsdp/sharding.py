@@ -1,0 +1,169 @@
+"""Sharding a HF model with FSDP2 or FSDP1, the global gradient norm, and moving state between devices.
+
+FSDP2 (``fully_shard``) wraps every decoder layer (the classes in the model's ``_no_split_modules``) and then the
+root, with a ``MixedPrecisionPolicy`` (parameters gathered in the compute dtype, gradients reduced in fp32),
+``reshard_after_forward`` and optionally ``CPUOffloadPolicy``. With ``0 < fsdp_size < world`` the mesh is 2-D
+``(ddp, fsdp)``: parameters are sharded inside groups of ``fsdp_size`` ranks and replicated across groups
+(HSDP). FSDP1 wraps the same decoder layers through ``ModuleWrapPolicy``.
+
+The gradient norm is computed from each rank's local gradient shards: the squared norms are summed and
+all-reduced over the shard dimension only (replicas hold equal shards), so it equals the norm of the full
+gradient. Clipping multiplies every gradient by ``min(1, max_norm / (norm + 1e-6))``, as
+``torch.nn.utils.clip_grad_norm_`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.core.config import FSDPEngineConfig
+
+
+def decoder_layer_classes(hf_model: torch.nn.Module) -> tuple[type, ...]:
+    """The decoder-layer classes named by the HF model's ``_no_split_modules``."""
+    names = set(getattr(hf_model, "_no_split_modules", None) or [])
+    classes = {type(m) for m in hf_model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ValueError(
+            f"{type(hf_model).__name__} declares no _no_split_modules decoder layers to shard: "
+            "use a Hugging Face model class that sets _no_split_modules"
+        )
+    return tuple(classes)
+
+
+def build_mesh(device_type: str, fsdp_size: int) -> Any:
+    """1-D ``(fsdp,)`` mesh over the world, or 2-D ``(ddp, fsdp)`` for HSDP when ``0 < fsdp_size < world``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if fsdp_size <= 0 or fsdp_size >= world:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
+    if world % fsdp_size:
+        raise ValueError(
+            f"engine.fsdp_size={fsdp_size} does not divide the world size {world}: use a divisor "
+            f"of {world} or -1"
+        )
+    return init_device_mesh(device_type, (world // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(name, name))
+
+
+def mixed_precision_dtypes(cfg: FSDPEngineConfig) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """(param, reduce, buffer) dtypes: ``mixed_precision`` if set, else compute dtype / fp32 / fp32."""
+    mp = cfg.mixed_precision or {}
+    return (
+        _dtype(mp.get("param_dtype", cfg.dtype)),
+        _dtype(mp.get("reduce_dtype", "float32")),
+        _dtype(mp.get("buffer_dtype", "float32")),
+    )
+
+
+def apply_fsdp2(module: torch.nn.Module, layers: tuple[type, ...], mesh: Any, cfg: FSDPEngineConfig) -> None:
+    """``fully_shard`` each decoder layer, then the root, in place."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    param_dtype, reduce_dtype, _ = mixed_precision_dtypes(cfg)
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": cfg.reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=True
+        ),
+        "offload_policy": CPUOffloadPolicy(pin_memory=True) if cfg.offload_policy else OffloadPolicy(),
+    }
+    for sub in module.modules():
+        if isinstance(sub, layers):
+            fully_shard(sub, **kwargs)
+    fully_shard(module, **kwargs)
+
+
+def apply_fsdp1(
+    module: torch.nn.Module,
+    layers: tuple[type, ...],
+    mesh: Any,
+    cfg: FSDPEngineConfig,
+    device: torch.device,
+    use_orig_params: bool,
+) -> torch.nn.Module:
+    """Wrap with FSDP1 (decoder-layer auto-wrap; HYBRID_SHARD on a 2-D mesh)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    param_dtype, reduce_dtype, buffer_dtype = mixed_precision_dtypes(cfg)
+    strategy = ShardingStrategy.HYBRID_SHARD if mesh.ndim == 2 else ShardingStrategy.FULL_SHARD
+    return FSDP(
+        module,
+        auto_wrap_policy=ModuleWrapPolicy(set(layers)),
+        sharding_strategy=strategy,
+        mixed_precision=MixedPrecision(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype
+        ),
+        device_mesh=mesh,
+        device_id=device,
+        forward_prefetch=cfg.forward_prefetch,
+        use_orig_params=use_orig_params,
+        sync_module_states=False,
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def grad_norm_and_clip(
+    params: Iterable[torch.nn.Parameter], max_norm: float, shard_group: Any, comm_device: torch.device
+) -> float:
+    """Global L2 norm of the gradients (local shards summed over ``shard_group``); clip when ``max_norm > 0``."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float32, device=comm_device)
+    for g in grads:
+        total += _local(g).detach().float().pow(2).sum().to(comm_device)
+    if shard_group is not None:
+        dist.all_reduce(total, group=shard_group)
+    norm = float(total.sqrt())
+    if max_norm > 0 and math.isfinite(norm):
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                _local(g).mul_(coef)
+    return norm
+
+
+def fsdp1_handles(module: torch.nn.Module) -> list[Any]:
+    return list(getattr(module, "_all_handles", []))
+
+
+@torch.no_grad()
+def move_fsdp1_params(module: torch.nn.Module, device: torch.device | str) -> None:
+    """Move FSDP1 flat parameters (the local shards) and keep FSDP's shard pointer on the new storage."""
+    for handle in fsdp1_handles(module):
+        if handle._offload_params:
+            continue
+        flat = handle.flat_param
+        handle.flat_param_to(torch.device(device), non_blocking=True)
+        flat._local_shard = flat.data
+
+
+@torch.no_grad()
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:  # Adam's 0-d ``step`` stays put
+                state[key] = value.to(device, non_blocking=True)
+
+
+@torch.no_grad()
+def move_grads(params: Iterable[torch.nn.Parameter], device: torch.device | str) -> None:
+    for p in params:
+        if p.grad is not None:
+            p.grad = p.grad.to(device, non_blocking=True)

@@ -1,0 +1,233 @@
+"""Shared helpers for the engine-fsdp tests: tiny models on disk, batches, a loss, engine construction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.core.batch import LossContext, PackedBatch
+from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
+
+VOCAB = 256
+
+
+def tiny_config(tie: bool = True) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+    )
+
+
+def save_tiny_model(path: str | Path, *, value_model: bool = False, tie: bool = True, seed: int = 0) -> str:
+    """A random tiny Qwen2 (causal LM or one-label token classifier) saved as an HF directory."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    torch.manual_seed(seed)
+    config = tiny_config(tie)
+    if value_model:
+        config.num_labels = 1
+        config.classifier_dropout = 0.0
+        model = AutoModelForTokenClassification.from_config(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def make_batch(lengths: list[int], seed: int = 0, with_temperature: bool = True) -> PackedBatch:
+    """Random sequences with a random loss mask, advantages and (optionally) per-sequence temperatures."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in lengths]
+    masks = [(torch.rand(n, generator=gen) > 0.3).float() for n in lengths]
+    fields: dict[str, list[torch.Tensor]] = {"advantages": [torch.randn(n, generator=gen) for n in lengths]}
+    if with_temperature:
+        fields["temperature"] = [
+            torch.full((n,), 0.5 + float(torch.rand((), generator=gen))) for n in lengths
+        ]
+    return PackedBatch.from_sequences(seqs, masks, fields, meta={"calculate_entropy": True})
+
+
+def pg_loss(out: dict[str, torch.Tensor], mb: PackedBatch, ctx: LossContext) -> tuple[torch.Tensor, dict]:
+    """Token-mean policy-gradient loss with an entropy bonus (global token normalisation)."""
+    per_token = -out["log_probs"] * mb.fields["advantages"] - 0.01 * out.get("entropy", 0.0)
+    loss = (per_token * mb.loss_mask).sum() / ctx.global_num_tokens * ctx.dp_size
+    return loss, {"pg_loss": float(loss.detach())}
+
+
+def value_loss(out: dict[str, torch.Tensor], mb: PackedBatch, ctx: LossContext) -> tuple[torch.Tensor, dict]:
+    """Token-mean squared error of the values against the advantages."""
+    loss = (
+        ((out["values"] - mb.fields["advantages"]) ** 2 * mb.loss_mask).sum()
+        / ctx.global_num_tokens
+        * ctx.dp_size
+    )
+    return loss, {}
+
+
+def make_engine(
+    path: str,
+    *,
+    value_model: bool = False,
+    lr: float = 1e-4,
+    clip_grad: float = 1.0,
+    model: dict[str, Any] | None = None,
+    **engine: Any,
+) -> Any:
+    """An initialised FSDP engine in fp32."""
+    from posttrain.fsdp.engine import FSDPLanguageModelEngine, FSDPValueModelEngine
+
+    engine = {"dtype": "fp32", "max_token_len_per_gpu": 4096, **engine}
+    cls = FSDPValueModelEngine if value_model else FSDPLanguageModelEngine
+    eng = cls(
+        ModelConfig(path=path, **(model or {})),
+        FSDPEngineConfig(**engine),
+        OptimizerConfig(lr=lr, clip_grad=clip_grad),
+        CheckpointConfig(),
+    )
+    eng.initialize()
+    return eng
+
+
+def full_grads(eng: Any) -> dict[str, torch.Tensor] | None:
+    """Name -> full gradient (gathered from shards) of every trainable parameter; None for FSDP1 flat params."""
+    from torch.distributed.tensor import DTensor
+
+    from posttrain.fsdp.modeling import _WRAPPER_PARTS
+
+    def clean(name: str) -> str:
+        for part in _WRAPPER_PARTS:
+            name = name.replace(part, "")
+        return name
+
+    if eng.fsdp_version == 1:
+        if not eng.engine_config.use_orig_params and not eng.is_lora:
+            return None
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(eng.module, with_grads=True):
+            return {
+                clean(n): p.grad.detach().clone()
+                for n, p in eng.module.named_parameters()
+                if p.grad is not None
+            }
+    out = {}
+    for name, p in eng.module.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            out[clean(name)] = g.detach().clone().cpu()
+    return out
+
+
+def train_step(eng: Any, batch: PackedBatch, loss_fn: Any) -> dict[str, Any]:
+    """zero_grad -> forward_backward -> grads -> optimizer_step -> params; everything gathered."""
+    with eng.train_mode():
+        eng.optimizer_zero_grad()
+        out = eng.forward_backward_batch(batch, loss_fn)
+        grads = full_grads(eng)
+        norm = eng.optimizer_step()
+        params = full_params(eng)
+    return {
+        "grads": grads,
+        "params": params,
+        "norm": norm,
+        "loss": sum(out["loss"]),
+        "output": out["model_output"],
+    }
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference over matching names (a KeyError when the names differ)."""
+    if sorted(a) != sorted(b):
+        raise KeyError(f"names differ: {sorted(set(a) ^ set(b))[:6]}")
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def full_params(eng: Any) -> dict[str, torch.Tensor]:
+    """Name -> full parameter through the engine's own weight streams (float32; with LoRA, base + adapter)."""
+    stream, _ = eng.get_per_tensor_param(dtype=torch.float32, peft_merge=False)
+    out = {name: t.detach().clone().cpu() for name, t in stream}
+    if eng.is_lora:
+        stream, _ = eng.get_per_tensor_param(dtype=torch.float32, peft_merge=False, base_sync_done=True)
+        out.update({name: t.detach().clone().cpu() for name, t in stream})
+    return out
+
+
+def save_tiny_adapter(model_dir: str, adapter_dir: str | Path, seed: int = 1) -> str:
+    """A peft LoRA adapter (rank 4, all linear layers) with non-zero B, saved next to the tiny model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(str(adapter_dir))
+    return str(adapter_dir)
+
+
+DIST_LENGTHS = [5, 9, 3, 17, 11, 7, 20, 4, 30, 6]
+"""Sequences of the data-parallel step checks; rank 0 takes the first eight (three micro-batches of <= 32 tokens), rank 1 the last two (two micro-batches, plus one filler pass)."""
+
+
+def dist_cases(work: str | Path) -> dict[str, dict[str, Any]]:
+    """The layouts the 2-rank test runs, each with the single-process reference it must equal."""
+    work = Path(work)
+    lm, value, adapter = str(work / "lm"), str(work / "value"), str(work / "adapter")
+    return {
+        "fsdp2": {"ref": "lm", "path": lm, "engine": {"strategy": "fsdp2"}},
+        "fsdp2_hsdp": {"ref": "lm", "path": lm, "engine": {"strategy": "fsdp2", "fsdp_size": 1}},
+        "fsdp2_no_reshard": {
+            "ref": "lm",
+            "path": lm,
+            "engine": {"strategy": "fsdp2", "reshard_after_forward": False},
+        },
+        "fsdp1": {"ref": "lm", "path": lm, "engine": {"strategy": "fsdp"}},
+        "fsdp1_orig_params": {
+            "ref": "lm",
+            "path": lm,
+            "engine": {"strategy": "fsdp", "use_orig_params": True},
+        },
+        "fsdp2_value": {"ref": "value", "path": value, "engine": {"strategy": "fsdp2"}, "value_model": True},
+        "fsdp2_lora": {
+            "ref": "lora",
+            "path": lm,
+            "engine": {"strategy": "fsdp2"},
+            "model": {"lora_adapter_path": adapter},
+        },
+    }
+
+
+def reference_cases(work: str | Path) -> dict[str, dict[str, Any]]:
+    """One single-process configuration per reference name."""
+    cases = dist_cases(work)
+    return {"lm": cases["fsdp2"], "value": cases["fsdp2_value"], "lora": cases["fsdp2_lora"]}
+
+
+def case_engine(case: dict[str, Any], strategy: bool = True) -> Any:
+    engine = dict(case["engine"]) if strategy else {}
+    return make_engine(
+        case["path"],
+        value_model=case.get("value_model", False),
+        model=case.get("model"),
+        max_token_len_per_gpu=32,
+        **engine,
+    )
+
+
+def case_loss(case: dict[str, Any]) -> Any:
+    return value_loss if case.get("value_model") else pg_loss

@@ -1,0 +1,69 @@
+"""CUDA-only checks (run on the GPU machine): the variable-length attention kernel against per-sequence SDPA,
+bf16 engine log-probs against an fp32 HF forward, and offload to host memory and back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fsdp_testing import make_batch, make_engine, pg_loss, save_tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_varlen_attention_equals_per_sequence_sdpa(kv_heads: int) -> None:
+    from posttrain.fsdp.attention import _per_sequence, _varlen, varlen_available
+
+    assert varlen_available(torch.device("cuda"), torch.bfloat16)
+    torch.manual_seed(0)
+    lens = [5, 130, 1, 77, 300]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total = sum(lens)
+    q = torch.randn(1, 8, total, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, kv_heads, total, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, kv_heads, total, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    got = _varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, max(lens), 0.125)
+    want = _per_sequence(q.float(), k.float(), v.float(), cu.tolist(), 0.125, 0.0)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    (got.float() * want.detach()).sum().backward()
+    assert q.grad is not None and bool(torch.isfinite(q.grad).all())
+
+
+def test_bf16_log_probs_close_to_fp32_hf(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_model(tmp_path / "lm")
+    batch = make_batch([40, 200, 9, 130])
+    eng = make_engine(path, dtype="bfloat16")
+    with eng.eval_mode():
+        got = eng.infer_batch(batch)["model_output"]["log_probs"]
+    model = AutoModelForCausalLM.from_pretrained(path).cuda().eval()
+    temps = batch.split_tokens(batch.fields["temperature"])
+    with torch.no_grad():
+        for ids, temp, lp in zip(batch.split_tokens(batch.input_ids), temps, batch.split_tokens(got)):
+            logp = torch.log_softmax(model(ids.cuda()[None]).logits[0].float() / temp[0], -1)
+            want = logp[:-1].gather(-1, ids.cuda()[1:, None])[:, 0].cpu()
+            torch.testing.assert_close(lp[1:], want, atol=5e-2, rtol=0)
+
+
+def test_offload_to_host_and_back_is_bit_identical(tmp_path) -> None:
+    path = save_tiny_model(tmp_path / "lm")
+    eng = make_engine(path, dtype="bfloat16")
+    with eng.train_mode():
+        eng.train_batch(make_batch([30, 50]), pg_loss)
+    params = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in eng.optimizer.state.items()}
+    eng.to("cpu")
+    assert all(p.device.type == "cpu" for p in eng.module.parameters())
+    assert all(
+        v.device.type == "cpu" for s in eng.optimizer.state.values() for v in s.values() if v.dim() > 0
+    )
+    eng.to(eng.device)
+    for n, p in eng.module.named_parameters():
+        assert p.device.type == "cuda" and torch.equal(p, params[n]), n
+    for p, s in eng.optimizer.state.items():
+        for k, v in s.items():
+            assert torch.equal(v, state[id(p)][k]), k
+    with eng.train_mode():
+        metrics = eng.train_batch(make_batch([30, 50]), pg_loss)["metrics"]
+    assert metrics["skipped_step"] == 0.0

@@ -1,0 +1,170 @@
+"""Build a Megatron-Core model, its optimizer and its parallel layout from a local Hugging Face directory.
+
+The path is Megatron-Bridge's: ``AutoBridge.from_hf_pretrained(dir)`` reads the HF config, ``to_megatron_provider``
+turns it into a GPT model provider, posttrain sets the parallel sizes, dtype, layer spec and the user's
+``override_transformer_config`` on that provider, ``provide_distributed_model`` instantiates the VPP chunks (wrapped
+in Megatron DDP or Megatron-FSDP when training) and ``load_hf_weights`` copies the HF weights in, slicing them
+for this rank's TP/PP/EP shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import torch
+from posttrain.core.config import McoreEngineConfig, OptimizerConfig
+
+from . import _deps
+from .attention import layer_spec
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+CPU_OFF_FUSIONS = ("gradient_accumulation_fusion", "bias_activation_fusion", "masked_softmax_fusion",
+                   "bias_dropout_fusion", "apply_rope_fusion", "persist_layer_norm", "cross_entropy_loss_fusion")
+"""Fused kernels that need CUDA extensions (apex/TE); turned off when they cannot run."""
+
+
+def init_model_parallel(cfg: McoreEngineConfig, seed: int) -> None:
+    """Create Megatron's process groups for ``cfg``'s layout once per process (roles share one layout)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    if not torch.distributed.is_initialized():
+        raise ValueError("the megatron engine needs torch.distributed initialised (run under torchrun, or call "
+                         "torch.distributed.init_process_group first)")
+    cfg.check_world_size(torch.distributed.get_world_size())
+    layout = dict(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+                  pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+                  virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+                  context_parallel_size=cfg.context_parallel_size,
+                  expert_model_parallel_size=cfg.expert_model_parallel_size,
+                  expert_tensor_parallel_size=cfg.expert_tensor_parallel_size)
+    if mpu.model_parallel_is_initialized():
+        current = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
+                   mpu.get_context_parallel_world_size(), mpu.get_expert_model_parallel_world_size())
+        wanted = (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.context_parallel_size,
+                  cfg.expert_model_parallel_size)
+        if current != wanted:
+            raise ValueError(f"Megatron parallel state is already initialised as (TP, PP, CP, EP)={current} but "
+                             f"this engine asks for {wanted}: all megatron roles of one process share a layout")
+        return
+    mpu.initialize_model_parallel(**layout)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def make_bridge(model_path: str, trust_remote_code: bool = False, config_only: bool = False) -> Any:
+    """Megatron-Bridge's AutoBridge for a local HF directory (no downloads); ``config_only`` when the
+    directory has a config but no weights (exporting a Megatron checkpoint)."""
+    bridge_mod = _deps.import_bridge()
+    if config_only:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        return bridge_mod.AutoBridge.from_hf_config(config)
+    return bridge_mod.AutoBridge.from_hf_pretrained(model_path, trust_remote_code=trust_remote_code)
+
+
+def _set_checked(obj: Any, overrides: dict[str, Any], key: str) -> None:
+    for name, value in overrides.items():
+        if not hasattr(obj, name):
+            raise ValueError(f"engine.{key}.{name} is not a field of {type(obj).__name__}: check the spelling "
+                             f"against megatron-core's TransformerConfig / DistributedDataParallelConfig")
+        setattr(obj, name, value)
+
+
+def make_provider(bridge: Any, cfg: McoreEngineConfig, *, on_cuda: bool, router_replay: bool = False) -> Any:
+    """The bridge's model provider with posttrain's layout, dtype, layer spec and user overrides, finalized."""
+    provider = bridge.to_megatron_provider(load_weights=False)
+    dtype = TORCH_DTYPES[cfg.dtype]
+    use_te = _deps.has_transformer_engine()
+    for name, value in dict(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+                            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+                            virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+                            context_parallel_size=cfg.context_parallel_size,
+                            expert_model_parallel_size=cfg.expert_model_parallel_size,
+                            expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
+                            sequence_parallel=cfg.sequence_parallel, variable_seq_lengths=True,
+                            params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+                            fp16=dtype == torch.float16, moe_token_dispatcher_type="alltoall",
+                            moe_router_load_balancing_type="none", attention_dropout=0.0,
+                            hidden_dropout=0.0).items():
+        setattr(provider, name, value)
+    provider.transformer_layer_spec = lambda config, vp_stage=None: layer_spec(config, use_te, vp_stage)
+    if not (on_cuda and use_te):
+        for name in CPU_OFF_FUSIONS:
+            if hasattr(provider, name):
+                setattr(provider, name, False)
+    if cfg.use_megatron_fsdp:
+        provider.gradient_accumulation_fusion = False
+    if router_replay:
+        provider.moe_enable_routing_replay = True
+    _set_checked(provider, cfg.override_transformer_config, "override_transformer_config")
+    provider.finalize()
+    return provider
+
+
+def make_ddp_config(cfg: McoreEngineConfig) -> Any:
+    """Megatron's DistributedDataParallelConfig for ``cfg`` (Megatron-FSDP shards params, grads and optimizer)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                        overlap_param_gather=False,
+                                        use_distributed_optimizer=cfg.use_distributed_optimizer)
+    if cfg.use_megatron_fsdp:
+        ddp.use_megatron_fsdp = True
+        ddp.data_parallel_sharding_strategy = "optim_grads_params"
+    _set_checked(ddp, cfg.override_ddp_config, "override_ddp_config")
+    return ddp
+
+
+def build_model(provider: Any, cfg: McoreEngineConfig, *, wrap_with_ddp: bool, on_cuda: bool,
+                pre_wrap_hook: Any = None) -> list[torch.nn.Module]:
+    """Instantiate this rank's model chunks (one per virtual pipeline stage)."""
+    kwargs = dict(wrap_with_ddp=wrap_with_ddp, use_cpu_initialization=not on_cuda,
+                  use_megatron_fsdp=cfg.use_megatron_fsdp and wrap_with_ddp,
+                  bf16=cfg.dtype == "bfloat16", fp16=cfg.dtype == "float16", pre_wrap_hook=pre_wrap_hook)
+    if wrap_with_ddp:
+        kwargs["ddp_config"] = make_ddp_config(cfg)
+    kwargs.update(cfg.override_mcore_model_config)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*GPTModel IS DEPRECATED.*")
+        return provider.provide_distributed_model(**kwargs)
+
+
+def build_optimizer(chunks: list[torch.nn.Module], optim: OptimizerConfig, cfg: McoreEngineConfig) -> Any:
+    """Megatron's (distributed) Adam over ``chunks``; the LR is driven by the engine's scheduler."""
+    from megatron.core.optimizer import OptimizerConfig as MOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    dtype = TORCH_DTYPES[cfg.dtype]
+    mcfg = MOptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                            adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
+                            clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+                            params_dtype=dtype, use_distributed_optimizer=cfg.use_distributed_optimizer)
+    if dtype == torch.float16:
+        mcfg.loss_scale = None
+        mcfg.initial_loss_scale = 2.0**16
+    return get_megatron_optimizer(mcfg, chunks)
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Megatron-FSDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A JSON-able dump of a TransformerConfig (callables and tensors dropped)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            out[f.name] = value
+        elif isinstance(value, torch.dtype):
+            out[f.name] = str(value)
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float, bool)) for v in value):
+            out[f.name] = list(value)
+    return out

@@ -1,0 +1,161 @@
+"""Megatron engine checkpoints: Megatron dist_ckpt (torch_dist, reshardable over TP/PP/DP) plus an HF folder.
+
+Layout of one role directory::
+
+    <role dir>/dist_ckpt/     model (``model`` or ``model<i>`` per VPP chunk), optimizer, extra (LR step)
+    <role dir>/huggingface/   config + tokenizer files; safetensors too when ``hf_model`` is saved
+    <role dir>/transformer_config.json
+
+The model and optimizer go through ``megatron.core.dist_checkpointing`` with the sharded state dicts of the
+model chunks and of Megatron's optimizer, so a checkpoint written at one TP/PP/DP layout loads at another.
+The HF weights go through Megatron-Bridge's ``save_hf_weights`` with ``checkpoint.mbridge_config`` keyword
+arguments (only those its signature accepts).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import build
+
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+"""Files copied from the model directory into ``huggingface/`` on every save."""
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """``{"model": ...}`` (or ``model0``, ``model1``... per VPP chunk) of Megatron sharded tensors."""
+    if len(chunks) == 1:
+        return {"model": build.unwrap(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": build.unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _load_model_state(chunks: list[torch.nn.Module], state: dict[str, Any]) -> None:
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    for key, chunk in zip(keys, chunks):
+        build.unwrap(chunk).load_state_dict(state[key], strict=True)
+
+
+def load_model_dist(chunks: list[torch.nn.Module], path: str | os.PathLike, prefix: str = "") -> None:
+    """Load model weights only from a dist_ckpt directory (``engine.use_dist_checkpointing``)."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = Path(path)
+    if (ckpt / "dist_ckpt").is_dir():
+        ckpt = ckpt / "dist_ckpt"
+    if not ckpt.is_dir():
+        raise ValueError(f"dist_checkpointing_path={str(path)!r} is not a directory: write one with "
+                         "`posttrain convert hf-to-megatron` or point at <role dir>/dist_ckpt")
+    sharded = model_sharded_state_dict(chunks)
+    if prefix:
+        sharded = {k: v for k, v in sharded.items() if k.startswith(prefix)}
+    _load_model_state(chunks, dist_checkpointing.load(sharded, str(ckpt)))
+
+
+def _warn_max_connections(engine: Any) -> None:
+    if engine.engine_config.use_megatron_fsdp and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        warnings.warn("CUDA_DEVICE_MAX_CONNECTIONS=1 while saving a Megatron-FSDP checkpoint: its checkpoint path "
+                      "assumes the variable unset or > 1 (the training scripts export 1 for TP/SP overlap); "
+                      "unset it or set it to 8 for runs with use_megatron_fsdp=true", UserWarning, stacklevel=3)
+
+
+def _sharded(engine: Any, contents: list[str], is_loading: bool) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    model_sd = model_sharded_state_dict(engine.chunks)
+    if "model" in contents:
+        state.update(model_sd)
+    if "optimizer" in contents and engine.optimizer is not None:
+        state["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    if "extra" in contents:
+        state["extra"] = {"lr_step": engine._lr_step, "skipped_steps": engine.skipped_steps}
+    return state
+
+
+def _write_hf(engine: Any, hf_dir: Path, with_weights: bool) -> None:
+    if _rank() == 0:
+        hf_dir.mkdir(parents=True, exist_ok=True)
+        for name in HF_SIDE_FILES:
+            src = Path(engine.model_config.path) / name
+            if src.is_file():
+                shutil.copy2(src, hf_dir / name)
+    if with_weights:
+        kwargs = dict(engine.checkpoint_config.mbridge_config)
+        accepted = inspect.signature(engine.bridge.save_hf_weights).parameters
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        engine.bridge.save_hf_weights(engine.chunks, hf_dir, show_progress=False, **kwargs)
+
+
+def _prune(local_path: Path, max_keep: int | None) -> None:
+    """Keep the newest ``max_keep`` ``global_step_<N>`` siblings of this role directory's step directory."""
+    step_dir = local_path.parent
+    if max_keep is None or not re.fullmatch(r"global_step_\d+", step_dir.name) or _rank() != 0:
+        return
+    steps = sorted((int(p.name.rsplit("_", 1)[1]), p) for p in step_dir.parent.glob("global_step_*")
+                   if re.fullmatch(r"global_step_\d+", p.name))
+    for _, old in steps[:-max_keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(engine: Any, local_path: str, global_step: int, max_ckpt_to_keep: int | None) -> None:
+    """Write ``checkpoint.save_contents`` of ``engine`` under ``local_path`` (a role directory)."""
+    from megatron.core import dist_checkpointing
+
+    contents = engine.checkpoint_config.save_contents
+    root = Path(local_path)
+    _warn_max_connections(engine)
+    if engine.engine_config.use_megatron_fsdp:
+        raise NotImplementedError("saving a use_megatron_fsdp=true engine (Megatron-Bridge's fsdp_dtensor format) "
+                                  "is not implemented yet: train with use_megatron_fsdp=false to checkpoint")
+    ckpt_dir = root / "dist_ckpt"
+    if _rank() == 0:
+        if ckpt_dir.exists():
+            shutil.rmtree(ckpt_dir)
+        ckpt_dir.mkdir(parents=True)
+    _barrier()
+    dist_checkpointing.save(_sharded(engine, contents, is_loading=False), str(ckpt_dir),
+                            content_metadata={"global_step": global_step})
+    _write_hf(engine, root / "huggingface", "hf_model" in contents)
+    if _rank() == 0:
+        config = build.config_to_dict(build.unwrap(engine.chunks[0]).config)
+        (root / "transformer_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    _barrier()
+    _prune(root, max_ckpt_to_keep if max_ckpt_to_keep is not None else engine.checkpoint_config.max_ckpt_to_keep)
+
+
+def load(engine: Any, local_path: str) -> None:
+    """Restore ``checkpoint.load_contents`` from ``local_path/dist_ckpt`` (any TP/PP/DP layout)."""
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = Path(local_path) / "dist_ckpt"
+    if not ckpt_dir.is_dir():
+        raise ValueError(f"{str(ckpt_dir)!r} does not exist: load_checkpoint expects a role directory written by "
+                         "the megatron engine's save_checkpoint")
+    contents = engine.checkpoint_config.load_contents
+    state = dist_checkpointing.load(_sharded(engine, contents, is_loading=True), str(ckpt_dir))
+    if "model" in contents:
+        _load_model_state(engine.chunks, state)
+    if "optimizer" in contents and engine.optimizer is not None:
+        engine.optimizer.load_state_dict(state["optimizer"])
+    if "extra" in contents and "extra" in state:
+        engine._lr_step = int(state["extra"]["lr_step"])
+        engine.skipped_steps = int(state["extra"]["skipped_steps"])
+        if engine.optimizer is not None:
+            engine._set_lr()

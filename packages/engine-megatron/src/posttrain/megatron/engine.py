@@ -1,0 +1,279 @@
+"""The Megatron-Core engine: a ``BaseEngine`` over Megatron-Bridge-built GPT models.
+
+``initialize`` creates Megatron's process groups (TP, PP with VPP, CP, EP/ETP; DP is what is left), builds the
+model through Megatron-Bridge from the HF directory, wraps it in Megatron DDP (or Megatron-FSDP) and builds
+Megatron's (distributed) Adam. ``forward_backward_batch`` splits a packed batch into micro-batches and runs them
+through Megatron's pipeline schedule (no pipelining, 1F1B, or interleaved 1F1B with VPP); each micro-batch is
+one THD stream. The last pipeline stage turns the TP-sharded logits into per-token log-probs (and entropy) and
+calls the loss function; the schedule divides each micro-batch loss by the number of micro-batches, so the
+loss handed back to it is multiplied by that number and the caller's global token normalisation
+(:class:`posttrain.core.batch.LossContext`) is what decides the gradient scale. Outputs come back, in the
+caller's order, only on ranks where :meth:`is_mp_src_rank_with_outputs` (TP rank 0 of the last stage).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from posttrain.core.batch import LossFn, PackedBatch, loss_context, make_micro_batches, restore_order
+from posttrain.core.config import McoreEngineConfig
+from posttrain.core.engine import BaseEngine, PerTensorParams
+
+from . import build, checkpoint, offload, rules
+from .packing import pack_micro_batch, token_outputs
+from .router_replay import RouterReplay
+from .value_head import add_value_head
+
+
+class MegatronEngine(BaseEngine):
+    """Megatron-Core model + optimizer behind the backend-neutral engine interface."""
+
+    is_value_model = False
+
+    def initialize(self) -> None:
+        cfg = self.engine_config
+        if not isinstance(cfg, McoreEngineConfig):
+            raise ValueError(f"the megatron engine needs a McoreEngineConfig, got {type(cfg).__name__}: set "
+                             "engine.strategy=megatron")
+        on_cuda = torch.cuda.is_available()
+        rules.check_engine(cfg, self.checkpoint_config, self.model_config, on_cuda=on_cuda)
+        self._device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        build.init_model_parallel(cfg, cfg.seed)
+        self.bridge = build.make_bridge(self.model_config.path, self.model_config.trust_remote_code)
+        self.router_replay = RouterReplay(cfg.router_replay, cfg.sequence_parallel)
+        self.provider = build.make_provider(self.bridge, cfg, on_cuda=on_cuda,
+                                            router_replay=self.router_replay.enabled)
+        hook = add_value_head if self.is_value_model else None
+        self.chunks = build.build_model(self.provider, cfg, wrap_with_ddp=not cfg.forward_only, on_cuda=on_cuda,
+                                        pre_wrap_hook=hook)
+        self._load_initial_weights()
+        self.optimizer = None
+        self._lr_step = 0
+        self._export_tasks: Any = None
+        if not cfg.forward_only:
+            self.optimizer = build.build_optimizer(self.chunks, self.optimizer_config, cfg)
+            self._wire_schedule_hooks()
+            self._set_lr()
+        self._offload = offload.Offloader(self.chunks, self.optimizer)
+        if cfg.param_offload or cfg.optimizer_offload or cfg.grad_offload:
+            self._offload.to("cpu", model=cfg.param_offload, optimizer=cfg.optimizer_offload, grad=cfg.grad_offload)
+
+    def _load_initial_weights(self) -> None:
+        cfg = self.engine_config
+        if cfg.use_dist_checkpointing:
+            checkpoint.load_model_dist(self.chunks, cfg.dist_checkpointing_path, cfg.dist_checkpointing_prefix)
+            return
+        mismatched = ["output_layer.weight"] if self.is_value_model else None
+        self.bridge.load_hf_weights(self.chunks, allowed_mismatched_params=mismatched)
+
+    def _wire_schedule_hooks(self) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
+        config = build.unwrap(self.chunks[0]).config
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        no_sync = [c.no_sync for c in self.chunks if hasattr(c, "no_sync")]
+        if no_sync:
+            config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+
+    # ------------------------------------------------------------------ device and modes
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return self.engine_config.param_offload
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return self.engine_config.optimizer_offload
+
+    def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        self._offload.to(torch.device(device), model=model, optimizer=optimizer, grad=grad)
+
+    def on_mode_enter(self, mode: str) -> None:
+        for chunk in self.chunks:
+            chunk.train(mode == "train")
+
+    # ------------------------------------------------------------------ compute
+    def _micro_batches(self, batch: PackedBatch, forward_only: bool) -> list[list[int]]:
+        max_tokens, per_micro = self.engine_config.micro_batching(forward_only)
+        parts = make_micro_batches(batch, max_tokens=max_tokens, micro_batch_size=per_micro,
+                                   use_dynamic_bsz=self.engine_config.use_dynamic_bsz,
+                                   dp_group=self.get_data_parallel_group())
+        if len(self.chunks) > 1:
+            group = build.unwrap(self.chunks[0]).config.microbatch_group_size_per_vp_stage
+            if len(parts) % group:
+                raise ValueError(f"{len(parts)} micro-batches with virtual pipeline stages: the interleaved "
+                                 f"schedule needs a multiple of {group}; lower max_token_len_per_gpu or "
+                                 f"micro_batch_size_per_gpu so the batch splits into {group}*k micro-batches")
+        return parts
+
+    def forward_backward_batch(self, batch: PackedBatch, loss_fn: LossFn | None,
+                               forward_only: bool = False) -> dict[str, Any]:
+        from megatron.core import parallel_state as mpu
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if loss_fn is None and not forward_only:
+            raise ValueError("forward_backward_batch(forward_only=False) needs a loss_fn")
+        parts = self._micro_batches(batch, forward_only)
+        micro = [self._select(batch, p) for p in parts]
+        ctx = loss_context(batch, self.get_data_parallel_group())
+        collected: list[tuple[dict[str, torch.Tensor], dict[str, Any], float | None]] = []
+        step = partial(self._forward_step, loss_fn=loss_fn, ctx=ctx, n_micro=len(micro), collected=collected,
+                       calc_entropy=bool(batch.meta.get("calculate_entropy", False)))
+        iters = [iter(micro) for _ in self.chunks]
+        self.router_replay.begin_pass(forward_only, batch)
+        get_forward_backward_func()(forward_step_func=step, data_iterator=iters if len(iters) > 1 else iters[0],
+                                    model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                                    num_microbatches=len(micro), seq_length=max(m.num_tokens for m in micro),
+                                    micro_batch_size=1, forward_only=forward_only)
+        self.router_replay.end_pass()
+        if not mpu.is_pipeline_last_stage(ignore_virtual=True) or not self.is_mp_src_rank_with_outputs():
+            return {}
+        outputs = [c[0] for c in collected]
+        metrics: dict[str, list[float]] = {}
+        for _, mb_metrics, _ in collected:
+            for key, value in mb_metrics.items():
+                metrics.setdefault(key, []).append(float(value))
+        target = batch.input_ids.device
+        model_output = {k: restore_order(parts, micro, [o[k] for o in outputs]).to(target) for k in outputs[0]}
+        losses = [c[2] for c in collected if c[2] is not None]
+        return {"model_output": model_output, "loss": losses, "metrics": metrics}
+
+    def _select(self, batch: PackedBatch, indices: list[int]) -> PackedBatch:
+        """Micro-batch ``indices`` on the device, with its slice of ``meta['routed_experts']`` if any."""
+        mb = batch.select(indices).to(self._device)
+        routed = batch.meta.get("routed_experts")
+        if routed is not None:
+            cu = batch.cu_seqlens.tolist()
+            rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in indices])
+            mb.meta["routed_experts"] = torch.as_tensor(routed)[rows]
+        return mb
+
+    def _forward_step(self, data_iterator: Any, model: torch.nn.Module, *, loss_fn: LossFn | None, ctx: Any,
+                      n_micro: int, collected: list, calc_entropy: bool) -> tuple[torch.Tensor, Any]:
+        mb = next(data_iterator)
+        packed = pack_micro_batch(mb, self._pad_multiple(), self._device)
+        self.router_replay.before_micro(mb.meta.get("routed_experts"), packed.input_ids.shape[1])
+        output = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                       packed_seq_params=packed.packed_seq_params)
+        routed = self.router_replay.after_forward(packed.input_ids.shape[1])
+        if routed is not None:
+            mb.meta["recorded_experts"] = routed[: packed.num_tokens].to(torch.int32)
+        return output, partial(self._loss_func, mb=mb, num_tokens=packed.num_tokens, loss_fn=loss_fn, ctx=ctx,
+                               n_micro=n_micro, collected=collected, calc_entropy=calc_entropy)
+
+    def _loss_func(self, output: torch.Tensor, *, mb: PackedBatch, num_tokens: int, loss_fn: LossFn | None,
+                   ctx: Any, n_micro: int, collected: list, calc_entropy: bool) -> tuple[torch.Tensor, dict]:
+        outs = self._model_outputs(output[0, :num_tokens], mb, calc_entropy)
+        if "recorded_experts" in mb.meta:
+            outs["routed_experts"] = mb.meta["recorded_experts"]
+        if loss_fn is None:
+            collected.append(({k: v.detach() for k, v in outs.items()}, {}, None))
+            return output.sum() * 0.0, {}
+        loss, metrics = loss_fn(outs, mb, ctx)
+        collected.append(({k: v.detach() for k, v in outs.items()}, dict(metrics or {}), float(loss.detach())))
+        return loss * n_micro, {}
+
+    def _model_outputs(self, logits: torch.Tensor, mb: PackedBatch, calc_entropy: bool) -> dict[str, torch.Tensor]:
+        from megatron.core import parallel_state as mpu
+
+        tp_rank = mpu.get_tensor_model_parallel_rank()
+        vocab_start = tp_rank * logits.size(-1)
+        return token_outputs(logits, mb, vocab_start, mpu.get_tensor_model_parallel_group(), calc_entropy)
+
+    def _pad_multiple(self) -> int:
+        cfg = self.engine_config
+        return cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+
+    # ------------------------------------------------------------------ optimizer
+    def optimizer_zero_grad(self) -> None:
+        for chunk in self.chunks:
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    def clip_grad_norm(self) -> float:
+        self._require_optimizer("clip_grad_norm")
+        if self.optimizer.prepare_grads():
+            return float("inf")
+        clip = self.optimizer_config.clip_grad
+        norm = self.optimizer.clip_grad_norm(clip) if clip > 0 else self.optimizer.get_grad_norm()
+        return float(norm)
+
+    def apply_optimizer_step(self) -> None:
+        self._require_optimizer("apply_optimizer_step")
+        self.optimizer.step_with_ready_grads()
+        self.router_replay.clear()
+
+    def lr_scheduler_step(self) -> float:
+        self._require_optimizer("lr_scheduler_step")
+        self._lr_step += 1
+        return self._set_lr()
+
+    def _set_lr(self) -> float:
+        lr = self.optimizer_config.lr * self.optimizer_config.lr_multiplier(self._lr_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise ValueError(f"{what} on a forward_only megatron engine: build it with engine.forward_only=false")
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def get_per_tensor_param(self, **kwargs: Any) -> PerTensorParams:
+        if self.is_value_model:
+            raise ValueError("get_per_tensor_param on a value model: only policy weights are synced to rollouts")
+        if self._export_tasks is None:
+            self._export_tasks = self.bridge.get_conversion_tasks(self.chunks)
+        stream = self.bridge.export_hf_weights(self.chunks, cpu=False, show_progress=False,
+                                               conversion_tasks=self._export_tasks)
+        return ((name, tensor) for name, tensor in stream), None
+
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None,
+                        **kwargs: Any) -> None:
+        checkpoint.save(self, local_path, global_step, max_ckpt_to_keep)
+
+    def load_checkpoint(self, local_path: str, **kwargs: Any) -> None:
+        checkpoint.load(self, local_path)
+
+    # ------------------------------------------------------------------ parallel layout
+    def get_data_parallel_size(self) -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_world_size()
+
+    def get_data_parallel_rank(self) -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_rank()
+
+    def get_data_parallel_group(self) -> Any:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_group()
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        from megatron.core import parallel_state as mpu
+
+        return (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
+                and mpu.is_pipeline_last_stage(ignore_virtual=True))
+
+
+class MegatronLanguageModelEngine(MegatronEngine):
+    """Causal LM: outputs ``log_probs`` (and ``entropy`` when ``batch.meta['calculate_entropy']``)."""
+
+
+class MegatronValueModelEngine(MegatronEngine):
+    """Value model: the output layer is a 1-unit head; ``values[t]`` is the head's output at token t."""
+
+    is_value_model = True
+
+    def _model_outputs(self, logits: torch.Tensor, mb: PackedBatch, calc_entropy: bool) -> dict[str, torch.Tensor]:
+        return {"values": logits[:, 0].float()}

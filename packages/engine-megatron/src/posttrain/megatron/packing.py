@@ -1,0 +1,97 @@
+"""Packed (THD) micro-batches for Megatron-Core and vocab-parallel log-probs / entropy on sharded logits.
+
+A micro-batch's sequences are fed as one ``(1, T)`` stream with ``PackedSeqParams(qkv_format='thd')``: RoPE
+restarts at each ``cu_seqlens`` boundary and attention stays inside each sequence. Under sequence parallelism
+the stream is split over TP ranks, so ``T`` is padded to a multiple of the TP size with one extra padding
+sequence whose outputs are dropped.
+
+Logits come out sharded over the vocabulary (``V / tp`` columns per TP rank). With ``m`` the global max and
+``Z = sum_v exp(l_v - m)`` (an all-reduce), ``log p(y) = l_y - m - log Z`` where ``l_y`` is contributed by the rank
+owning ``y``, and ``H = log Z - sum_v p_v (l_v - m)``. The all-reduces are Megatron's
+``reduce_from_tensor_model_parallel_region`` (sum forward, identity backward), so gradients are exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from posttrain.core.batch import PackedBatch
+
+
+@dataclass
+class PackedInput:
+    """One micro-batch laid out for the model."""
+
+    input_ids: torch.Tensor
+    """(1, T_pad) token ids."""
+    position_ids: torch.Tensor
+    """(1, T_pad) positions, restarting per sequence."""
+    packed_seq_params: object
+    """Megatron ``PackedSeqParams`` (thd) over the padded stream."""
+    num_tokens: int
+    """Real tokens (outputs beyond this index are padding)."""
+
+
+def pack_micro_batch(mb: PackedBatch, pad_multiple: int, device: torch.device) -> PackedInput:
+    """``mb`` as one THD stream padded to a multiple of ``pad_multiple`` tokens."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    ids, pos, cu = mb.input_ids, mb.position_ids, mb.cu_seqlens.to(torch.int32)
+    total = ids.numel()
+    pad = (-total) % pad_multiple
+    if pad:
+        ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype, device=ids.device)])
+        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype, device=pos.device)])
+        cu = torch.cat([cu, torch.tensor([total + pad], dtype=torch.int32, device=cu.device)])
+    max_len = int((cu[1:] - cu[:-1]).max())
+    cu = cu.to(device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
+                             max_seqlen_kv=max_len)
+    return PackedInput(ids.to(device)[None], pos.to(device)[None], params, total)
+
+
+def _tp_sum(x: torch.Tensor) -> torch.Tensor:
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(x)
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, tp_group: object,
+                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(targets), entropy or None) per row of TP-sharded ``logits`` (N, V/tp) in float32."""
+    logits = logits.float()
+    with torch.no_grad():
+        row_max = logits.max(dim=-1).values
+        if torch.distributed.get_world_size(tp_group) > 1:
+            torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+    shifted = logits - row_max[:, None]
+    log_z = torch.log(_tp_sum(shifted.exp().sum(dim=-1)))
+    local = targets - vocab_start
+    owned = (local >= 0) & (local < logits.size(-1))
+    picked = shifted.gather(-1, local.clamp(0, logits.size(-1) - 1)[:, None]).squeeze(-1) * owned
+    log_probs = _tp_sum(picked) - log_z
+    entropy = None
+    if with_entropy:
+        probs = torch.exp(shifted - log_z[:, None])
+        entropy = log_z - _tp_sum((probs * shifted).sum(dim=-1))
+    return log_probs, entropy
+
+
+def token_outputs(logits: torch.Tensor, mb: PackedBatch, vocab_start: int, tp_group: object,
+                  with_entropy: bool) -> dict[str, torch.Tensor]:
+    """Per-token ``log_probs`` (and ``entropy``) aligned with the tokens they describe, from (T, V/tp) logits.
+
+    Row ``t`` of ``logits`` predicts token ``t+1``, so it is divided by ``temperature[t+1]``, scored against
+    ``input_ids[t+1]`` and the results shift one place right; each sequence's first token gets 0."""
+    ids = mb.input_ids
+    targets = torch.roll(ids, -1)
+    if "temperature" in mb.fields:
+        temp = torch.roll(mb.fields["temperature"].to(logits.device).float(), -1)
+        logits = logits.float() / temp[:, None]
+    lp, ent = vocab_parallel_logprobs(logits, targets, vocab_start, tp_group, with_entropy)
+    starts = mb.cu_seqlens[:-1].long().to(logits.device)
+    out = {"log_probs": torch.roll(lp, 1).index_fill(0, starts, 0.0)}
+    if ent is not None:
+        out["entropy"] = torch.roll(ent, 1).index_fill(0, starts, 0.0)
+    return out

@@ -1,0 +1,99 @@
+"""torchrun worker for the 2-rank tests: TP=2 (with sequence parallelism) and PP=2 against HF references.
+
+Usage: ``torchrun --nproc-per-node 2 dist_worker.py HF_DIR OUT_DIR [cpu|cuda]``. Writes ``OUT_DIR/results.json``
+(differences to the references) and ``OUT_DIR/tp2_ckpt`` (a TP=2 checkpoint after one step) with
+``OUT_DIR/tp2_params.pt`` (the exported parameters at that point).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _check(name, eng, hf_path, batch, ref, results, out_dir=None, **kw):
+    from megatron_cpu import hf_log_probs, nll_loss
+    from transformers import AutoModelForCausalLM
+
+    ref_loss, ref_norm, ref_params = ref
+    with eng.eval_mode():
+        out = eng.infer_batch(batch)
+    if eng.is_mp_src_rank_with_outputs():
+        hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+        with torch.no_grad():
+            lp_ref = hf_log_probs(hf, batch)
+        results[f"{name}_logprob_maxdiff"] = float((out["model_output"]["log_probs"].cpu().double() - lp_ref)
+                                                   .abs().max())
+    with eng.train_mode():
+        out = eng.train_batch(batch, nll_loss)
+        if out_dir is not None:
+            eng.save_checkpoint(os.path.join(out_dir, "tp2_ckpt"), global_step=1)
+    exported = {k: v.cpu() for k, v in eng.get_per_tensor_param()[0]}
+    if eng.is_mp_src_rank_with_outputs():
+        results[f"{name}_loss_diff"] = abs(sum(out["loss"]) - ref_loss)
+        results[f"{name}_grad_norm_rel"] = abs(out["metrics"]["grad_norm"] - ref_norm) / ref_norm
+    results[f"{name}_param_maxdiff"] = max(float((exported[k] - v).abs().max()) for k, v in ref_params.items())
+    if out_dir is not None and torch.distributed.get_rank() == 0:
+        torch.save(exported, os.path.join(out_dir, "tp2_params.pt"))
+
+
+def _check_data_parallel(name, eng, batch, ref, results):
+    """Two data-parallel ranks, each with half the sequences, against the reference over the whole batch."""
+    from megatron_cpu import nll_loss
+
+    ref_loss, ref_norm, ref_params = ref
+    rank = torch.distributed.get_rank()
+    half = batch.select([rank, rank + 2])
+    with eng.train_mode():
+        out = eng.train_batch(half, nll_loss)
+    losses = [None, None]
+    torch.distributed.all_gather_object(losses, sum(out["loss"]))
+    exported = {k: v.float().cpu() for k, v in eng.get_per_tensor_param()[0]}
+    results[f"{name}_loss_diff"] = abs(sum(losses) - ref_loss)
+    results[f"{name}_grad_norm_rel"] = abs(out["metrics"]["grad_norm"] - ref_norm) / ref_norm
+    results[f"{name}_param_maxdiff"] = max(float((exported[k] - v).abs().max()) for k, v in ref_params.items())
+
+
+def main() -> None:
+    from megatron_cpu import make_engine, prepare_environment, reference_step, sample_batch
+
+    hf_path, out_dir = sys.argv[1], sys.argv[2]
+    prepare_environment()
+    on_cuda = torch.cuda.is_available()
+    if on_cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.distributed.init_process_group("nccl" if on_cuda else "gloo")
+    from megatron.core import parallel_state as mpu
+
+    batch = sample_batch()
+    ref = reference_step(hf_path, batch, lr=1e-3, clip=1.0)
+    results: dict[str, float] = {}
+    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    eng = make_engine(hf_path, tensor_model_parallel_size=2, sequence_parallel=True, **extra)
+    _check("tp2", eng, hf_path, batch, ref, results, out_dir=out_dir)
+    del eng
+    mpu.destroy_model_parallel()
+    eng = make_engine(hf_path, pipeline_model_parallel_size=2, **extra)
+    _check("pp2", eng, hf_path, batch, ref, results)
+    if torch.cuda.is_available():
+        del eng
+        mpu.destroy_model_parallel()
+        eng = make_engine(hf_path, use_megatron_fsdp=True, use_distributed_optimizer=True)
+        _check_data_parallel("fsdp", eng, batch, ref, results)
+    gathered = [None, None]
+    torch.distributed.all_gather_object(gathered, results)
+    if torch.distributed.get_rank() == 0:
+        merged = {k: v for r in gathered for k, v in r.items()}
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(merged, f, indent=1)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Every config rule of the megatron engine raises a ValueError that names the value and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from posttrain.core.config import CheckpointConfig, McoreEngineConfig, ModelConfig
+from posttrain.megatron import rules
+
+DENSE = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+MOE = {**DENSE, "num_experts": 4}
+
+
+def _model(tmp_path, hf: dict) -> ModelConfig:
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    return ModelConfig(path=str(tmp_path))
+
+
+def _check(tmp_path, hf=DENSE, ckpt=None, on_cuda=True, model_kw=None, **engine_kw):
+    model = _model(tmp_path, hf)
+    for key, value in (model_kw or {}).items():
+        setattr(model, key, value)
+    rules.check_engine(McoreEngineConfig(**engine_kw), ckpt or CheckpointConfig(), model, on_cuda=on_cuda)
+
+
+@pytest.mark.parametrize(("engine_kw", "hf", "match"), [
+    (dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2), DENSE,
+     "virtual_pipeline_model_parallel_size=2 needs"),
+    (dict(pipeline_model_parallel_size=3), DENSE, "4 layers"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4), DENSE, "4 layers"),
+    (dict(tensor_model_parallel_size=4), DENSE, "num_key_value_heads=2 is not divisible"),
+    (dict(expert_model_parallel_size=2), DENSE, "dense model"),
+    (dict(expert_model_parallel_size=3), MOE, "4 experts"),
+    (dict(router_replay={"mode": "R2"}), DENSE, "router replay needs an MoE model"),
+    (dict(router_replay={"mode": "R3"}, pipeline_model_parallel_size=2), MOE, "router_replay.mode=R3 with"),
+    (dict(use_dist_checkpointing=True), DENSE, "dist_checkpointing_path"),
+    (dict(use_remove_padding=False), DENSE, "use_remove_padding=false"),
+    (dict(use_megatron_fsdp=True, pipeline_model_parallel_size=2), DENSE, "use_megatron_fsdp=true with pipeline"),
+])
+def test_layout_rules(tmp_path, engine_kw, hf, match):
+    from posttrain.core.config import RouterReplayConfig
+
+    if "router_replay" in engine_kw:
+        engine_kw["router_replay"] = RouterReplayConfig(**engine_kw["router_replay"])
+    with pytest.raises(ValueError, match=match):
+        _check(tmp_path, hf=hf, **engine_kw)
+
+
+def test_valid_layouts_pass(tmp_path):
+    _check(tmp_path, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+           virtual_pipeline_model_parallel_size=2)
+    _check(tmp_path, hf=MOE, expert_model_parallel_size=4)
+
+
+def test_megatron_fsdp_needs_cuda(tmp_path):
+    with pytest.raises(ValueError, match="needs CUDA"):
+        _check(tmp_path, on_cuda=False, use_megatron_fsdp=True)
+
+
+def test_megatron_fsdp_checkpoint_rules(tmp_path):
+    with pytest.raises(ValueError, match="async_save=true"):
+        _check(tmp_path, ckpt=CheckpointConfig(async_save=True), use_megatron_fsdp=True)
+
+
+def test_lora_not_implemented_is_explicit(tmp_path):
+    with pytest.raises(ValueError, match="lora_rank=8"):
+        _check(tmp_path, model_kw={"lora_rank": 8})
+
+
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        rules.check_engine(McoreEngineConfig(), CheckpointConfig(), ModelConfig(path=str(tmp_path / "nope")),
+                           on_cuda=True)
+
+
+def test_vanilla_mbridge_missing_package_is_an_import_error(tmp_path):
+    with pytest.warns(FutureWarning, match="deprecated"), pytest.raises(ImportError, match="pip install mbridge"):
+        _check(tmp_path, vanilla_mbridge=True)
+
+
+def test_sequence_parallel_off_at_tp1_warns():
+    with pytest.warns(UserWarning, match="no effect"):
+        cfg = McoreEngineConfig(tensor_model_parallel_size=1, sequence_parallel=True)
+    assert cfg.sequence_parallel is False
+
+
+def test_override_of_unknown_field_names_it():
+    from posttrain.megatron.build import _set_checked
+
+    class Obj:
+        known = 1
+
+    with pytest.raises(ValueError, match="override_transformer_config.nope"):
+        _set_checked(Obj(), {"nope": 2}, "override_transformer_config")
+
+
+def test_convert_cli_rejects_bad_sizes():
+    from posttrain.megatron.convert_cli import main
+
+    with pytest.raises(ValueError, match="--tp=0"):
+        main(["hf-to-megatron", "--hf-model", "x", "--output", "y", "--tp", "0"])

@@ -1,0 +1,296 @@
+"""VLLMRollout: generation on vLLM and the trainer -> vLLM weight sync.
+
+Executors (``VLLMOptions.executor``):
+
+- ``external_launcher``: colocated SPMD under torchrun. Every trainer rank builds its own ``LLM`` whose worker runs
+  in the rank's process; vLLM's tensor-parallel size is ``rollout.tensor_model_parallel_size`` and its data-parallel
+  size ``world_size / tp``, independent of the training layout. Weights reach the local worker by reference.
+- ``inprocess``: one process, the worker in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); weights by reference.
+- ``multiprocess``: one process drives an ``LLM`` whose engine core and workers run in child processes.
+- ``server``: ``rollout.mode=async``; an ``AsyncLLM`` whose engine runs in other processes, used for async rollout
+  (:meth:`VLLMRollout.agenerate`).
+
+``auto`` picks ``server`` for async mode, ``external_launcher`` under an initialised torch.distributed and
+``inprocess`` otherwise. In the last two modes the weight sync passes tensors by reference; otherwise it goes
+through POSIX shared memory (CPU) or a CUDA IPC buffer (GPU), see :mod:`posttrain.rollout_vllm.transport`.
+
+A sync (:meth:`VLLMRollout.update_weights`) packs the stream into checksummed buckets; each worker verifies and
+loads every bucket in place (:mod:`posttrain.rollout_vllm.extension`), checks that every parameter was written,
+and only then is the prefix cache reset and generation allowed again. A failed sync leaves the rollout refusing
+to generate until a sync succeeds. LoRA: the first sync carries the base weights, later syncs with
+``base_sync_done=True`` and a ``peft_config`` carry only the adapter, served as a LoRA request.
+
+Sleep levels follow vLLM: level 1 offloads weights and drops the KV cache, level 2 drops both (a sync must follow).
+:meth:`wake_up` takes ``["weights"]`` and ``["kv_cache"]`` separately, so the weights can be woken and synced
+before the KV cache is allocated again. On CPU vLLM has no sleep mode and both are no-ops for memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.core.config import ModelConfig
+from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
+from posttrain.core.weight_sync import BucketSender, WeightSyncError
+
+from .engines import EXECUTORS, AsyncFront, LLMFront
+from .extension import jsonable
+from .transport import TRANSPORTS, RpcBucketTransport
+
+EXTENSION = "posttrain.rollout_vllm.extension.WeightSyncWorkerExtension"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(kw_only=True)
+class VLLMOptions:
+    """vLLM-specific choices beyond :class:`~posttrain.core.rollout.RolloutConfig`."""
+
+    executor: str = "auto"
+    """auto, external_launcher, inprocess, multiprocess or server (see the module docstring)."""
+    transport: str = "auto"
+    """Weight-sync transport: auto, inprocess, shm or cuda_ipc."""
+    device: str | None = None
+    """cuda or cpu; None = cuda when a GPU is visible."""
+    lora_name: str = "posttrain"
+    """Name of the LoRA adapter synced from the trainer."""
+    lora_int_id: int = 1
+    """vLLM id of that adapter."""
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"vllm executor {self.executor!r} is unknown: use one of {', '.join(EXECUTORS)}")
+        if self.transport not in ("auto", *TRANSPORTS):
+            raise ValueError(f"vllm transport {self.transport!r} is unknown: use auto, {', '.join(TRANSPORTS)}")
+        if self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id={self.lora_int_id} must be >= 1")
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def eos_token_ids(model_path: str) -> list[int]:
+    """eos ids from the model's config.json and generation_config.json."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(model_path, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return sorted(ids)
+
+
+class VLLMRollout(BaseRollout):
+    """A vLLM engine that generates token ids with log-probs and takes verified weight syncs."""
+
+    def __init__(self, config: RolloutConfig, model_config: ModelConfig, options: VLLMOptions | None = None) -> None:
+        self.config, self.model_config = config, model_config
+        self.options = options or VLLMOptions()
+        if config.dtype not in DTYPES:
+            raise ValueError(f"rollout.dtype={config.dtype!r}: use one of {', '.join(DTYPES)}")
+        if not model_config.path or not os.path.isdir(model_config.path):
+            raise ValueError(f"model.path={model_config.path!r} is not a local HF model directory")
+        self.device = torch.device(self.options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.executor = self._resolve_executor()
+        self.transport_kind = self._resolve_transport()
+        self.sleep_enabled = self.device.type == "cuda" and config.free_cache_engine
+        self.eos_ids = eos_token_ids(model_config.path)
+        kwargs = self.engine_kwargs()
+        if self.executor == "server":
+            self.engine: LLMFront | AsyncFront = AsyncFront(kwargs)
+        else:
+            self.engine = LLMFront(kwargs, multiprocess=self.executor == "multiprocess")
+        self._transport: RpcBucketTransport | None = None
+        self._asleep: set[str] = set()
+        self._weights_error: str | None = None
+        self._base_synced = config.load_format != "dummy"
+        if not self._base_synced:
+            self._weights_error = "the engine started from dummy weights (load_format=dummy)"
+        self._lora_request: Any = None
+
+    # ------------------------------------------------------------------ construction
+    def _resolve_executor(self) -> str:
+        executor, mode = self.options.executor, self.config.mode
+        if executor == "auto":
+            executor = "server" if mode == "async" else "external_launcher" if _distributed() else "inprocess"
+        if (executor == "server") != (mode == "async"):
+            raise ValueError(f"rollout.mode={mode!r} with vllm executor {executor!r}: async mode runs the server "
+                             "executor and sync mode any other")
+        if executor == "external_launcher" and not _distributed():
+            raise ValueError("the external_launcher executor runs under torchrun with torch.distributed "
+                             "initialised: launch with torchrun or use executor=inprocess")
+        return executor
+
+    def _resolve_transport(self) -> str:
+        local = self.executor in ("inprocess", "external_launcher")
+        kind = self.options.transport
+        if kind == "auto":
+            kind = "inprocess" if local else "cuda_ipc" if self.device.type == "cuda" else "shm"
+        if kind == "inprocess" and not local:
+            raise ValueError(f"transport=inprocess needs the vLLM worker in this process, but executor="
+                             f"{self.executor!r} runs it in another: use shm (CPU) or cuda_ipc (GPU)")
+        return kind
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Arguments of vLLM's ``LLM`` / ``AsyncEngineArgs`` for this config."""
+        cfg = self.config
+        kwargs: dict[str, Any] = dict(
+            model=self.model_config.path, dtype=cfg.dtype, tensor_parallel_size=cfg.tensor_model_parallel_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len or cfg.prompt_length + cfg.response_length,
+            enable_prefix_caching=cfg.enable_prefix_caching, load_format=cfg.load_format, seed=cfg.seed,
+            skip_tokenizer_init=True, trust_remote_code=self.model_config.trust_remote_code,
+            worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.sleep_enabled)
+        if self.model_config.lora_rank > 0:
+            kwargs.update(enable_lora=True, max_lora_rank=self.model_config.lora_rank, max_loras=1)
+        if self.executor == "external_launcher":
+            world = torch.distributed.get_world_size()
+            if world % cfg.tensor_model_parallel_size:
+                raise ValueError(f"rollout.tensor_model_parallel_size={cfg.tensor_model_parallel_size} does not "
+                                 f"divide the torchrun world size {world}: choose a divisor of {world}")
+            kwargs.update(distributed_executor_backend="external_launcher",
+                          data_parallel_size=world // cfg.tensor_model_parallel_size)
+        kwargs.update(cfg.engine_kwargs)
+        return kwargs
+
+    # ------------------------------------------------------------------ generation
+    def sampling_params(self, sampling: SamplingConfig) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # FINAL_ONLY: one output per request holding all n samples (the async engine otherwise streams them).
+        return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                              top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_new_tokens,
+                              stop_token_ids=sorted(set(sampling.stop_token_ids) | set(self.eos_ids)),
+                              seed=sampling.seed, logprobs=0)
+
+    def _check_ready(self) -> None:
+        if self._weights_error is not None:
+            raise WeightSyncError(f"the rollout has no valid weights: {self._weights_error}; call update_weights "
+                                  "with the full model before generating")
+        if self._asleep:
+            self.wake_up()
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
+        self._check_ready()
+        outputs = self.engine.generate(prompts, self.sampling_params(sampling), self._lora_request)
+        return [s for i, out in enumerate(outputs) for s in self._samples(i, out)]
+
+    async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingConfig,
+                        prompt_index: int = 0) -> list[RolloutSample]:
+        """One prompt's ``sampling.n`` samples, awaitable from any event loop (server executor only)."""
+        if not isinstance(self.engine, AsyncFront):
+            raise ValueError(f"agenerate needs rollout.mode=async (the server executor), not {self.executor!r}")
+        self._check_ready()
+        out = await self.engine.submit(prompt_ids, self.sampling_params(sampling), self._lora_request)
+        return self._samples(prompt_index, out)
+
+    @staticmethod
+    def _samples(index: int, out: Any) -> list[RolloutSample]:
+        samples = []
+        for comp in sorted(out.outputs, key=lambda c: c.index):
+            ids = list(comp.token_ids)
+            lps = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(ids)], dtype=torch.float32)
+            samples.append(RolloutSample(prompt_index=index, prompt_ids=list(out.prompt_token_ids), response_ids=ids,
+                                         log_probs=lps, finish_reason=str(comp.finish_reason or "length")))
+        return samples
+
+    # ------------------------------------------------------------------ weight sync
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, peft_config: dict[str, Any] | None = None,
+                       base_sync_done: bool = False) -> SyncReport:
+        """Sync the base weights, or (``peft_config`` and ``base_sync_done``) the LoRA adapter only."""
+        kind = "lora" if peft_config is not None and base_sync_done else "base"
+        if kind == "lora" and not self._base_synced:
+            raise ValueError("a LoRA adapter sync (base_sync_done=True) came before any base sync: call "
+                             "update_weights(base weights, base_sync_done=False) first")
+        if kind == "lora" and self.model_config.lora_rank <= 0:
+            raise ValueError("a LoRA adapter sync needs model.lora_rank > 0 so vLLM starts with LoRA enabled")
+        if "weights" in self._asleep:
+            self.wake_up(["weights"])
+        pause = self.engine.paused() if isinstance(self.engine, AsyncFront) else contextlib.nullcontext()
+        with pause:
+            return self._sync(kind, weights, peft_config)
+
+    def _sync(self, kind: str, weights: Iterable[tuple[str, torch.Tensor]],
+              peft_config: dict[str, Any] | None) -> SyncReport:
+        start = time.perf_counter()
+        transport = self.transport
+        sender = BucketSender(transport, transport.buffer.numel(), dtype=DTYPES[self.config.dtype],
+                              buffer=transport.buffer)
+        lora = (self.options.lora_name, self.options.lora_int_id) if kind == "lora" else None
+        try:
+            self.engine.collective_rpc("ws_begin", kind, jsonable(peft_config), lora)
+            report = sender.send(weights)
+            results = self.engine.collective_rpc("ws_finish")
+        except Exception as exc:
+            self._weights_error = f"the last weight sync failed ({type(exc).__name__}: {exc})"
+            self.engine.collective_rpc("ws_abort")
+            if isinstance(exc, (WeightSyncError, ValueError)):
+                raise
+            raise WeightSyncError(f"weight sync failed on the vLLM side: {exc}") from exc
+        bad = [r["num_tensors"] for r in results if r["num_tensors"] != report.num_tensors]
+        if bad:
+            self._weights_error = "a worker loaded a different number of tensors than were sent"
+            raise WeightSyncError(f"sent {report.num_tensors} tensors but workers loaded {bad}")
+        if not self.engine.reset_prefix_cache():
+            self._weights_error = "the prefix cache could not be reset after the sync"
+            raise WeightSyncError("vLLM refused to reset its prefix cache after the sync (requests still running?): "
+                                  "cached KV blocks would be served from the old weights")
+        if kind == "lora":
+            from vllm.lora.request import LoRARequest
+
+            self._lora_request = LoRARequest(*lora, results[0]["lora_path"])
+        else:
+            self._base_synced, self._lora_request = True, None
+        self._weights_error = None
+        report.timings.update(send_s=report.seconds, worker_load_s=max(r["load_s"] for r in results))
+        report.seconds = time.perf_counter() - start
+        return report
+
+    @property
+    def transport(self) -> RpcBucketTransport:
+        """The weight-sync transport (its buffer is allocated on first use and kept until :meth:`release`)."""
+        if self._transport is None:
+            bucket = self.config.update_weights_bucket_megabytes << 20
+            device = self.device if self.transport_kind != "shm" else torch.device("cpu")
+            self._transport = RpcBucketTransport(self.transport_kind, bucket, device,
+                                                 lambda payload: self.engine.collective_rpc("ws_load_bucket", payload))
+        return self._transport
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self, level: int = 1) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: use 1 (offload weights) or 2 (discard weights)")
+        if self.sleep_enabled:
+            self.engine.sleep(level)
+        self._asleep = {"weights", "kv_cache"}
+        if level == 2:
+            self._weights_error = "sleep(level=2) discarded the weights"
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        tags = list(tags) if tags is not None else ["weights", "kv_cache"]
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags {sorted(unknown)} are unknown: use weights and/or kv_cache")
+        todo = [t for t in tags if t in self._asleep]
+        if todo and self.sleep_enabled:
+            self.engine.wake_up(todo)
+        self._asleep -= set(todo)
+
+    def release(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self.engine.shutdown()
+

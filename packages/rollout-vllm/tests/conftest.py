@@ -1,0 +1,31 @@
+"""Shared fixtures: the tiny model directory and the skip marker for tests that need a runnable vLLM."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from vllm_testing import save_tiny_model, vllm_skip_reason  # noqa: E402
+
+_REASON = vllm_skip_reason()
+needs_vllm = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Reference forwards share the CPU with vLLM's worker; two OpenMP threads made them ~8x slower on 2 cores.
+    (Set before any in-process vLLM worker starts: it turns ``torch.set_num_threads`` into a no-op.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

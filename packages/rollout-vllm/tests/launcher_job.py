@@ -1,0 +1,41 @@
+"""Colocated SPMD job for torchrun: the FSDP engine and an external_launcher vLLM in every rank's process.
+
+Each rank trains one step, syncs its full weights into its own vLLM worker (tensors by reference), and checks
+greedy tokens and log-probs against the HF model with the trained weights. Prints ``RANK <r> OK`` on success.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from vllm_testing import check_greedy, engine_weights, hf_model, make_engine, train_step  # noqa: E402
+
+
+def main(model_dir: str) -> None:
+    import torch.distributed as dist
+
+    from posttrain.core import RolloutRegistry
+    from posttrain.core.config import ModelConfig
+    from posttrain.core.rollout import RolloutConfig
+
+    torch.set_num_threads(1)
+    engine = make_engine(model_dir)  # initialises the gloo process group under torchrun
+    config = RolloutConfig(name="vllm", dtype="float32", prompt_length=64, response_length=32, max_num_seqs=8,
+                           max_num_batched_tokens=512, update_weights_bucket_megabytes=1)
+    rollout = RolloutRegistry.from_entry_points().get_rollout_cls("vllm")(config, ModelConfig(path=model_dir))
+    assert rollout.executor == "external_launcher" and rollout.transport_kind == "inprocess", rollout.executor
+    train_step(engine, seed=7)
+    stream, _ = engine.get_per_tensor_param()
+    rollout.update_weights(stream)
+    check_greedy(rollout, hf_model(model_dir, engine_weights(engine)[0]), [[1, 2, 3, 4], [9, 8, 7]])
+    print(f"RANK {dist.get_rank()} OK", flush=True)
+    rollout.release()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,84 @@
+"""The transports without vLLM: a shared-memory sync into another process, corruption, options, the entry point."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+from vllm_testing import receive_in_child
+
+from posttrain.core.weight_sync import BucketSender
+from posttrain.rollout_vllm.transport import BucketOpener, RpcBucketTransport
+
+
+def stream(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"layer.{i}.weight": torch.randn(64, 32 + i, generator=gen) for i in range(6)} | {
+        "ids": torch.arange(17, dtype=torch.int64)}
+
+
+def shm_sync(weights: dict[str, torch.Tensor], corrupt_bucket: int | None = None) -> tuple[list[str], object]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=receive_in_child, args=(child,))
+    proc.start()
+    replies: list[str] = []
+
+    def send(payload: bytes) -> None:
+        if corrupt_bucket is not None and len(replies) == corrupt_bucket:
+            transport.buffer[5] ^= 0x40
+        parent.send(payload)
+        replies.append(parent.recv())
+
+    transport = RpcBucketTransport("shm", 20_000, "cpu", send)
+    try:
+        BucketSender(transport, 20_000, buffer=transport.buffer).send(weights.items())
+        parent.send(None)
+        result = parent.recv() if corrupt_bucket is None else None
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+        transport.close()
+    return replies, result
+
+
+def test_shared_memory_sync_reaches_another_process_bit_exact():
+    weights = stream()
+    replies, got = shm_sync(weights)
+    assert len(replies) >= 3 and set(replies) == {"ok"}
+    assert got.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(torch.from_numpy(got[name]), tensor), name
+
+
+def test_corrupted_shared_memory_bucket_is_detected_by_the_receiver():
+    replies, _ = shm_sync(stream(), corrupt_bucket=1)
+    assert replies[0] == "ok"
+    assert replies[1].startswith("WeightSyncError: bucket 1: checksum mismatch")
+
+
+def test_transport_and_payload_errors_name_the_fix():
+    with pytest.raises(ValueError, match="use one of inprocess, shm, cuda_ipc"):
+        RpcBucketTransport("nccl", 16, "cpu", print)
+    with pytest.raises(ValueError, match="use shm on CPU"):
+        RpcBucketTransport("cuda_ipc", 16, "cpu", print)
+    with pytest.raises(TypeError, match="pickled bytes"):
+        BucketOpener().open("not a payload")
+
+
+def test_options_are_validated():
+    from posttrain.rollout_vllm.rollout import VLLMOptions
+
+    with pytest.raises(ValueError, match="executor 'ray' is unknown"):
+        VLLMOptions(executor="ray")
+    with pytest.raises(ValueError, match="transport 'nccl' is unknown"):
+        VLLMOptions(transport="nccl")
+
+
+def test_entry_point_resolves_to_the_rollout_class():
+    from posttrain.core import RolloutRegistry
+    from posttrain.rollout_vllm.rollout import VLLMRollout
+
+    assert RolloutRegistry.from_entry_points().get_rollout_cls("vllm") is VLLMRollout

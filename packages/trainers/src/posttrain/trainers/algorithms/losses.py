@@ -1,0 +1,134 @@
+"""The actor and critic loss functions handed to ``engine.forward_backward_batch``, plus entropy.
+
+Actor (verl ``ppo_loss``): ``policy_loss - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl(logp, ref))``,
+every term aggregated with ``actor.loss_agg_mode`` and the step's global counts. It reads
+``model_output["log_probs"]`` (and ``["entropy"]`` when ``entropy_coeff != 0`` or when the engine returns it)
+and the micro-batch fields ``old_log_probs``, ``advantages`` and, with ``use_kl_loss``, ``ref_log_probs``.
+
+Critic (verl ``compute_value_loss``): ``0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2))`` with
+``c = cliprange_value``; it reads ``model_output["values"]`` (value-head outputs, aligned onto the next token with
+:func:`~.packed.align_values` unless ``align_model_values=False``) and the fields ``values`` (the aligned values
+the advantages were computed with) and ``returns``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.core.batch import LossContext, LossFn, PackedBatch
+
+from .agg import agg_loss, check_loss_agg_mode
+from .kl import kl_penalty
+from .packed import align_values, masked_mean
+from .policy import ActorLossConfig, get_policy_loss
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim: ``logsumexp(z) - sum(softmax(z) * z)``."""
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def _field(micro: PackedBatch, name: str, why: str) -> torch.Tensor:
+    if name not in micro.fields:
+        raise ValueError(
+            f"the {why} needs batch.fields[{name!r}] (have {sorted(micro.fields)}): compute it before "
+            "the update"
+        )
+    return micro.fields[name]
+
+
+def make_actor_loss(cfg: ActorLossConfig, loss_scale_factor: float | None = None) -> LossFn:
+    """The actor's ``loss_fn(model_output, micro, ctx)``; ``loss_scale_factor`` fills a None in ``cfg``."""
+    policy_fn = get_policy_loss(cfg.policy_loss.loss_mode)
+    scale = cfg.loss_scale_factor if cfg.loss_scale_factor is not None else loss_scale_factor
+
+    def actor_loss(
+        model_output: dict[str, torch.Tensor], micro: PackedBatch, ctx: LossContext
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        log_prob, mask, cu = model_output["log_probs"], micro.loss_mask, micro.cu_seqlens
+        old = _field(micro, "old_log_probs", "policy loss")
+        adv = _field(micro, "advantages", "policy loss")
+        loss, metrics = policy_fn(old, log_prob, adv, mask, cu, ctx, cfg, scale)
+        metrics["actor/pg_loss"] = float(loss.detach())
+        entropy = model_output.get("entropy")
+        if cfg.entropy_coeff != 0 and entropy is None:
+            raise ValueError(
+                f"actor.entropy_coeff={cfg.entropy_coeff} needs the engine's entropy: set "
+                "batch.meta['calculate_entropy']=True"
+            )
+        if entropy is not None:
+            metrics["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
+            if cfg.entropy_coeff != 0:
+                loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cu, cfg.loss_agg_mode, ctx, scale)
+        if cfg.use_kl_loss:
+            kld = kl_penalty(log_prob, _field(micro, "ref_log_probs", "KL loss"), cfg.kl_loss_type)
+            loss = loss + cfg.kl_loss_coef * agg_loss(kld, mask, cu, cfg.loss_agg_mode, ctx, scale)
+            metrics["actor/kl_loss"] = float(masked_mean(kld.detach(), mask))
+            metrics["actor/kl_coef"] = cfg.kl_loss_coef
+        return loss, metrics
+
+    return actor_loss
+
+
+@dataclass(kw_only=True)
+class CriticLossConfig:
+    """The critic's loss knobs (verl's ``critic`` names and defaults)."""
+
+    cliprange_value: float = 0.5
+    """New values may move at most this far from the values the advantages used."""
+    loss_agg_mode: str = "token-mean"
+    """How the value loss is aggregated (same modes as the actor)."""
+
+    def __post_init__(self) -> None:
+        check_loss_agg_mode(self.loss_agg_mode, "critic.loss_agg_mode")
+        if self.cliprange_value < 0:
+            raise ValueError(f"critic.cliprange_value={self.cliprange_value} must be >= 0")
+
+
+def value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    old_values: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ctx: LossContext,
+    cfg: CriticLossConfig,
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Clipped value loss (PPO2 baselines / TRL; verl ``compute_value_loss``), see the module docstring."""
+    clipped = old_values + torch.clamp(vpreds - old_values, -cfg.cliprange_value, cfg.cliprange_value)
+    loss1, loss2 = (vpreds - returns) ** 2, (clipped - returns) ** 2
+    loss = 0.5 * agg_loss(
+        torch.maximum(loss1, loss2), mask, cu_seqlens, cfg.loss_agg_mode, ctx, loss_scale_factor
+    )
+    with torch.no_grad():
+        metrics = {
+            "critic/vf_loss": float(loss),
+            "critic/vf_clipfrac": float(masked_mean((loss2 > loss1).float(), mask)),
+            "critic/vpred_mean": float(masked_mean(vpreds, mask)),
+        }
+    return loss, metrics
+
+
+def make_critic_loss(
+    cfg: CriticLossConfig, loss_scale_factor: float | None = None, align_model_values: bool = True
+) -> LossFn:
+    """The critic's ``loss_fn(model_output, micro, ctx)``."""
+
+    def critic_loss(
+        model_output: dict[str, torch.Tensor], micro: PackedBatch, ctx: LossContext
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        vpreds = model_output["values"]
+        if align_model_values:
+            vpreds = align_values(vpreds, micro.cu_seqlens)
+        old = _field(micro, "values", "value loss")
+        returns = _field(micro, "returns", "value loss")
+        return value_loss(
+            vpreds, returns, old, micro.loss_mask, micro.cu_seqlens, ctx, cfg, loss_scale_factor
+        )
+
+    return critic_loss

@@ -1,0 +1,1 @@
+"""The PPO / GRPO trainer: rollout, rewards, advantages and actor/critic updates."""

@@ -1,0 +1,117 @@
+"""The phases of one PPO / GRPO step, as functions over engines and packed batches.
+
+Each phase reads what the previous ones wrote into the batch: ``old_log_probs`` (the actor before this step's
+update), ``ref_log_probs`` (the reference policy), ``values`` (the critic, shifted so ``values[t]`` is the value
+of the state that predicts token ``t``), ``advantages`` and ``returns``. All are per-token packed fields, 0 off
+the response.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from posttrain.core import BaseEngine, PackedBatch
+
+from ..algorithms import (
+    AdvantageInputs,
+    AlgorithmConfig,
+    FixedKLController,
+    align_values,
+    apply_kl_penalty,
+    compute_advantage,
+)
+from ..algorithms.packed import masked_mean
+from .batch import mini_batches, token_level_scores
+
+
+def forward_outputs(engine: BaseEngine, batch: PackedBatch, key: str, adapter_off: bool = False) -> torch.Tensor:
+    """(T,) ``model_output[key]`` of a forward-only pass, on the CPU, in batch order."""
+    ctx = engine.disable_adapter() if adapter_off else contextlib.nullcontext()
+    with engine.eval_mode(), ctx:
+        out = engine.infer_batch(batch)
+    if not engine.is_mp_src_rank_with_outputs() or "model_output" not in out:
+        raise ValueError("the RL trainer needs outputs on every data-parallel rank; model-parallel layouts "
+                         "(megatron TP/PP > 1) are not supported by the RL loop yet: use model_engine=fsdp2")
+    return out["model_output"][key].detach().float().cpu()
+
+
+def compute_old_log_probs(actor: BaseEngine, batch: PackedBatch) -> dict[str, float]:
+    """Actor log-probs (and entropy) before the update -> ``fields['old_log_probs']``."""
+    batch.meta["calculate_entropy"] = True
+    ctx = actor.eval_mode()
+    with ctx, torch.no_grad():
+        out = actor.infer_batch(batch)
+    batch.meta["calculate_entropy"] = False
+    if "model_output" not in out:
+        raise ValueError("the RL trainer needs outputs on every data-parallel rank (use model_engine=fsdp2)")
+    lp = out["model_output"]["log_probs"].detach().float().cpu()
+    batch.fields["old_log_probs"] = lp * batch.loss_mask
+    entropy = out["model_output"].get("entropy")
+    metrics = {}
+    if entropy is not None:
+        metrics["actor/entropy"] = float(masked_mean(entropy.detach().float().cpu(), batch.loss_mask))
+    rollout_lp = batch.fields.get("rollout_log_probs")
+    if rollout_lp is not None:
+        diff = (rollout_lp - batch.fields["old_log_probs"]).abs()
+        metrics["rollout/logprob_diff_max"] = float((diff * batch.loss_mask).max())
+    return metrics
+
+
+def compute_ref_log_probs(ref: BaseEngine, batch: PackedBatch, adapter_off: bool) -> None:
+    """Reference log-probs -> ``fields['ref_log_probs']`` (a LoRA actor with its adapter off serves as ref)."""
+    batch.fields["ref_log_probs"] = forward_outputs(ref, batch, "log_probs", adapter_off) * batch.loss_mask
+
+
+def compute_values(critic: BaseEngine, batch: PackedBatch) -> None:
+    """Critic values aligned to the predicting state -> ``fields['values']``."""
+    raw = forward_outputs(critic, batch, "values")
+    batch.fields["values"] = align_values(raw, batch.cu_seqlens) * batch.loss_mask
+
+
+def compute_advantages(batch: PackedBatch, cfg: AlgorithmConfig, kl_ctrl: FixedKLController | None,
+                       reward_baselines: torch.Tensor | None = None) -> dict[str, float]:
+    """Scores (+ KL penalty) -> token rewards -> ``fields['advantages']`` and ``fields['returns']``."""
+    metrics: dict[str, float] = {}
+    rewards = token_level_scores(batch)
+    if cfg.use_kl_in_reward:
+        rewards, kl_metrics = apply_kl_penalty(rewards, batch.fields["old_log_probs"], batch.fields["ref_log_probs"],
+                                               batch.loss_mask, batch.cu_seqlens, kl_ctrl, cfg.kl_penalty)
+        metrics.update(kl_metrics)
+    inputs = AdvantageInputs(token_level_rewards=rewards, response_mask=batch.loss_mask,
+                             cu_seqlens=batch.cu_seqlens, index=batch.seq_fields["uid"],
+                             values=batch.fields.get("values"), reward_baselines=reward_baselines)
+    adv, returns = compute_advantage(inputs, cfg)
+    batch.fields["advantages"] = adv.float()
+    batch.fields["returns"] = returns.float()
+    metrics["critic/advantages/mean"] = float(masked_mean(adv, batch.loss_mask))
+    metrics["critic/returns/mean"] = float(masked_mean(returns, batch.loss_mask))
+    return metrics
+
+
+PARTIAL_SUMS = ("actor/pg_loss", "critic/vf_loss")
+"""Loss metrics each micro-batch reports as its share of the mini-batch loss: summed, not averaged."""
+
+
+def update(engine: BaseEngine, batch: PackedBatch, loss_fn: Callable, *, prompts_per_mini: int, n: int,
+           epochs: int, dp_size: int, generator: torch.Generator | None, prefix: str) -> dict[str, float]:
+    """``epochs`` passes of optimizer steps over mini-batches; metrics averaged over optimizer steps."""
+    per_step: dict[str, list[float]] = {}
+    with engine.train_mode():
+        for _ in range(epochs):
+            for mb in mini_batches(batch, prompts_per_mini, n, dp_size, generator):
+                out = engine.train_batch(mb, loss_fn)
+                step_metrics = {f"{prefix}/loss": sum(float(x) for x in out.get("loss", []))}
+                for key, value in out.get("metrics", {}).items():
+                    values = [float(v) for v in (value if isinstance(value, list) else [value])]
+                    name = key if "/" in key else f"{prefix}/{key}"
+                    step_metrics[name] = sum(values) if name in PARTIAL_SUMS else sum(values) / len(values)
+                for key, value in step_metrics.items():
+                    per_step.setdefault(key, []).append(value)
+    lr = engine.lr_scheduler_step()
+    metrics: dict[str, Any] = {k: sum(v) / len(v) for k, v in per_step.items() if v}
+    metrics[f"{prefix}/lr"] = lr
+    return metrics

@@ -1,0 +1,57 @@
+"""Offline model init: the tiny model loads, has head_dim 64, and its tokenizer round-trips with a chat template."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from posttrain.trainers.commands import model_cmd
+from posttrain.trainers.model_init import IM_END, PAD, count_parameters
+
+
+def test_model_init_tiny(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    assert model_cmd.main(["init", "--arch", "qwen2", "--size", "tiny", "--out", str(out)]) == 0
+    assert "parameters) to" in capsys.readouterr().out
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    cfg = model.config
+    assert cfg.head_dim == 64 and cfg.hidden_size == 128 and cfg.num_key_value_heads == 1
+    assert cfg.vocab_size >= len(tok) and cfg.vocab_size % 64 == 0
+    assert tok.eos_token == IM_END and tok.pad_token == PAD and cfg.eos_token_id == tok.eos_token_id
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    assert count_parameters(out) == sum(p.numel() for p in model.parameters()) < 1_000_000
+    text = "Ünïcode ✓ and 12345 + 678 = ?\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    assert [tok.decode([i]) for i in tok("2024", add_special_tokens=False)["input_ids"]] == [
+        "2",
+        "0",
+        "2",
+        "4",
+    ]
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), cfg.vocab_size) and torch.isfinite(logits).all()
+    # the same seed gives the same weights and tokenizer
+    again = tmp_path / "again"
+    model_cmd.main(["init", "--size", "tiny", "--out", str(again)])
+    assert (again / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            model.state_dict().values(), AutoModelForCausalLM.from_pretrained(again).state_dict().values()
+        )
+    )
+
+
+def test_model_init_refuses_nonempty_dir(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "f").write_text("keep")
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        model_cmd.main(["init", "--size", "tiny", "--out", str(tmp_path / "x")])

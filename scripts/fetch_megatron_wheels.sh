@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Download the Megatron wheels the GPU machine lacks into .whl/ (ignored by git), for Python 3.12 x86-64.
+# Pure-python or cp312 manylinux wheels only, no dependencies (the GPU image already has torch, transformers,
+# safetensors, einops, pyyaml...). Run from anywhere; pass extra NAME==VERSION specs to fetch more.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+dest="$root/.whl"
+mkdir -p "$dest"
+python="${PYTHON:-python3}"
+specs=(
+  "megatron-core==0.19.2"
+  "megatron-bridge==0.6.2"
+  "megatron-fsdp==0.6.1"
+  "omegaconf==2.4.0"
+  "$@"
+)
+"$python" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$dest" "${specs[@]}"
+ls -la "$dest"
