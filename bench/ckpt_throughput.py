@@ -7,6 +7,7 @@ Default: a Qwen2.5-1.5B-shaped model (1.54 B params, fp32 master weights + AdamW
 - raw read: that file read back after its pages were dropped from the page cache (``posix_fadvise``);
 - sync save: ``CheckpointManager.stage`` + ``save_role`` + ``commit`` (D2H, DCP write, fsync, rename);
 - load: ``load_role`` of model + optimizer + extra into the live model (page cache dropped first);
+- the checkpoint's size on disk (tied embeddings are stored under both names, so it exceeds the state);
 - async save, twice: the time ``save_role`` blocks training (D2H snapshot into pinned buffers; the first call
   also allocates them) and the time until the background write and commit are done.
 
@@ -147,6 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     save(mgr, state, 1, args.threads)
     res["save_s"] = time.perf_counter() - t0
     res["save_gbps"] = nbytes / 1e9 / res["save_s"]
+    res["ckpt_files_gb"] = sum(p.stat().st_size for p in (root / "sync").rglob("*") if p.is_file()) / 1e9
     drop_cache(root / "sync")
     t0 = time.perf_counter()
     load_role(root / "sync" / "global_step_1" / "actor", state, CONTENTS)

@@ -66,6 +66,7 @@ def main() -> None:
     args = _args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "engine-megatron" / "tests"))
     from megatron_cpu import nll_loss, prepare_environment
+
     from posttrain.core.batch import PackedBatch
     from posttrain.core.config import CheckpointConfig, McoreEngineConfig, ModelConfig, OptimizerConfig
     from posttrain.megatron.engine import MegatronLanguageModelEngine

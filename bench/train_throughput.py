@@ -394,7 +394,15 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
         Path(args.out).write_text(json.dumps(results, indent=1))
 
 
+def use_repo_sources() -> None:
+    """Import posttrain from this checkout (the GPU machine has torch and transformers but no install)."""
+    repo = Path(__file__).resolve().parents[1]
+    for src in ("packages/engine-core/src", "packages/engine-fsdp/src"):
+        sys.path.insert(0, str(repo / src))
+
+
 def main(argv: list[str] | None = None) -> None:
+    use_repo_sources()
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     args.steps = args.steps or (3 if args.tiny else 10)

@@ -36,6 +36,7 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("point", POINTS)
 def test_crash_leaves_previous_checkpoint(crashed: Path, point: str) -> None:
     assert json.loads((crashed / "exit_codes.json").read_text())[point] == CRASH_CODE

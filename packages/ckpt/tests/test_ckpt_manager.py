@@ -162,3 +162,20 @@ def test_cli_errors_name_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "huggingface/config.json is missing" in capsys.readouterr().err
     assert ckpt_cli(["inspect", str(tmp_path)]) == 2
     assert "holds no complete checkpoint" in capsys.readouterr().err
+
+
+def test_extra_on_more_ranks_than_saved_keeps_rng_and_warns(tmp_path: Path) -> None:
+    from posttrain.ckpt.extra import capture_extra, load_extra, save_extra
+
+    model, opt = tiny_model()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    step(model, opt, 1)
+    sched.step()
+    save_extra(tmp_path, 0, capture_extra(sched, {"global_step": 3}))
+    fresh_sched = torch.optim.lr_scheduler.LambdaLR(tiny_model()[1], lambda s: 0.5**s)
+    before = capture_rng()
+    with pytest.warns(UserWarning, match="no RNG state for rank 1"):
+        assert load_extra(tmp_path, 1, fresh_sched) == {"global_step": 3}
+    assert fresh_sched.state_dict()["last_epoch"] == 1 and torch.equal(
+        capture_rng()["torch"], before["torch"]
+    )

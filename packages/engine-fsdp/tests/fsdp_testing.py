@@ -196,6 +196,11 @@ def dist_cases(work: str | Path) -> dict[str, dict[str, Any]]:
             "path": lm,
             "engine": {"strategy": "fsdp2", "reshard_after_forward": False},
         },
+        "fsdp2_cpu_offload_policy": {
+            "ref": "lm",
+            "path": lm,
+            "engine": {"strategy": "fsdp2", "offload_policy": True},
+        },
         "fsdp1": {"ref": "lm", "path": lm, "engine": {"strategy": "fsdp"}},
         "fsdp1_orig_params": {
             "ref": "lm",

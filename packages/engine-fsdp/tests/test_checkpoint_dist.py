@@ -24,23 +24,16 @@ def test_fsdp2_checkpoint_loads_on_2_ranks_and_on_1(tmp_path: Path) -> None:
     save_tiny_model(tmp_path / "lm")
     worker = Path(__file__).with_name("checkpoint_dist_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "0",
-            str(worker),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(worker),
+    ]
+    proc = subprocess.run([*cmd, str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert (tmp_path / "ok_rank0").is_file() and (tmp_path / "ok_rank1").is_file()
 

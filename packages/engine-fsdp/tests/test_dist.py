@@ -22,7 +22,11 @@ from fsdp_testing import (
     train_step,
 )
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.slow,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="gloo CPU exactness test; on CUDA see test_gpu.py"),
+]
 
 
 def test_two_rank_layouts_equal_single_process(tmp_path: Path) -> None:

@@ -128,7 +128,10 @@ def test_bad_inputs_name_the_fix(lm_dir: str, tmp_path: Path) -> None:
         eng.forward_backward_batch(make_batch([4, 5]), None, forward_only=False)
     with pytest.raises(ValueError, match="FSDPEngineConfig"):
         FSDPLanguageModelEngine(
-            ModelConfig(path=lm_dir), McoreEngineConfig(), OptimizerConfig(), CheckpointConfig()
+            ModelConfig(path=lm_dir),
+            McoreEngineConfig(sequence_parallel=False),
+            OptimizerConfig(),
+            CheckpointConfig(),
         )
     with pytest.raises(ValueError, match="config.json"):
         make_engine(str(tmp_path))

@@ -3,6 +3,11 @@ bf16 engine log-probs against an fp32 HF forward, and offload to host memory and
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from fsdp_testing import make_batch, make_engine, pg_loss, save_tiny_model
@@ -67,3 +72,29 @@ def test_offload_to_host_and_back_is_bit_identical(tmp_path) -> None:
     with eng.train_mode():
         metrics = eng.train_batch(make_batch([30, 50]), pg_loss)["metrics"]
     assert metrics["skipped_step"] == 0.0
+
+
+@pytest.mark.dist
+def test_fsdp2_under_nccl(tmp_path) -> None:
+    """One process per GPU (at most two): see gpu_worker.py for what each rank checks."""
+    path = save_tiny_model(tmp_path / "lm")
+    nproc = min(2, torch.cuda.device_count())
+    worker = Path(__file__).with_name("gpu_worker.py")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(worker),
+            path,
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count(": ok") == nproc

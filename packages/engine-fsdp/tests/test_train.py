@@ -17,6 +17,7 @@ from fsdp_testing import (
     save_tiny_adapter,
     save_tiny_model,
     tiny_config,
+    value_loss,
 )
 
 from posttrain.core.batch import PackedBatch
@@ -63,6 +64,7 @@ def test_clipping_scales_to_clip_grad(lm_dir: str) -> None:
     assert abs(float(clipped) - 1e-3) < 1e-8
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_lr_schedule_follows_the_config(lm_dir: str) -> None:
     from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
     from posttrain.fsdp.engine import FSDPLanguageModelEngine
@@ -180,6 +182,17 @@ def test_value_engine_from_a_causal_lm_checkpoint_initialises_its_head(lm_dir: s
         values = eng.infer_batch(make_batch([4, 6]))["model_output"]["values"]
     assert values.shape == (10,) and bool(torch.isfinite(values).all())
     assert float(eng.module.score.weight.detach().abs().max()) > 0
+
+
+def test_value_model_lora_trains_adapter_and_head(lm_dir: str) -> None:
+    eng = make_engine(lm_dir, value_model=True, model={"lora_rank": 2})
+    trainable = {n for n, p in eng.module.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n or ".score." in n for n in trainable)
+    assert any(".score." in n for n in trainable)
+    head = eng.module.base_model.model.score.weight.detach().clone()
+    with eng.train_mode():
+        eng.train_batch(make_batch([6, 9]), value_loss)
+    assert not torch.equal(head, eng.module.base_model.model.score.weight.detach())
 
 
 def test_registry_finds_both_engines() -> None:

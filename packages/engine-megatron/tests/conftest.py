@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
-"""torchrun worker for the 2-rank tests: TP=2 (with sequence parallelism) and PP=2 against HF references.
+"""torchrun worker for the 2-rank tests: TP=2 (sequence parallel), PP=2 and PP=2 x VPP=2 against HF references.
 
-Usage: ``torchrun --nproc-per-node 2 dist_worker.py HF_DIR OUT_DIR [cpu|cuda]``. Writes ``OUT_DIR/results.json``
+Usage: ``torchrun --nproc-per-node 2 dist_worker.py HF_DIR OUT_DIR [JSON engine overrides]``. Also checks
+forward-only log-probs at PP=2 x VPP=2 (interleaved schedule) and, on CUDA, Megatron-FSDP at DP=2. Writes ``OUT_DIR/results_rank<r>.json``
 (differences to the references) and ``OUT_DIR/tp2_ckpt`` (a TP=2 checkpoint after one step) with
 ``OUT_DIR/tp2_params.pt`` (the exported parameters at that point).
 """
@@ -16,6 +17,20 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def _check_infer(name, eng, hf_path, batch, results):
+    from megatron_cpu import hf_log_probs
+    from transformers import AutoModelForCausalLM
+
+    with eng.eval_mode():
+        out = eng.infer_batch(batch)
+    if eng.is_mp_src_rank_with_outputs():
+        hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+        with torch.no_grad():
+            lp_ref = hf_log_probs(hf, batch)
+        lp = out["model_output"]["log_probs"].cpu().double()
+        results[f"{name}_logprob_maxdiff"] = float((lp - lp_ref).abs().max())
+
+
 def _check(name, eng, hf_path, batch, ref, results, out_dir=None, **kw):
     from megatron_cpu import hf_log_probs, nll_loss
     from transformers import AutoModelForCausalLM
@@ -27,8 +42,9 @@ def _check(name, eng, hf_path, batch, ref, results, out_dir=None, **kw):
         hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
         with torch.no_grad():
             lp_ref = hf_log_probs(hf, batch)
-        results[f"{name}_logprob_maxdiff"] = float((out["model_output"]["log_probs"].cpu().double() - lp_ref)
-                                                   .abs().max())
+        results[f"{name}_logprob_maxdiff"] = float(
+            (out["model_output"]["log_probs"].cpu().double() - lp_ref).abs().max()
+        )
     with eng.train_mode():
         out = eng.train_batch(batch, nll_loss)
         if out_dir is not None:
@@ -37,7 +53,9 @@ def _check(name, eng, hf_path, batch, ref, results, out_dir=None, **kw):
     if eng.is_mp_src_rank_with_outputs():
         results[f"{name}_loss_diff"] = abs(sum(out["loss"]) - ref_loss)
         results[f"{name}_grad_norm_rel"] = abs(out["metrics"]["grad_norm"] - ref_norm) / ref_norm
-    results[f"{name}_param_maxdiff"] = max(float((exported[k] - v).abs().max()) for k, v in ref_params.items())
+    results[f"{name}_param_maxdiff"] = max(
+        float((exported[k] - v).abs().max()) for k, v in ref_params.items()
+    )
     if out_dir is not None and torch.distributed.get_rank() == 0:
         torch.save(exported, os.path.join(out_dir, "tp2_params.pt"))
 
@@ -54,13 +72,22 @@ def _check_data_parallel(name, eng, batch, ref, results):
     losses = [None, None]
     torch.distributed.all_gather_object(losses, sum(out["loss"]))
     exported = {k: v.float().cpu() for k, v in eng.get_per_tensor_param()[0]}
-    results[f"{name}_loss_diff"] = abs(sum(losses) - ref_loss)
+    # each rank's token-mean loss carries the dp_size factor of the global normalisation
+    results[f"{name}_loss_diff"] = abs(sum(losses) / torch.distributed.get_world_size() - ref_loss)
     results[f"{name}_grad_norm_rel"] = abs(out["metrics"]["grad_norm"] - ref_norm) / ref_norm
-    results[f"{name}_param_maxdiff"] = max(float((exported[k] - v).abs().max()) for k, v in ref_params.items())
+    results[f"{name}_param_maxdiff"] = max(
+        float((exported[k] - v).abs().max()) for k, v in ref_params.items()
+    )
+
+
+def _dump(out_dir, results):
+    """Each rank writes what it has so far (a later failure keeps earlier results)."""
+    with open(os.path.join(out_dir, f"results_rank{torch.distributed.get_rank()}.json"), "w") as f:
+        json.dump(results, f, indent=1)
 
 
 def main() -> None:
-    from megatron_cpu import make_engine, prepare_environment, reference_step, sample_batch
+    from megatron_cpu import make_engine, make_tiny_qwen2, prepare_environment, reference_step, sample_batch
 
     hf_path, out_dir = sys.argv[1], sys.argv[2]
     prepare_environment()
@@ -76,21 +103,29 @@ def main() -> None:
     extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     eng = make_engine(hf_path, tensor_model_parallel_size=2, sequence_parallel=True, **extra)
     _check("tp2", eng, hf_path, batch, ref, results, out_dir=out_dir)
+    _dump(out_dir, results)
     del eng
     mpu.destroy_model_parallel()
     eng = make_engine(hf_path, pipeline_model_parallel_size=2, **extra)
     _check("pp2", eng, hf_path, batch, ref, results)
+    _dump(out_dir, results)
     if torch.cuda.is_available():
         del eng
         mpu.destroy_model_parallel()
         eng = make_engine(hf_path, use_megatron_fsdp=True, use_distributed_optimizer=True)
         _check_data_parallel("fsdp", eng, batch, ref, results)
-    gathered = [None, None]
-    torch.distributed.all_gather_object(gathered, results)
+        _dump(out_dir, results)
+    del eng
+    mpu.destroy_model_parallel()
+    deep = os.path.join(out_dir, "hf_4_layers")
     if torch.distributed.get_rank() == 0:
-        merged = {k: v for r in gathered for k, v in r.items()}
-        with open(os.path.join(out_dir, "results.json"), "w") as f:
-            json.dump(merged, f, indent=1)
+        make_tiny_qwen2(deep, num_hidden_layers=4)
+    torch.distributed.barrier()
+    eng = make_engine(
+        deep, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, forward_only=True
+    )
+    _check_infer("vpp2", eng, deep, batch, results)  # VPP is forward-only (see rules.check_layout)
+    _dump(out_dir, results)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

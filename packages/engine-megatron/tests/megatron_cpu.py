@@ -19,9 +19,16 @@ import types
 
 import torch
 
-TINY_QWEN2 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  tie_word_embeddings=False)
+TINY_QWEN2 = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
 
 
 class _Unavailable:
@@ -69,6 +76,15 @@ class _CpuStream:
 
     def synchronize(self):
         pass
+
+    def record_event(self, *args):
+        return self
+
+    def wait_event(self, *args):
+        pass
+
+    def query(self):
+        return True
 
 
 def _is_cuda(device) -> bool:
@@ -118,7 +134,9 @@ def redirect_cuda_to_cpu() -> None:
     import megatron.core.tensor_parallel.random as mrandom
 
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
+        new_state
+    )
 
 
 def prepare_environment() -> None:
@@ -190,17 +208,23 @@ def reference_step(hf_path: str, batch, lr: float, clip: float):
     return float(loss), float(norm), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def make_engine(hf_path: str, cls_name: str = "MegatronLanguageModelEngine", ckpt=None, optim=None, **engine_kw):
+def make_engine(
+    hf_path: str, cls_name: str = "MegatronLanguageModelEngine", ckpt=None, optim=None, **engine_kw
+):
     """A megatron engine on ``hf_path`` in float32 with test-sized micro-batches."""
     from posttrain.core.config import CheckpointConfig, McoreEngineConfig, ModelConfig, OptimizerConfig
     from posttrain.megatron import engine as engine_mod
 
-    kw = dict(dtype="float32", use_distributed_optimizer=False, use_dynamic_bsz=False,
-              micro_batch_size_per_gpu=2)
+    kw = dict(
+        dtype="float32", use_distributed_optimizer=False, use_dynamic_bsz=False, micro_batch_size_per_gpu=2
+    )
     kw.update(engine_kw)
-    eng = getattr(engine_mod, cls_name)(ModelConfig(path=hf_path), McoreEngineConfig(**kw),
-                                        optim or OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0),
-                                        ckpt or CheckpointConfig())
+    eng = getattr(engine_mod, cls_name)(
+        ModelConfig(path=hf_path),
+        McoreEngineConfig(**kw),
+        optim or OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0),
+        ckpt or CheckpointConfig(),
+    )
     eng.initialize()
     return eng
 

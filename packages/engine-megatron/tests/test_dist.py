@@ -1,4 +1,4 @@
-"""Two gloo ranks: TP=2 (sequence parallel) and PP=2 equal the HF reference (so TP=2 == PP=2 == TP=1), and a
+"""Two gloo ranks: TP=2 (sequence parallel) and PP=2 (1F1B) equal the HF reference (so each equals TP=1), and a
 TP=2 checkpoint loads at TP=1 (dist_ckpt resharding)."""
 
 from __future__ import annotations
@@ -20,11 +20,24 @@ def two_rank_run(tiny_qwen2, tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     worker = Path(__file__).with_name("dist_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_port()), str(worker), tiny_qwen2, str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_port()),
+        str(worker),
+        tiny_qwen2,
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return out, json.loads((out / "results.json").read_text())
+    results = {}
+    for rank in (0, 1):
+        results.update(json.loads((out / f"results_rank{rank}.json").read_text()))
+    return out, results
 
 
 def _port() -> int:
@@ -40,6 +53,10 @@ def test_two_rank_layouts_equal_hf_reference(two_rank_run, layout):
     assert results[f"{layout}_loss_diff"] < 1e-5
     assert results[f"{layout}_grad_norm_rel"] < 1e-4
     assert results[f"{layout}_param_maxdiff"] < 1e-5  # 1% of one Adam step at lr=1e-3
+
+
+def test_vpp2_forward_only_log_probs_equal_hf(two_rank_run):
+    assert two_rank_run[1]["vpp2_logprob_maxdiff"] < 2e-5
 
 
 def test_tp2_checkpoint_loads_at_tp1(two_rank_run, megatron_env, tiny_qwen2):

@@ -89,8 +89,9 @@ def test_checkpoint_restores_model_and_optimizer(megatron_env, tiny_qwen2, packe
 
 
 def test_convert_round_trip_is_exact(megatron_env, tiny_qwen2, tmp_path):
-    from posttrain.megatron.convert_cli import main
     from safetensors.torch import load_file
+
+    from posttrain.megatron.convert_cli import main
 
     assert main(["hf-to-megatron", "--hf-model", tiny_qwen2, "--output", str(tmp_path / "mc")]) == 0
     assert main(["megatron-to-hf", "--input", str(tmp_path / "mc"), "--output", str(tmp_path / "hf")]) == 0
@@ -110,7 +111,9 @@ def test_value_model_outputs_one_value_per_token_and_trains(megatron_env, tiny_q
     returns = torch.linspace(-1, 1, packed_batch.num_tokens)
 
     def value_loss(out, micro, ctx):
-        idx = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(micro.cu_seqlens[:-1], micro.cu_seqlens[1:])])
+        idx = torch.cat(
+            [torch.arange(int(a), int(b)) for a, b in zip(micro.cu_seqlens[:-1], micro.cu_seqlens[1:])]
+        )
         err = (out["values"] - micro.fields["returns"]) ** 2 * micro.loss_mask
         return err.sum() / ctx.global_num_tokens * ctx.dp_size, {"n": idx.numel()}
 
@@ -122,3 +125,31 @@ def test_value_model_outputs_one_value_per_token_and_trains(megatron_env, tiny_q
         values = eng.infer_batch(packed_batch)["model_output"]["values"]
     assert values.shape == (packed_batch.num_tokens,)
     assert last < first
+
+
+def test_hf_model_export_and_retention(megatron_env, tiny_qwen2, packed_batch, tmp_path):
+    from megatron_cpu import make_engine, nll_loss
+    from safetensors.torch import load_file
+
+    from posttrain.core.config import CheckpointConfig
+
+    ckpt = CheckpointConfig(
+        save_contents=["model", "hf_model"],
+        mbridge_config={"distributed_save": False, "not_a_bridge_kwarg": 1},
+    )
+    eng = make_engine(tiny_qwen2, ckpt=ckpt)
+    with eng.train_mode():
+        eng.train_batch(packed_batch, nll_loss)
+    for step in (1, 2, 3):
+        eng.save_checkpoint(
+            str(tmp_path / f"global_step_{step}" / "actor"), global_step=step, max_ckpt_to_keep=2
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_2", "global_step_3"]
+    hf_dir = tmp_path / "global_step_3" / "actor" / "huggingface"
+    saved = {}
+    for f in hf_dir.glob("*.safetensors"):
+        saved.update(load_file(str(f)))
+    exported = dict(eng.get_per_tensor_param()[0])
+    assert sorted(saved) == sorted(exported)
+    for name, tensor in exported.items():
+        assert torch.equal(saved[name], tensor.cpu()), name

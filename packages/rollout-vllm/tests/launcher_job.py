@@ -20,14 +20,22 @@ def main(model_dir: str) -> None:
     import torch.distributed as dist
 
     from posttrain.core import RolloutRegistry
-    from posttrain.core.config import ModelConfig
     from posttrain.core.rollout import RolloutConfig
 
     torch.set_num_threads(1)
     engine = make_engine(model_dir)  # initialises the gloo process group under torchrun
-    config = RolloutConfig(name="vllm", dtype="float32", prompt_length=64, response_length=32, max_num_seqs=8,
-                           max_num_batched_tokens=512, update_weights_bucket_megabytes=1)
-    rollout = RolloutRegistry.from_entry_points().get_rollout_cls("vllm")(config, ModelConfig(path=model_dir))
+    config = RolloutConfig(
+        name="vllm",
+        dtype="float32",
+        prompt_length=64,
+        response_length=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        update_weights_bucket_megabytes=1,
+    )
+    rollout = RolloutRegistry.from_entry_points().get_rollout_cls("vllm")(
+        config, model_dir, device=engine.device
+    )
     assert rollout.executor == "external_launcher" and rollout.transport_kind == "inprocess", rollout.executor
     train_step(engine, seed=7)
     stream, _ = engine.get_per_tensor_param()

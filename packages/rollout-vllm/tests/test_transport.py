@@ -1,4 +1,4 @@
-"""The transports without vLLM: a shared-memory sync into another process, corruption, options, the entry point."""
+"""Without a vLLM engine: shared-memory and CUDA IPC syncs into another process, corruption, argument checks."""
 
 from __future__ import annotations
 
@@ -15,10 +15,16 @@ from posttrain.rollout_vllm.transport import BucketOpener, RpcBucketTransport
 def stream(seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {f"layer.{i}.weight": torch.randn(64, 32 + i, generator=gen) for i in range(6)} | {
-        "ids": torch.arange(17, dtype=torch.int64)}
+        "ids": torch.arange(17, dtype=torch.int64)
+    }
 
 
-def shm_sync(weights: dict[str, torch.Tensor], corrupt_bucket: int | None = None) -> tuple[list[str], object]:
+def sync_to_child(
+    weights: dict[str, torch.Tensor],
+    corrupt_bucket: int | None = None,
+    kind: str = "shm",
+    device: str = "cpu",
+) -> tuple[list[str], object]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=receive_in_child, args=(child,))
@@ -28,12 +34,16 @@ def shm_sync(weights: dict[str, torch.Tensor], corrupt_bucket: int | None = None
     def send(payload: bytes) -> None:
         if corrupt_bucket is not None and len(replies) == corrupt_bucket:
             transport.buffer[5] ^= 0x40
+            if transport.buffer.is_cuda:
+                torch.cuda.synchronize()
         parent.send(payload)
         replies.append(parent.recv())
 
-    transport = RpcBucketTransport("shm", 20_000, "cpu", send)
+    transport = RpcBucketTransport(kind, 20_000, device, send)
     try:
-        BucketSender(transport, 20_000, buffer=transport.buffer).send(weights.items())
+        BucketSender(transport, 20_000, buffer=transport.buffer).send(
+            (n, t.to(device)) for n, t in weights.items()
+        )
         parent.send(None)
         result = parent.recv() if corrupt_bucket is None else None
     finally:
@@ -46,7 +56,7 @@ def shm_sync(weights: dict[str, torch.Tensor], corrupt_bucket: int | None = None
 
 def test_shared_memory_sync_reaches_another_process_bit_exact():
     weights = stream()
-    replies, got = shm_sync(weights)
+    replies, got = sync_to_child(weights)
     assert len(replies) >= 3 and set(replies) == {"ok"}
     assert got.keys() == weights.keys()
     for name, tensor in weights.items():
@@ -54,9 +64,21 @@ def test_shared_memory_sync_reaches_another_process_bit_exact():
 
 
 def test_corrupted_shared_memory_bucket_is_detected_by_the_receiver():
-    replies, _ = shm_sync(stream(), corrupt_bucket=1)
+    replies, _ = sync_to_child(stream(), corrupt_bucket=1)
     assert replies[0] == "ok"
     assert replies[1].startswith("WeightSyncError: bucket 1: checksum mismatch")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ipc_sync_reaches_another_process_bit_exact():
+    weights = stream()
+    replies, got = sync_to_child(weights, kind="cuda_ipc", device="cuda")
+    assert len(replies) >= 3 and set(replies) == {"ok"}
+    for name, tensor in weights.items():
+        assert torch.equal(torch.from_numpy(got[name]), tensor), name
+    replies, _ = sync_to_child(weights, corrupt_bucket=2, kind="cuda_ipc", device="cuda")
+    assert replies[2].startswith("WeightSyncError: bucket 2: checksum mismatch")
 
 
 def test_transport_and_payload_errors_name_the_fix():
@@ -82,3 +104,35 @@ def test_entry_point_resolves_to_the_rollout_class():
     from posttrain.rollout_vllm.rollout import VLLMRollout
 
     assert RolloutRegistry.from_entry_points().get_rollout_cls("vllm") is VLLMRollout
+
+
+def test_dtype_names():
+    from posttrain.rollout_vllm.rollout import dtype_name
+
+    assert dtype_name("bf16") == dtype_name(torch.bfloat16) == "bfloat16"
+    assert dtype_name("fp32") == "float32"
+    with pytest.raises(ValueError, match="int8"):
+        dtype_name("int8")
+
+
+def test_sender_rejects_a_buffer_smaller_than_the_bucket():
+    with pytest.raises(ValueError, match="at least 100 bytes"):
+        BucketSender(print, 100, buffer=torch.empty(10, dtype=torch.uint8))
+
+
+def test_executor_choices_are_checked_before_vllm_starts(tmp_path):
+    from posttrain.core.rollout import RolloutConfig
+    from posttrain.rollout_vllm.rollout import VLLMOptions, VLLMRollout
+
+    (tmp_path / "config.json").write_text("{}")
+    cases = [
+        (RolloutConfig(mode="async"), VLLMOptions(executor="inprocess"), "async mode runs the server"),
+        (RolloutConfig(), VLLMOptions(executor="external_launcher"), "launch with torchrun"),
+        (RolloutConfig(), VLLMOptions(executor="multiprocess", transport="inprocess"), "use shm"),
+        (RolloutConfig(dtype="int4"), VLLMOptions(), "int4"),
+    ]
+    for config, options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            VLLMRollout(config, str(tmp_path), device="cpu", options=options)
+    with pytest.raises(ValueError, match="not a local HF model directory"):
+        VLLMRollout(RolloutConfig(), str(tmp_path / "missing"), device="cpu")

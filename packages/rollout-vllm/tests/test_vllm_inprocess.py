@@ -24,7 +24,7 @@ from posttrain.core.config import ModelConfig
 from posttrain.core.rollout import RolloutConfig, SamplingConfig
 from posttrain.core.weight_sync import BucketSender, WeightSyncError
 
-pytestmark = [needs_vllm, pytest.mark.slow]
+pytestmark = [needs_vllm, pytest.mark.vllm_engine, pytest.mark.slow]
 
 PROMPTS = [[1, 2, 3, 4], [10, 20, 30], [7, 7, 7, 7, 7], [100, 3, 250, 9, 9, 41]]
 
@@ -33,10 +33,19 @@ PROMPTS = [[1, 2, 3, 4], [10, 20, 30], [7, 7, 7, 7, 7], [100, 3, 250, 9, 9, 41]]
 def rollout(model_dir: str):
     from posttrain.rollout_vllm.rollout import VLLMOptions, VLLMRollout
 
-    config = RolloutConfig(name="vllm", dtype="float32", prompt_length=96, response_length=32, max_num_seqs=8,
-                           max_num_batched_tokens=512, update_weights_bucket_megabytes=1,
-                           engine_kwargs={"block_size": 32})
-    r = VLLMRollout(config, ModelConfig(path=model_dir, lora_rank=8), VLLMOptions(executor="inprocess"))
+    config = RolloutConfig(
+        name="vllm",
+        dtype="float32",
+        prompt_length=96,
+        response_length=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        update_weights_bucket_megabytes=1,
+        engine_kwargs={"block_size": 32},
+    )
+    r = VLLMRollout(
+        config, ModelConfig(path=model_dir, lora_rank=8), options=VLLMOptions(executor="inprocess")
+    )
     yield r
     r.release()
 
@@ -72,8 +81,9 @@ def test_sampled_log_probs_are_those_of_the_tempered_distribution(rollout, engin
     assert [s.prompt_index for s in samples] == [0, 0, 0, 1, 1, 1]
     for s in samples:
         assert len(s.log_probs) == len(s.response_ids) > 0
-        torch.testing.assert_close(s.log_probs, hf_logprobs(model, s.prompt_ids, s.response_ids, 0.7),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            s.log_probs, hf_logprobs(model, s.prompt_ids, s.response_ids, 0.7), atol=1e-4, rtol=0
+        )
 
 
 def test_lora_adapter_syncs_as_adapter(rollout, model_dir):
@@ -138,7 +148,9 @@ def test_prefix_cache_is_reset_after_every_sync(rollout, engine, model_dir):
     rollout.engine.collective_rpc("ws_finish")
     stale = rollout.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=8))
     expected = [hf_greedy(new, p, 8)[0] for p in prompts]
-    assert [s.response_ids for s in stale] != expected, "without a reset vLLM should serve stale cached blocks"
+    assert [s.response_ids for s in stale] != expected, (
+        "without a reset vLLM should serve stale cached blocks"
+    )
     assert rollout.engine.reset_prefix_cache()
     check_greedy(rollout, new, prompts, max_new_tokens=8)
     # The real path resets by itself: the cache now holds blocks of the current weights.

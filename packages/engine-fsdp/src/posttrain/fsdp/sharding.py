@@ -76,7 +76,9 @@ def apply_fsdp2(module: torch.nn.Module, layers: tuple[type, ...], mesh: Any, cf
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=True
         ),
-        "offload_policy": CPUOffloadPolicy(pin_memory=True) if cfg.offload_policy else OffloadPolicy(),
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        if cfg.offload_policy
+        else OffloadPolicy(),
     }
     for sub in module.modules():
         if isinstance(sub, layers):

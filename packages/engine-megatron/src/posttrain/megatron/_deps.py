@@ -9,9 +9,11 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-TE_HINT = ("Megatron-Bridge imports Transformer Engine (transformer_engine.pytorch) unconditionally: install it "
-           "with `pip install --no-build-isolation transformer_engine[pytorch]` (needs CUDA) on the machine that "
-           "runs the megatron engine")
+TE_HINT = (
+    "Megatron-Bridge imports Transformer Engine (transformer_engine.pytorch) unconditionally: install it "
+    "with `pip install --no-build-isolation transformer_engine[pytorch]` (needs CUDA) on the machine that "
+    "runs the megatron engine"
+)
 
 
 def has_transformer_engine() -> bool:
@@ -28,8 +30,10 @@ def import_bridge() -> ModuleType:
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.startswith("transformer_engine"):
             raise ImportError(TE_HINT) from exc
-        raise ImportError(f"Megatron-Bridge is not importable ({exc}): install posttrain-engine-megatron's "
-                          "dependencies with `pip install 'posttrain[megatron]'`") from exc
+        raise ImportError(
+            f"Megatron-Bridge is not importable ({exc}): install posttrain-engine-megatron's "
+            "dependencies with `pip install 'posttrain[megatron]'`"
+        ) from exc
 
 
 def import_vanilla_mbridge() -> ModuleType:
@@ -37,6 +41,8 @@ def import_vanilla_mbridge() -> ModuleType:
     try:
         return importlib.import_module("mbridge")
     except ModuleNotFoundError as exc:
-        raise ImportError("engine.vanilla_mbridge=true needs the deprecated `mbridge` package, which is not "
-                          "installed: `pip install mbridge`, or set engine.vanilla_mbridge=false to use "
-                          "Megatron-Bridge") from exc
+        raise ImportError(
+            "engine.vanilla_mbridge=true needs the deprecated `mbridge` package, which is not "
+            "installed: `pip install mbridge`, or set engine.vanilla_mbridge=false to use "
+            "Megatron-Bridge"
+        ) from exc

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
@@ -26,34 +27,55 @@ def _has_varlen() -> bool:
 class VarlenDotProductAttention(DotProductAttention):
     """Local core attention that also accepts packed THD input (``packed_seq_params.qkv_format == 'thd'``)."""
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
-                attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
         if packed_seq_params is None:
-            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                   attention_bias=attention_bias)
+            return super().forward(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias,
+            )
         if packed_seq_params.qkv_format != "thd":
-            raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: the local varlen "
-                             "attention handles only thd")
+            raise ValueError(
+                f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: the local varlen "
+                "attention handles only thd"
+            )
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         if groups > 1:
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
         cu = packed_seq_params.cu_seqlens_q
+        scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
         dropout = self.attention_dropout.p if self.training else 0.0
-        if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0.0 and _has_varlen():
+        if (
+            query.is_cuda
+            and query.dtype in (torch.bfloat16, torch.float16)
+            and dropout == 0.0
+            and _has_varlen()
+        ):
             from torch.nn.attention.varlen import varlen_attn
 
             max_len = int(packed_seq_params.max_seqlen_q)
-            out = varlen_attn(query, key, value, cu, cu, max_len, max_len, scale=self.softmax_scale,
-                              window_size=(-1, 0))
+            out = varlen_attn(query, key, value, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0))
         else:
             out = torch.empty_like(query)
             bounds = cu.tolist()
             for start, end in zip(bounds[:-1], bounds[1:]):
                 q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
-                out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                                                scale=self.softmax_scale).transpose(0, 1)
+                out[start:end] = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, dropout_p=dropout, scale=scale
+                ).transpose(0, 1)
         return out.reshape(out.size(0), -1)
 
 
@@ -70,8 +92,10 @@ class TorchNorm:
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps)
         else:
-            raise ValueError(f"normalization={config.normalization!r} has no local implementation: use RMSNorm "
-                             "or LayerNorm models, or install Transformer Engine")
+            raise ValueError(
+                f"normalization={config.normalization!r} has no local implementation: use RMSNorm "
+                "or LayerNorm models, or install Transformer Engine"
+            )
         for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
         return norm
@@ -98,10 +122,16 @@ def layer_spec(provider: Any, use_te: bool, vp_stage: int | None = None) -> Any:
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
-    kwargs = dict(num_experts=provider.num_moe_experts, moe_grouped_gemm=provider.moe_grouped_gemm,
-                  qk_layernorm=provider.qk_layernorm)
+    kwargs = dict(
+        num_experts=provider.num_moe_experts,
+        moe_grouped_gemm=provider.moe_grouped_gemm,
+        qk_layernorm=provider.qk_layernorm,
+    )
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(**kwargs)
     spec = get_gpt_layer_local_spec(normalization=provider.normalization, **kwargs)

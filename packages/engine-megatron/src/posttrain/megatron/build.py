@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 import torch
+
 from posttrain.core.config import McoreEngineConfig, OptimizerConfig
 
 from . import _deps
@@ -21,9 +22,20 @@ from .attention import layer_spec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-CPU_OFF_FUSIONS = ("gradient_accumulation_fusion", "bias_activation_fusion", "masked_softmax_fusion",
-                   "bias_dropout_fusion", "apply_rope_fusion", "persist_layer_norm", "cross_entropy_loss_fusion")
-"""Fused kernels that need CUDA extensions (apex/TE); turned off when they cannot run."""
+CPU_OFF_FUSIONS = (
+    "gradient_accumulation_fusion",
+    "bias_activation_fusion",
+    "masked_softmax_fusion",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+    "persist_layer_norm",
+    "cross_entropy_loss_fusion",
+    "moe_permute_fusion",
+    "moe_router_fusion",
+    "moe_grouped_gemm",
+)
+"""Fused kernels that need CUDA extensions (apex/TE); turned off when they cannot run (MoE experts then run
+as Megatron's SequentialMLP)."""
 
 
 def init_model_parallel(cfg: McoreEngineConfig, seed: int) -> None:
@@ -32,23 +44,37 @@ def init_model_parallel(cfg: McoreEngineConfig, seed: int) -> None:
     from megatron.core import tensor_parallel
 
     if not torch.distributed.is_initialized():
-        raise ValueError("the megatron engine needs torch.distributed initialised (run under torchrun, or call "
-                         "torch.distributed.init_process_group first)")
+        raise ValueError(
+            "the megatron engine needs torch.distributed initialised (run under torchrun, or call "
+            "torch.distributed.init_process_group first)"
+        )
     cfg.check_world_size(torch.distributed.get_world_size())
-    layout = dict(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-                  pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-                  virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-                  context_parallel_size=cfg.context_parallel_size,
-                  expert_model_parallel_size=cfg.expert_model_parallel_size,
-                  expert_tensor_parallel_size=cfg.expert_tensor_parallel_size)
+    layout = dict(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
+    )
     if mpu.model_parallel_is_initialized():
-        current = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
-                   mpu.get_context_parallel_world_size(), mpu.get_expert_model_parallel_world_size())
-        wanted = (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.context_parallel_size,
-                  cfg.expert_model_parallel_size)
+        current = (
+            mpu.get_tensor_model_parallel_world_size(),
+            mpu.get_pipeline_model_parallel_world_size(),
+            mpu.get_context_parallel_world_size(),
+            mpu.get_expert_model_parallel_world_size(),
+        )
+        wanted = (
+            cfg.tensor_model_parallel_size,
+            cfg.pipeline_model_parallel_size,
+            cfg.context_parallel_size,
+            cfg.expert_model_parallel_size,
+        )
         if current != wanted:
-            raise ValueError(f"Megatron parallel state is already initialised as (TP, PP, CP, EP)={current} but "
-                             f"this engine asks for {wanted}: all megatron roles of one process share a layout")
+            raise ValueError(
+                f"Megatron parallel state is already initialised as (TP, PP, CP, EP)={current} but "
+                f"this engine asks for {wanted}: all megatron roles of one process share a layout"
+            )
         return
     mpu.initialize_model_parallel(**layout)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -69,8 +95,10 @@ def make_bridge(model_path: str, trust_remote_code: bool = False, config_only: b
 def _set_checked(obj: Any, overrides: dict[str, Any], key: str) -> None:
     for name, value in overrides.items():
         if not hasattr(obj, name):
-            raise ValueError(f"engine.{key}.{name} is not a field of {type(obj).__name__}: check the spelling "
-                             f"against megatron-core's TransformerConfig / DistributedDataParallelConfig")
+            raise ValueError(
+                f"engine.{key}.{name} is not a field of {type(obj).__name__}: check the spelling "
+                f"against megatron-core's TransformerConfig / DistributedDataParallelConfig"
+            )
         setattr(obj, name, value)
 
 
@@ -79,17 +107,24 @@ def make_provider(bridge: Any, cfg: McoreEngineConfig, *, on_cuda: bool, router_
     provider = bridge.to_megatron_provider(load_weights=False)
     dtype = TORCH_DTYPES[cfg.dtype]
     use_te = _deps.has_transformer_engine()
-    for name, value in dict(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-                            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-                            virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-                            context_parallel_size=cfg.context_parallel_size,
-                            expert_model_parallel_size=cfg.expert_model_parallel_size,
-                            expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
-                            sequence_parallel=cfg.sequence_parallel, variable_seq_lengths=True,
-                            params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-                            fp16=dtype == torch.float16, moe_token_dispatcher_type="alltoall",
-                            moe_router_load_balancing_type="none", attention_dropout=0.0,
-                            hidden_dropout=0.0).items():
+    for name, value in dict(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
+        sequence_parallel=cfg.sequence_parallel,
+        variable_seq_lengths=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    ).items():
         setattr(provider, name, value)
     provider.transformer_layer_spec = lambda config, vp_stage=None: layer_spec(config, use_te, vp_stage)
     if not (on_cuda and use_te):
@@ -109,9 +144,12 @@ def make_ddp_config(cfg: McoreEngineConfig) -> Any:
     """Megatron's DistributedDataParallelConfig for ``cfg`` (Megatron-FSDP shards params, grads and optimizer)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                        overlap_param_gather=False,
-                                        use_distributed_optimizer=cfg.use_distributed_optimizer)
+    ddp = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+    )
     if cfg.use_megatron_fsdp:
         ddp.use_megatron_fsdp = True
         ddp.data_parallel_sharding_strategy = "optim_grads_params"
@@ -119,12 +157,18 @@ def make_ddp_config(cfg: McoreEngineConfig) -> Any:
     return ddp
 
 
-def build_model(provider: Any, cfg: McoreEngineConfig, *, wrap_with_ddp: bool, on_cuda: bool,
-                pre_wrap_hook: Any = None) -> list[torch.nn.Module]:
+def build_model(
+    provider: Any, cfg: McoreEngineConfig, *, wrap_with_ddp: bool, on_cuda: bool, pre_wrap_hook: Any = None
+) -> list[torch.nn.Module]:
     """Instantiate this rank's model chunks (one per virtual pipeline stage)."""
-    kwargs = dict(wrap_with_ddp=wrap_with_ddp, use_cpu_initialization=not on_cuda,
-                  use_megatron_fsdp=cfg.use_megatron_fsdp and wrap_with_ddp,
-                  bf16=cfg.dtype == "bfloat16", fp16=cfg.dtype == "float16", pre_wrap_hook=pre_wrap_hook)
+    kwargs = dict(
+        wrap_with_ddp=wrap_with_ddp,
+        use_cpu_initialization=not on_cuda,
+        use_megatron_fsdp=cfg.use_megatron_fsdp and wrap_with_ddp,
+        bf16=cfg.dtype == "bfloat16",
+        fp16=cfg.dtype == "float16",
+        pre_wrap_hook=pre_wrap_hook,
+    )
     if wrap_with_ddp:
         kwargs["ddp_config"] = make_ddp_config(cfg)
     kwargs.update(cfg.override_mcore_model_config)
@@ -139,10 +183,20 @@ def build_optimizer(chunks: list[torch.nn.Module], optim: OptimizerConfig, cfg: 
     from megatron.core.optimizer import get_megatron_optimizer
 
     dtype = TORCH_DTYPES[cfg.dtype]
-    mcfg = MOptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-                            adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
-                            clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-                            params_dtype=dtype, use_distributed_optimizer=cfg.use_distributed_optimizer)
+    mcfg = MOptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1],
+        adam_eps=optim.eps,
+        clip_grad=optim.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+    )
     if dtype == torch.float16:
         mcfg.loss_scale = None
         mcfg.initial_loss_scale = 2.0**16

@@ -4,6 +4,7 @@ Layout of one role directory::
 
     <role dir>/dist_ckpt/     model (``model`` or ``model<i>`` per VPP chunk), optimizer, extra (LR step)
     <role dir>/huggingface/   config + tokenizer files; safetensors too when ``hf_model`` is saved
+    <role dir>/extra/rng_rank<r>.pt   torch / Megatron RNG-tracker state of rank r
     <role dir>/transformer_config.json
 
 The model and optimizer go through ``megatron.core.dist_checkpointing`` with the sharded state dicts of the
@@ -27,8 +28,17 @@ import torch
 
 from . import build
 
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
 """Files copied from the model directory into ``huggingface/`` on every save."""
 
 
@@ -62,8 +72,10 @@ def load_model_dist(chunks: list[torch.nn.Module], path: str | os.PathLike, pref
     if (ckpt / "dist_ckpt").is_dir():
         ckpt = ckpt / "dist_ckpt"
     if not ckpt.is_dir():
-        raise ValueError(f"dist_checkpointing_path={str(path)!r} is not a directory: write one with "
-                         "`posttrain convert hf-to-megatron` or point at <role dir>/dist_ckpt")
+        raise ValueError(
+            f"dist_checkpointing_path={str(path)!r} is not a directory: write one with "
+            "`posttrain convert hf-to-megatron` or point at <role dir>/dist_ckpt"
+        )
     sharded = model_sharded_state_dict(chunks)
     if prefix:
         sharded = {k: v for k, v in sharded.items() if k.startswith(prefix)}
@@ -72,9 +84,13 @@ def load_model_dist(chunks: list[torch.nn.Module], path: str | os.PathLike, pref
 
 def _warn_max_connections(engine: Any) -> None:
     if engine.engine_config.use_megatron_fsdp and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-        warnings.warn("CUDA_DEVICE_MAX_CONNECTIONS=1 while saving a Megatron-FSDP checkpoint: its checkpoint path "
-                      "assumes the variable unset or > 1 (the training scripts export 1 for TP/SP overlap); "
-                      "unset it or set it to 8 for runs with use_megatron_fsdp=true", UserWarning, stacklevel=3)
+        warnings.warn(
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 while saving a Megatron-FSDP checkpoint: its checkpoint path "
+            "assumes the variable unset or > 1 (the training scripts export 1 for TP/SP overlap); "
+            "unset it or set it to 8 for runs with use_megatron_fsdp=true",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _sharded(engine: Any, contents: list[str], is_loading: bool) -> dict[str, Any]:
@@ -83,10 +99,38 @@ def _sharded(engine: Any, contents: list[str], is_loading: bool) -> dict[str, An
     if "model" in contents:
         state.update(model_sd)
     if "optimizer" in contents and engine.optimizer is not None:
-        state["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        cfg = engine.engine_config
+        sharding = "fully_reshardable" if cfg.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+        metadata = {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
+        if cfg.distrib_optim_fully_reshardable_mem_efficient:
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
+        state["optimizer"] = engine.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=metadata
+        )
     if "extra" in contents:
         state["extra"] = {"lr_step": engine._lr_step, "skipped_steps": engine.skipped_steps}
     return state
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    state: dict[str, Any] = {
+        "cpu": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["cpu"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _write_hf(engine: Any, hf_dir: Path, with_weights: bool) -> None:
@@ -108,8 +152,11 @@ def _prune(local_path: Path, max_keep: int | None) -> None:
     step_dir = local_path.parent
     if max_keep is None or not re.fullmatch(r"global_step_\d+", step_dir.name) or _rank() != 0:
         return
-    steps = sorted((int(p.name.rsplit("_", 1)[1]), p) for p in step_dir.parent.glob("global_step_*")
-                   if re.fullmatch(r"global_step_\d+", p.name))
+    steps = sorted(
+        (int(p.name.rsplit("_", 1)[1]), p)
+        for p in step_dir.parent.glob("global_step_*")
+        if re.fullmatch(r"global_step_\d+", p.name)
+    )
     for _, old in steps[:-max_keep]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -122,22 +169,32 @@ def save(engine: Any, local_path: str, global_step: int, max_ckpt_to_keep: int |
     root = Path(local_path)
     _warn_max_connections(engine)
     if engine.engine_config.use_megatron_fsdp:
-        raise NotImplementedError("saving a use_megatron_fsdp=true engine (Megatron-Bridge's fsdp_dtensor format) "
-                                  "is not implemented yet: train with use_megatron_fsdp=false to checkpoint")
+        raise NotImplementedError(
+            "saving a use_megatron_fsdp=true engine (Megatron-Bridge's fsdp_dtensor format) "
+            "is not implemented yet: train with use_megatron_fsdp=false to checkpoint"
+        )
     ckpt_dir = root / "dist_ckpt"
     if _rank() == 0:
         if ckpt_dir.exists():
             shutil.rmtree(ckpt_dir)
         ckpt_dir.mkdir(parents=True)
     _barrier()
-    dist_checkpointing.save(_sharded(engine, contents, is_loading=False), str(ckpt_dir),
-                            content_metadata={"global_step": global_step})
+    dist_checkpointing.save(
+        _sharded(engine, contents, is_loading=False),
+        str(ckpt_dir),
+        content_metadata={"global_step": global_step},
+    )
+    if "extra" in contents:  # RNG per rank (restored only at the same world size and rank)
+        (root / "extra").mkdir(parents=True, exist_ok=True)
+        torch.save(_rng_state(), root / "extra" / f"rng_rank{_rank()}.pt")
     _write_hf(engine, root / "huggingface", "hf_model" in contents)
     if _rank() == 0:
         config = build.config_to_dict(build.unwrap(engine.chunks[0]).config)
         (root / "transformer_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
     _barrier()
-    _prune(root, max_ckpt_to_keep if max_ckpt_to_keep is not None else engine.checkpoint_config.max_ckpt_to_keep)
+    _prune(
+        root, max_ckpt_to_keep if max_ckpt_to_keep is not None else engine.checkpoint_config.max_ckpt_to_keep
+    )
 
 
 def load(engine: Any, local_path: str) -> None:
@@ -146,14 +203,19 @@ def load(engine: Any, local_path: str) -> None:
 
     ckpt_dir = Path(local_path) / "dist_ckpt"
     if not ckpt_dir.is_dir():
-        raise ValueError(f"{str(ckpt_dir)!r} does not exist: load_checkpoint expects a role directory written by "
-                         "the megatron engine's save_checkpoint")
+        raise ValueError(
+            f"{str(ckpt_dir)!r} does not exist: load_checkpoint expects a role directory written by "
+            "the megatron engine's save_checkpoint"
+        )
     contents = engine.checkpoint_config.load_contents
     state = dist_checkpointing.load(_sharded(engine, contents, is_loading=True), str(ckpt_dir))
     if "model" in contents:
         _load_model_state(engine.chunks, state)
     if "optimizer" in contents and engine.optimizer is not None:
         engine.optimizer.load_state_dict(state["optimizer"])
+    rng_file = Path(local_path) / "extra" / f"rng_rank{_rank()}.pt"
+    if "extra" in contents and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
     if "extra" in contents and "extra" in state:
         engine._lr_step = int(state["extra"]["lr_step"])
         engine.skipped_steps = int(state["extra"]["skipped_steps"])

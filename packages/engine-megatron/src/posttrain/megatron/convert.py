@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
 from posttrain.core.config import McoreEngineConfig
 
 from . import build, checkpoint
@@ -33,12 +34,16 @@ def ensure_process_group(world_size: int) -> None:
     """Use torchrun's process group, or start a one-rank gloo group when ``world_size`` is 1."""
     if torch.distributed.is_initialized():
         if torch.distributed.get_world_size() != world_size:
-            raise ValueError(f"the layout needs {world_size} processes but {torch.distributed.get_world_size()} "
-                             f"are running: launch with `torchrun --nproc-per-node {world_size}`")
+            raise ValueError(
+                f"the layout needs {world_size} processes but {torch.distributed.get_world_size()} "
+                f"are running: launch with `torchrun --nproc-per-node {world_size}`"
+            )
         return
     if world_size != 1 and "RANK" not in os.environ:
-        raise ValueError(f"the layout needs {world_size} processes: launch with "
-                         f"`torchrun --nproc-per-node {world_size} -m posttrain.megatron.convert_cli ...`")
+        raise ValueError(
+            f"the layout needs {world_size} processes: launch with "
+            f"`torchrun --nproc-per-node {world_size} -m posttrain.megatron.convert_cli ...`"
+        )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -51,9 +56,15 @@ def ensure_process_group(world_size: int) -> None:
 
 
 def _layout(tp: int, pp: int, ep: int, dtype: str) -> McoreEngineConfig:
-    return McoreEngineConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                             expert_model_parallel_size=ep, sequence_parallel=False, dtype=dtype,
-                             use_distributed_optimizer=False, forward_only=True)
+    return McoreEngineConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=False,
+        dtype=dtype,
+        use_distributed_optimizer=False,
+        forward_only=True,
+    )
 
 
 def _build(hf_dir: Path, cfg: McoreEngineConfig, config_only: bool) -> tuple[object, list[torch.nn.Module]]:
@@ -77,7 +88,9 @@ def hf_to_megatron(hf_model: str, output: str, tp: int = 1, pp: int = 1, ep: int
 
     hf_dir, out = Path(hf_model), Path(output)
     if not (hf_dir / "config.json").is_file():
-        raise ValueError(f"--hf-model {hf_model!r} has no config.json: pass a local Hugging Face model directory")
+        raise ValueError(
+            f"--hf-model {hf_model!r} has no config.json: pass a local Hugging Face model directory"
+        )
     ensure_process_group(tp * pp * ep)
     bridge, chunks = _build(hf_dir, _layout(tp, pp, ep, _dtype_of(hf_dir)), config_only=False)
     bridge.load_hf_weights(chunks)
@@ -97,8 +110,10 @@ def megatron_to_hf(input_dir: str, output: str, tp: int = 1, pp: int = 1, ep: in
     src, out = Path(input_dir), Path(output)
     hf_dir = src / "huggingface"
     if not (src / "dist_ckpt").is_dir() or not (hf_dir / "config.json").is_file():
-        raise ValueError(f"--input {input_dir!r} needs dist_ckpt/ and huggingface/config.json (a directory written "
-                         "by `posttrain convert hf-to-megatron` or an engine save)")
+        raise ValueError(
+            f"--input {input_dir!r} needs dist_ckpt/ and huggingface/config.json (a directory written "
+            "by `posttrain convert hf-to-megatron` or an engine save)"
+        )
     ensure_process_group(tp * pp * ep)
     bridge, chunks = _build(hf_dir, _layout(tp, pp, ep, _dtype_of(hf_dir)), config_only=True)
     checkpoint.load_model_dist(chunks, src / "dist_ckpt")
@@ -109,7 +124,9 @@ def megatron_to_hf(input_dir: str, output: str, tp: int = 1, pp: int = 1, ep: in
     torch.distributed.barrier()
 
 
-def write_safetensors(stream: Iterable[tuple[str, torch.Tensor]], out: Path, shard_bytes: int = 5 << 30) -> None:
+def write_safetensors(
+    stream: Iterable[tuple[str, torch.Tensor]], out: Path, shard_bytes: int = 5 << 30
+) -> None:
     """Write an HF-named tensor stream as ``model.safetensors`` (or shards + index) from rank 0.
 
     Every rank iterates the stream (the export gathers TP/PP/EP shards collectively); only rank 0 writes."""

@@ -14,7 +14,9 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--input", required=True, help="directory holding dist_ckpt/ and huggingface/")
     for p in (to_mc, to_hf):
         p.add_argument("--output", required=True, help="directory to write")
-        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the processes doing the work")
+        p.add_argument(
+            "--tp", type=int, default=1, help="tensor-parallel size of the processes doing the work"
+        )
         p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
         p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     return parser

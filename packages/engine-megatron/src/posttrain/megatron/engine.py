@@ -17,7 +17,15 @@ from functools import partial
 from typing import Any
 
 import torch
-from posttrain.core.batch import LossFn, PackedBatch, loss_context, make_micro_batches, restore_order
+
+from posttrain.core.batch import (
+    LossFn,
+    PackedBatch,
+    loss_context,
+    make_micro_batches,
+    partition_by_tokens,
+    restore_order,
+)
 from posttrain.core.config import McoreEngineConfig
 from posttrain.core.engine import BaseEngine, PerTensorParams
 
@@ -35,19 +43,23 @@ class MegatronEngine(BaseEngine):
     def initialize(self) -> None:
         cfg = self.engine_config
         if not isinstance(cfg, McoreEngineConfig):
-            raise ValueError(f"the megatron engine needs a McoreEngineConfig, got {type(cfg).__name__}: set "
-                             "engine.strategy=megatron")
+            raise ValueError(
+                f"the megatron engine needs a McoreEngineConfig, got {type(cfg).__name__}: set "
+                "engine.strategy=megatron"
+            )
         on_cuda = torch.cuda.is_available()
         rules.check_engine(cfg, self.checkpoint_config, self.model_config, on_cuda=on_cuda)
         self._device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         build.init_model_parallel(cfg, cfg.seed)
         self.bridge = build.make_bridge(self.model_config.path, self.model_config.trust_remote_code)
         self.router_replay = RouterReplay(cfg.router_replay, cfg.sequence_parallel)
-        self.provider = build.make_provider(self.bridge, cfg, on_cuda=on_cuda,
-                                            router_replay=self.router_replay.enabled)
+        self.provider = build.make_provider(
+            self.bridge, cfg, on_cuda=on_cuda, router_replay=self.router_replay.enabled
+        )
         hook = add_value_head if self.is_value_model else None
-        self.chunks = build.build_model(self.provider, cfg, wrap_with_ddp=not cfg.forward_only, on_cuda=on_cuda,
-                                        pre_wrap_hook=hook)
+        self.chunks = build.build_model(
+            self.provider, cfg, wrap_with_ddp=not cfg.forward_only, on_cuda=on_cuda, pre_wrap_hook=hook
+        )
         self._load_initial_weights()
         self.optimizer = None
         self._lr_step = 0
@@ -58,12 +70,16 @@ class MegatronEngine(BaseEngine):
             self._set_lr()
         self._offload = offload.Offloader(self.chunks, self.optimizer)
         if cfg.param_offload or cfg.optimizer_offload or cfg.grad_offload:
-            self._offload.to("cpu", model=cfg.param_offload, optimizer=cfg.optimizer_offload, grad=cfg.grad_offload)
+            self._offload.to(
+                "cpu", model=cfg.param_offload, optimizer=cfg.optimizer_offload, grad=cfg.grad_offload
+            )
 
     def _load_initial_weights(self) -> None:
         cfg = self.engine_config
         if cfg.use_dist_checkpointing:
-            checkpoint.load_model_dist(self.chunks, cfg.dist_checkpointing_path, cfg.dist_checkpointing_prefix)
+            checkpoint.load_model_dist(
+                self.chunks, cfg.dist_checkpointing_path, cfg.dist_checkpointing_prefix
+            )
             return
         mismatched = ["output_layer.weight"] if self.is_value_model else None
         self.bridge.load_hf_weights(self.chunks, allowed_mismatched_params=mismatched)
@@ -91,7 +107,9 @@ class MegatronEngine(BaseEngine):
     def is_optimizer_offload_enabled(self) -> bool:
         return self.engine_config.optimizer_offload
 
-    def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+    def to(
+        self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> None:
         self._offload.to(torch.device(device), model=model, optimizer=optimizer, grad=grad)
 
     def on_mode_enter(self, mode: str) -> None:
@@ -100,20 +118,31 @@ class MegatronEngine(BaseEngine):
 
     # ------------------------------------------------------------------ compute
     def _micro_batches(self, batch: PackedBatch, forward_only: bool) -> list[list[int]]:
-        max_tokens, per_micro = self.engine_config.micro_batching(forward_only)
-        parts = make_micro_batches(batch, max_tokens=max_tokens, micro_batch_size=per_micro,
-                                   use_dynamic_bsz=self.engine_config.use_dynamic_bsz,
-                                   dp_group=self.get_data_parallel_group())
+        cfg = self.engine_config
+        max_tokens, per_micro = cfg.micro_batching(forward_only)
+        parts = make_micro_batches(
+            batch, max_tokens=max_tokens, micro_batch_size=per_micro, use_dynamic_bsz=cfg.use_dynamic_bsz
+        )
+        if cfg.use_dynamic_bsz and self.get_data_parallel_size() > 1:  # same count on every DP rank
+            count = torch.tensor([len(parts)], device=self._device)
+            torch.distributed.all_reduce(
+                count, op=torch.distributed.ReduceOp.MAX, group=self.get_data_parallel_group()
+            )
+            if int(count) > len(parts):
+                parts = partition_by_tokens(batch.seqlens, max_tokens, min_num_bins=int(count))
         if len(self.chunks) > 1:
             group = build.unwrap(self.chunks[0]).config.microbatch_group_size_per_vp_stage
             if len(parts) % group:
-                raise ValueError(f"{len(parts)} micro-batches with virtual pipeline stages: the interleaved "
-                                 f"schedule needs a multiple of {group}; lower max_token_len_per_gpu or "
-                                 f"micro_batch_size_per_gpu so the batch splits into {group}*k micro-batches")
+                raise ValueError(
+                    f"{len(parts)} micro-batches with virtual pipeline stages: the interleaved "
+                    f"schedule needs a multiple of {group}; lower max_token_len_per_gpu or "
+                    f"micro_batch_size_per_gpu so the batch splits into {group}*k micro-batches"
+                )
         return parts
 
-    def forward_backward_batch(self, batch: PackedBatch, loss_fn: LossFn | None,
-                               forward_only: bool = False) -> dict[str, Any]:
+    def forward_backward_batch(
+        self, batch: PackedBatch, loss_fn: LossFn | None, forward_only: bool = False
+    ) -> dict[str, Any]:
         from megatron.core import parallel_state as mpu
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -123,14 +152,25 @@ class MegatronEngine(BaseEngine):
         micro = [self._select(batch, p) for p in parts]
         ctx = loss_context(batch, self.get_data_parallel_group())
         collected: list[tuple[dict[str, torch.Tensor], dict[str, Any], float | None]] = []
-        step = partial(self._forward_step, loss_fn=loss_fn, ctx=ctx, n_micro=len(micro), collected=collected,
-                       calc_entropy=bool(batch.meta.get("calculate_entropy", False)))
+        step = partial(
+            self._forward_step,
+            loss_fn=loss_fn,
+            ctx=ctx,
+            n_micro=len(micro),
+            collected=collected,
+            calc_entropy=bool(batch.meta.get("calculate_entropy", False)),
+        )
         iters = [iter(micro) for _ in self.chunks]
         self.router_replay.begin_pass(forward_only, batch)
-        get_forward_backward_func()(forward_step_func=step, data_iterator=iters if len(iters) > 1 else iters[0],
-                                    model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-                                    num_microbatches=len(micro), seq_length=max(m.num_tokens for m in micro),
-                                    micro_batch_size=1, forward_only=forward_only)
+        get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iters if len(iters) > 1 else iters[0],
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=len(micro),
+            seq_length=max(m.num_tokens for m in micro),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
         self.router_replay.end_pass()
         if not mpu.is_pipeline_last_stage(ignore_virtual=True) or not self.is_mp_src_rank_with_outputs():
             return {}
@@ -140,7 +180,9 @@ class MegatronEngine(BaseEngine):
             for key, value in mb_metrics.items():
                 metrics.setdefault(key, []).append(float(value))
         target = batch.input_ids.device
-        model_output = {k: restore_order(parts, micro, [o[k] for o in outputs]).to(target) for k in outputs[0]}
+        model_output = {
+            k: restore_order(parts, micro, [o[k] for o in outputs]).to(target) for k in outputs[0]
+        }
         losses = [c[2] for c in collected if c[2] is not None]
         return {"model_output": model_output, "loss": losses, "metrics": metrics}
 
@@ -154,21 +196,52 @@ class MegatronEngine(BaseEngine):
             mb.meta["routed_experts"] = torch.as_tensor(routed)[rows]
         return mb
 
-    def _forward_step(self, data_iterator: Any, model: torch.nn.Module, *, loss_fn: LossFn | None, ctx: Any,
-                      n_micro: int, collected: list, calc_entropy: bool) -> tuple[torch.Tensor, Any]:
+    def _forward_step(
+        self,
+        data_iterator: Any,
+        model: torch.nn.Module,
+        *,
+        loss_fn: LossFn | None,
+        ctx: Any,
+        n_micro: int,
+        collected: list,
+        calc_entropy: bool,
+    ) -> tuple[torch.Tensor, Any]:
         mb = next(data_iterator)
         packed = pack_micro_batch(mb, self._pad_multiple(), self._device)
         self.router_replay.before_micro(mb.meta.get("routed_experts"), packed.input_ids.shape[1])
-        output = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-                       packed_seq_params=packed.packed_seq_params)
+        output = model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_mask=None,
+            packed_seq_params=packed.packed_seq_params,
+        )
         routed = self.router_replay.after_forward(packed.input_ids.shape[1])
         if routed is not None:
             mb.meta["recorded_experts"] = routed[: packed.num_tokens].to(torch.int32)
-        return output, partial(self._loss_func, mb=mb, num_tokens=packed.num_tokens, loss_fn=loss_fn, ctx=ctx,
-                               n_micro=n_micro, collected=collected, calc_entropy=calc_entropy)
+        return output, partial(
+            self._loss_func,
+            mb=mb,
+            num_tokens=packed.num_tokens,
+            loss_fn=loss_fn,
+            ctx=ctx,
+            n_micro=n_micro,
+            collected=collected,
+            calc_entropy=calc_entropy,
+        )
 
-    def _loss_func(self, output: torch.Tensor, *, mb: PackedBatch, num_tokens: int, loss_fn: LossFn | None,
-                   ctx: Any, n_micro: int, collected: list, calc_entropy: bool) -> tuple[torch.Tensor, dict]:
+    def _loss_func(
+        self,
+        output: torch.Tensor,
+        *,
+        mb: PackedBatch,
+        num_tokens: int,
+        loss_fn: LossFn | None,
+        ctx: Any,
+        n_micro: int,
+        collected: list,
+        calc_entropy: bool,
+    ) -> tuple[torch.Tensor, dict]:
         outs = self._model_outputs(output[0, :num_tokens], mb, calc_entropy)
         if "recorded_experts" in mb.meta:
             outs["routed_experts"] = mb.meta["recorded_experts"]
@@ -176,10 +249,14 @@ class MegatronEngine(BaseEngine):
             collected.append(({k: v.detach() for k, v in outs.items()}, {}, None))
             return output.sum() * 0.0, {}
         loss, metrics = loss_fn(outs, mb, ctx)
-        collected.append(({k: v.detach() for k, v in outs.items()}, dict(metrics or {}), float(loss.detach())))
+        collected.append(
+            ({k: v.detach() for k, v in outs.items()}, dict(metrics or {}), float(loss.detach()))
+        )
         return loss * n_micro, {}
 
-    def _model_outputs(self, logits: torch.Tensor, mb: PackedBatch, calc_entropy: bool) -> dict[str, torch.Tensor]:
+    def _model_outputs(
+        self, logits: torch.Tensor, mb: PackedBatch, calc_entropy: bool
+    ) -> dict[str, torch.Tensor]:
         from megatron.core import parallel_state as mpu
 
         tp_rank = mpu.get_tensor_model_parallel_rank()
@@ -203,6 +280,18 @@ class MegatronEngine(BaseEngine):
         if self.optimizer.prepare_grads():
             return float("inf")
         clip = self.optimizer_config.clip_grad
+        chained = getattr(self.optimizer, "chained_optimizers", None)
+        if chained and len(chained) > 1 and not self.optimizer.grads_states_parallel_group_is_shared():
+            # MoE: dense and expert optimizers reduce grad stats over different groups; clip both by the
+            # combined norm (what ChainedOptimizer.step does).
+            from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+            norm = self.optimizer.get_grad_norm()
+            for sub in chained:
+                params = sub.get_parameters()
+                if clip > 0 and params:
+                    clip_grad_by_total_norm_fp32(params, clip, norm)
+            return float(norm)
         norm = self.optimizer.clip_grad_norm(clip) if clip > 0 else self.optimizer.get_grad_norm()
         return float(norm)
 
@@ -224,20 +313,26 @@ class MegatronEngine(BaseEngine):
 
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:
-            raise ValueError(f"{what} on a forward_only megatron engine: build it with engine.forward_only=false")
+            raise ValueError(
+                f"{what} on a forward_only megatron engine: build it with engine.forward_only=false"
+            )
 
     # ------------------------------------------------------------------ weights and checkpoints
     def get_per_tensor_param(self, **kwargs: Any) -> PerTensorParams:
         if self.is_value_model:
-            raise ValueError("get_per_tensor_param on a value model: only policy weights are synced to rollouts")
+            raise ValueError(
+                "get_per_tensor_param on a value model: only policy weights are synced to rollouts"
+            )
         if self._export_tasks is None:
             self._export_tasks = self.bridge.get_conversion_tasks(self.chunks)
-        stream = self.bridge.export_hf_weights(self.chunks, cpu=False, show_progress=False,
-                                               conversion_tasks=self._export_tasks)
+        stream = self.bridge.export_hf_weights(
+            self.chunks, cpu=False, show_progress=False, conversion_tasks=self._export_tasks
+        )
         return ((name, tensor) for name, tensor in stream), None
 
-    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None,
-                        **kwargs: Any) -> None:
+    def save_checkpoint(
+        self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None, **kwargs: Any
+    ) -> None:
         checkpoint.save(self, local_path, global_step, max_ckpt_to_keep)
 
     def load_checkpoint(self, local_path: str, **kwargs: Any) -> None:
@@ -262,8 +357,11 @@ class MegatronEngine(BaseEngine):
     def is_mp_src_rank_with_outputs(self) -> bool:
         from megatron.core import parallel_state as mpu
 
-        return (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
-                and mpu.is_pipeline_last_stage(ignore_virtual=True))
+        return (
+            mpu.get_tensor_model_parallel_rank() == 0
+            and mpu.get_context_parallel_rank() == 0
+            and mpu.is_pipeline_last_stage(ignore_virtual=True)
+        )
 
 
 class MegatronLanguageModelEngine(MegatronEngine):
@@ -275,5 +373,7 @@ class MegatronValueModelEngine(MegatronEngine):
 
     is_value_model = True
 
-    def _model_outputs(self, logits: torch.Tensor, mb: PackedBatch, calc_entropy: bool) -> dict[str, torch.Tensor]:
+    def _model_outputs(
+        self, logits: torch.Tensor, mb: PackedBatch, calc_entropy: bool
+    ) -> dict[str, torch.Tensor]:
         return {"values": logits[:, 0].float()}

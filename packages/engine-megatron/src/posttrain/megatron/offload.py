@@ -15,7 +15,13 @@ import torch
 
 
 def _buffers(chunk: torch.nn.Module) -> list[Any]:
-    return list(getattr(chunk, "buffers", []) or []) + list(getattr(chunk, "expert_parallel_buffers", []) or [])
+    """Megatron DDP's flat param/grad buffers (``buffers`` is a plain method on other modules)."""
+    out: list[Any] = []
+    for name in ("buffers", "expert_parallel_buffers"):
+        value = getattr(chunk, name, None)
+        if isinstance(value, (list, tuple)):
+            out.extend(value)
+    return out
 
 
 def _move_flat(t: torch.Tensor, device: torch.device, holder: dict[int, torch.Tensor]) -> None:
@@ -45,8 +51,10 @@ class Offloader:
         with torch.no_grad():
             for chunk in self.chunks:
                 buffers = _buffers(chunk)
-                if not buffers and model:
-                    chunk.to(device)
+                if not buffers and model:  # parameter by parameter: Module.to would swap DTensor params
+                    for p in chunk.parameters():
+                        if p.device != device:
+                            p.data = p.data.to(device)
                 for buf in buffers:
                     if model:
                         _move_flat(buf.param_data, device, self._host)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from posttrain.core.batch import PackedBatch
 
 
@@ -46,8 +47,9 @@ def pack_micro_batch(mb: PackedBatch, pad_multiple: int, device: torch.device) -
         cu = torch.cat([cu, torch.tensor([total + pad], dtype=torch.int32, device=cu.device)])
     max_len = int((cu[1:] - cu[:-1]).max())
     cu = cu.to(device)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
-                             max_seqlen_kv=max_len)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
+    )
     return PackedInput(ids.to(device)[None], pos.to(device)[None], params, total)
 
 
@@ -57,8 +59,9 @@ def _tp_sum(x: torch.Tensor) -> torch.Tensor:
     return reduce_from_tensor_model_parallel_region(x)
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, tp_group: object,
-                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, tp_group: object, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(targets), entropy or None) per row of TP-sharded ``logits`` (N, V/tp) in float32."""
     logits = logits.float()
     with torch.no_grad():
@@ -78,8 +81,9 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_s
     return log_probs, entropy
 
 
-def token_outputs(logits: torch.Tensor, mb: PackedBatch, vocab_start: int, tp_group: object,
-                  with_entropy: bool) -> dict[str, torch.Tensor]:
+def token_outputs(
+    logits: torch.Tensor, mb: PackedBatch, vocab_start: int, tp_group: object, with_entropy: bool
+) -> dict[str, torch.Tensor]:
     """Per-token ``log_probs`` (and ``entropy``) aligned with the tokens they describe, from (T, V/tp) logits.
 
     Row ``t`` of ``logits`` predicts token ``t+1``, so it is divided by ``temperature[t+1]``, scored against

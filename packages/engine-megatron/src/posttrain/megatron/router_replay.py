@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from posttrain.core.batch import PackedBatch
 from posttrain.core.config import RouterReplayConfig
 
@@ -50,7 +51,9 @@ class RouterReplay:
         if not self.replaying:
             return
         if routed is None:
-            raise ValueError("router replay: batch.meta['routed_experts'] must cover every token of the batch")
+            raise ValueError(
+                "router replay: batch.meta['routed_experts'] must cover every token of the batch"
+            )
         rr = self._mc()
         routed = routed.long()
         if pad_to > routed.shape[0]:
@@ -61,7 +64,7 @@ class RouterReplay:
 
             size, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
             per_rank = routed.shape[0] // size
-            routed = routed[rank * per_rank:(rank + 1) * per_rank]
+            routed = routed[rank * per_rank : (rank + 1) * per_rank]
         rr.RouterReplay.set_replay_data([routed[:, i].contiguous() for i in range(routed.shape[1])])
         rr.RouterReplay.set_global_router_replay_action(rr.RouterReplayAction.REPLAY_FORWARD)
 
@@ -78,7 +81,9 @@ class RouterReplay:
                 data = torch.cat(parts)
             return data[:num_tokens]
         if self.replaying:
-            self._mc().RouterReplay.set_global_router_replay_action(self._mc().RouterReplayAction.REPLAY_BACKWARD)
+            self._mc().RouterReplay.set_global_router_replay_action(
+                self._mc().RouterReplayAction.REPLAY_BACKWARD
+            )
         return None
 
     def end_pass(self) -> None:

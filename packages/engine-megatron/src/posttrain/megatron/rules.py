@@ -9,7 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from posttrain.core.config import CheckpointConfig, McoreEngineConfig, ModelConfig, check_checkpoint_for_engine
+from posttrain.core.config import (
+    CheckpointConfig,
+    McoreEngineConfig,
+    ModelConfig,
+    check_checkpoint_for_engine,
+)
 
 from . import _deps
 
@@ -17,8 +22,10 @@ from . import _deps
 def _hf_config(model: ModelConfig) -> dict:
     path = Path(model.path) / "config.json"
     if not path.is_file():
-        raise ValueError(f"model.path={model.path!r} has no config.json: point model.path at a local Hugging Face "
-                         "model directory")
+        raise ValueError(
+            f"model.path={model.path!r} has no config.json: point model.path at a local Hugging Face "
+            "model directory"
+        )
     return json.loads(path.read_text())
 
 
@@ -34,59 +41,94 @@ def check_layout(cfg: McoreEngineConfig, hf: dict) -> None:
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     vpp = cfg.virtual_pipeline_model_parallel_size
     if vpp is not None and vpp > 1 and pp == 1:
-        raise ValueError(f"engine.virtual_pipeline_model_parallel_size={vpp} needs "
-                         "pipeline_model_parallel_size > 1: set it to null or raise the PP size")
+        raise ValueError(
+            f"engine.virtual_pipeline_model_parallel_size={vpp} needs "
+            "pipeline_model_parallel_size > 1: set it to null or raise the PP size"
+        )
+    if vpp is not None and vpp > 1 and not cfg.forward_only:
+        raise ValueError(
+            f"engine.virtual_pipeline_model_parallel_size={vpp} for a training role: training through "
+            "the interleaved schedule fails on variable-length THD micro-batches in this version "
+            "(forward-only roles work); set it to null, or engine.forward_only=true for a reference"
+        )
     layers = int(hf.get("num_hidden_layers", 0))
     stages = pp * (vpp or 1)
     if layers and layers % stages:
-        raise ValueError(f"the model has {layers} layers, which pipeline_model_parallel_size x "
-                         f"virtual_pipeline_model_parallel_size = {stages} does not divide: choose sizes whose "
-                         f"product divides {layers}")
+        raise ValueError(
+            f"the model has {layers} layers, which pipeline_model_parallel_size x "
+            f"virtual_pipeline_model_parallel_size = {stages} does not divide: choose sizes whose "
+            f"product divides {layers}"
+        )
     for key in ("num_attention_heads", "num_key_value_heads"):
         heads = hf.get(key)
         if heads and int(heads) % tp:
-            raise ValueError(f"{key}={heads} is not divisible by tensor_model_parallel_size={tp}: pick a TP size "
-                             f"that divides {heads}")
+            raise ValueError(
+                f"{key}={heads} is not divisible by tensor_model_parallel_size={tp}: pick a TP size "
+                f"that divides {heads}"
+            )
     experts = _num_experts(hf)
     if cfg.expert_model_parallel_size > 1 and not experts:
-        raise ValueError(f"engine.expert_model_parallel_size={cfg.expert_model_parallel_size} on a dense model "
-                         "(no experts in config.json): set it to 1")
+        raise ValueError(
+            f"engine.expert_model_parallel_size={cfg.expert_model_parallel_size} on a dense model "
+            "(no experts in config.json): set it to 1"
+        )
     if experts and experts % cfg.expert_model_parallel_size:
-        raise ValueError(f"{experts} experts are not divisible by expert_model_parallel_size="
-                         f"{cfg.expert_model_parallel_size}: pick an EP size that divides {experts}")
+        raise ValueError(
+            f"{experts} experts are not divisible by expert_model_parallel_size="
+            f"{cfg.expert_model_parallel_size}: pick an EP size that divides {experts}"
+        )
     if cfg.router_replay.mode != "disabled" and not experts:
-        raise ValueError(f"engine.router_replay.mode={cfg.router_replay.mode} on a dense model: router replay "
-                         "needs an MoE model; set engine.router_replay.mode=disabled")
+        raise ValueError(
+            f"engine.router_replay.mode={cfg.router_replay.mode} on a dense model: router replay "
+            "needs an MoE model; set engine.router_replay.mode=disabled"
+        )
     if cfg.router_replay.mode != "disabled" and pp > 1:
-        raise ValueError(f"engine.router_replay.mode={cfg.router_replay.mode} with pipeline_model_parallel_size="
-                         f"{pp} is not implemented: use PP=1 (TP/EP are fine)")
+        raise ValueError(
+            f"engine.router_replay.mode={cfg.router_replay.mode} with pipeline_model_parallel_size="
+            f"{pp} is not implemented: use PP=1 (TP/EP are fine)"
+        )
 
 
-def check_engine(cfg: McoreEngineConfig, ckpt: CheckpointConfig, model: ModelConfig, *, on_cuda: bool,
-                 role: str = "actor") -> None:
+def check_engine(
+    cfg: McoreEngineConfig, ckpt: CheckpointConfig, model: ModelConfig, *, on_cuda: bool, role: str = "actor"
+) -> None:
     """Every cross-config rule, raising a ValueError that names the bad value and the fix."""
     check_checkpoint_for_engine(cfg, ckpt, role)
     if cfg.vanilla_mbridge:
         _deps.import_vanilla_mbridge()
-        raise ValueError("engine.vanilla_mbridge=true: the standalone mbridge path is deprecated and not built by "
-                         "posttrain; set engine.vanilla_mbridge=false (Megatron-Bridge)")
+        raise ValueError(
+            "engine.vanilla_mbridge=true: the standalone mbridge path is deprecated and not built by "
+            "posttrain; set engine.vanilla_mbridge=false (Megatron-Bridge)"
+        )
     if cfg.use_megatron_fsdp and not on_cuda:
-        raise ValueError("engine.use_megatron_fsdp=true needs CUDA (Megatron-FSDP allocates CUDA streams): "
-                         "run on GPUs or set engine.use_megatron_fsdp=false")
+        raise ValueError(
+            "engine.use_megatron_fsdp=true needs CUDA (Megatron-FSDP allocates CUDA streams): "
+            "run on GPUs or set engine.use_megatron_fsdp=false"
+        )
     if cfg.use_megatron_fsdp and cfg.pipeline_model_parallel_size > 1:
-        raise ValueError("engine.use_megatron_fsdp=true with pipeline_model_parallel_size > 1 is not supported "
-                         "by Megatron-FSDP: set pipeline_model_parallel_size=1")
+        raise ValueError(
+            "engine.use_megatron_fsdp=true with pipeline_model_parallel_size > 1 is not supported "
+            "by Megatron-FSDP: set pipeline_model_parallel_size=1"
+        )
     if cfg.context_parallel_size > 1 and not _deps.has_transformer_engine():
-        raise ValueError(f"engine.context_parallel_size={cfg.context_parallel_size} needs Transformer Engine's "
-                         "attention (the local layer spec has no context parallelism): install transformer_engine "
-                         "or set context_parallel_size=1")
+        raise ValueError(
+            f"engine.context_parallel_size={cfg.context_parallel_size} needs Transformer Engine's "
+            "attention (the local layer spec has no context parallelism): install transformer_engine "
+            "or set context_parallel_size=1"
+        )
     if cfg.use_dist_checkpointing and not cfg.dist_checkpointing_path:
-        raise ValueError("engine.use_dist_checkpointing=true needs engine.dist_checkpointing_path (a dist_ckpt "
-                         "directory written by `posttrain convert hf-to-megatron` or a save)")
+        raise ValueError(
+            "engine.use_dist_checkpointing=true needs engine.dist_checkpointing_path (a dist_ckpt "
+            "directory written by `posttrain convert hf-to-megatron` or a save)"
+        )
     if cfg.use_remove_padding is False:
-        raise ValueError("engine.use_remove_padding=false is not implemented by the megatron engine (it always "
-                         "runs packed THD micro-batches): set engine.use_remove_padding=true")
+        raise ValueError(
+            "engine.use_remove_padding=false is not implemented by the megatron engine (it always "
+            "runs packed THD micro-batches): set engine.use_remove_padding=true"
+        )
     if model.lora_rank > 0:
-        raise ValueError(f"model.lora_rank={model.lora_rank}: LoRA through Megatron-Bridge's PEFT is not "
-                         "implemented in the megatron engine yet; use the fsdp engine for LoRA or set lora_rank=0")
+        raise ValueError(
+            f"model.lora_rank={model.lora_rank}: LoRA through Megatron-Bridge's PEFT is not "
+            "implemented in the megatron engine yet; use the fsdp engine for LoRA or set lora_rank=0"
+        )
     check_layout(cfg, _hf_config(model))

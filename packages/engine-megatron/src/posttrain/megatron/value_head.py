@@ -15,16 +15,23 @@ import torch
 class ValueHead(torch.nn.Module):
     """``hidden (s, b, h) -> values (s, b, 1)``; returns ``(values, None)`` like Megatron's linear layers."""
 
-    def __init__(self, hidden_size: int, sequence_parallel: bool, init_std: float, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        sequence_parallel: bool,
+        init_std: float,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
         self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype, device=device))
         torch.nn.init.normal_(self.weight, std=init_std)
         self.weight.sequence_parallel = False
 
-    def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None,
-                **_: Any) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None, **_: Any
+    ) -> tuple[torch.Tensor, None]:
         if self.sequence_parallel:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
@@ -34,8 +41,9 @@ class ValueHead(torch.nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {},
-                                                   sharded_offsets)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {}, sharded_offsets
+        )
 
 
 def add_value_head(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -50,9 +58,12 @@ def add_value_head(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
         if getattr(chunk, "post_process", False) and getattr(chunk, "output_layer", None) is not None:
             cfg = chunk.config
             if chunk.share_embeddings_and_output_weights:
-                raise ValueError("a value model cannot tie its head to the embeddings: set "
-                                 "tie_word_embeddings=false in the critic's config (model.override_config)")
+                raise ValueError(
+                    "a value model cannot tie its head to the embeddings: set "
+                    "tie_word_embeddings=false in the critic's config (model.override_config)"
+                )
             old = chunk.output_layer.weight
-            chunk.output_layer = ValueHead(cfg.hidden_size, cfg.sequence_parallel, cfg.init_method_std,
-                                           old.dtype, old.device)
+            chunk.output_layer = ValueHead(
+                cfg.hidden_size, cfg.sequence_parallel, cfg.init_method_std, old.dtype, old.device
+            )
     return chunks

@@ -55,7 +55,9 @@ class LLMFront:
             self.llm = LLM(**engine_kwargs)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Any, lora: Any = None) -> list[Any]:
-        return self.llm.generate(tokens_prompts(prompts), sampling_params=params, lora_request=lora, use_tqdm=False)
+        return self.llm.generate(
+            tokens_prompts(prompts), sampling_params=params, lora_request=lora, use_tqdm=False
+        )
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return self.llm.collective_rpc(method, args=args)
@@ -115,15 +117,20 @@ class AsyncFront:
     def submit(self, prompt_ids: Sequence[int], params: Any, lora: Any = None) -> asyncio.Future:
         """Start one request; await the returned future from any event loop."""
         self._enter()
-        fut = asyncio.run_coroutine_threadsafe(self._one(tokens_prompts([prompt_ids])[0], params, lora), self.loop)
+        fut = asyncio.run_coroutine_threadsafe(
+            self._one(tokens_prompts([prompt_ids])[0], params, lora), self.loop
+        )
         fut.add_done_callback(lambda _: self._exit())
         return asyncio.wrap_future(fut)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Any, lora: Any = None) -> list[Any]:
         self._enter()
         try:
+
             async def run_all() -> list[Any]:
-                return list(await asyncio.gather(*(self._one(p, params, lora) for p in tokens_prompts(prompts))))
+                return list(
+                    await asyncio.gather(*(self._one(p, params, lora) for p in tokens_prompts(prompts)))
+                )
 
             return self._run(run_all())
         finally:

@@ -39,8 +39,12 @@ from .transport import BucketOpener
 class WeightSyncWorkerExtension:
     """Methods added to each vLLM worker (``self`` is the worker: ``self.model_runner`` holds the model)."""
 
-    def ws_begin(self, kind: str = "base", peft_config: dict[str, Any] | None = None,
-                 lora: tuple[str, int] | None = None) -> None:
+    def ws_begin(
+        self,
+        kind: str = "base",
+        peft_config: dict[str, Any] | None = None,
+        lora: tuple[str, int] | None = None,
+    ) -> None:
         """Start a sync of the base weights (``kind="base"``) or of a LoRA adapter (``kind="lora"``)."""
         if getattr(self, "_ws", None) is not None:
             self.ws_abort()
@@ -48,9 +52,18 @@ class WeightSyncWorkerExtension:
             raise ValueError(f"weight-sync kind {kind!r}: use base or lora")
         if kind == "lora" and (peft_config is None or lora is None):
             raise ValueError("a LoRA sync needs the adapter's peft_config and (name, id)")
-        state: dict[str, Any] = {"kind": kind, "opener": BucketOpener(), "loaded": set(), "names": set(),
-                                 "tensors": {}, "bytes": 0, "peft_config": peft_config, "lora": lora,
-                                 "load_s": 0.0, "start": time.perf_counter()}
+        state: dict[str, Any] = {
+            "kind": kind,
+            "opener": BucketOpener(),
+            "loaded": set(),
+            "names": set(),
+            "tensors": {},
+            "bytes": 0,
+            "peft_config": peft_config,
+            "lora": lora,
+            "load_s": 0.0,
+            "start": time.perf_counter(),
+        }
         state["receiver"] = BucketReceiver(lambda tensors: self._ws_consume(state, tensors))
         if kind == "base":
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -84,8 +97,13 @@ class WeightSyncWorkerExtension:
             raise
         state["opener"].close()
         self._ws = None
-        return {"num_tensors": num_tensors, "num_bytes": state["bytes"], "load_s": state["load_s"],
-                "worker_s": time.perf_counter() - state["start"], "lora_path": state.get("lora_path")}
+        return {
+            "num_tensors": num_tensors,
+            "num_bytes": state["bytes"],
+            "load_s": state["load_s"],
+            "worker_s": time.perf_counter() - state["start"],
+            "lora_path": state.get("lora_path"),
+        }
 
     def ws_abort(self) -> None:
         """Drop a sync half-way; a base model is left structurally usable but with mixed weights."""
@@ -129,7 +147,9 @@ class WeightSyncWorkerExtension:
                 loaded = self.model_runner.get_model().load_weights(iter(clones))
             state["loaded"].update(_plain(n) for n in loaded or ())
         else:
-            state["tensors"].update({_peft_name(name): tensor.to("cpu", copy=True) for name, tensor in tensors})
+            state["tensors"].update(
+                {_peft_name(name): tensor.to("cpu", copy=True) for name, tensor in tensors}
+            )
         if tensors and tensors[0][1].is_cuda:
             torch.cuda.current_stream().synchronize()  # the sender reuses the buffer once we return
         state["load_s"] += time.perf_counter() - start
@@ -142,8 +162,10 @@ class WeightSyncWorkerExtension:
             finalize_layerwise_reload(model, self.model_runner.model_config)
         missing = sorted(set(self.ws_param_names()) - state["loaded"])
         if missing:
-            raise WeightSyncError(f"weight sync left {len(missing)} vLLM parameter(s) without new values, e.g. "
-                                  f"{missing[:5]}: the stream must carry every weight of the model")
+            raise WeightSyncError(
+                f"weight sync left {len(missing)} vLLM parameter(s) without new values, e.g. "
+                f"{missing[:5]}: the stream must carry every weight of the model"
+            )
         # What vLLM's own reload_weights does after loading (reset_lora_state exists from vLLM 0.27 on).
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(self.model_runner, reset):

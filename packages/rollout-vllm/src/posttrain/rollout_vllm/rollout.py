@@ -28,6 +28,7 @@ before the KV cache is allocated again. On CPU vLLM has no sleep mode and both a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -47,6 +48,13 @@ from .transport import TRANSPORTS, RpcBucketTransport
 
 EXTENSION = "posttrain.rollout_vllm.extension.WeightSyncWorkerExtension"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+}
 
 
 @dataclass(kw_only=True)
@@ -57,8 +65,6 @@ class VLLMOptions:
     """auto, external_launcher, inprocess, multiprocess or server (see the module docstring)."""
     transport: str = "auto"
     """Weight-sync transport: auto, inprocess, shm or cuda_ipc."""
-    device: str | None = None
-    """cuda or cpu; None = cuda when a GPU is visible."""
     lora_name: str = "posttrain"
     """Name of the LoRA adapter synced from the trainer."""
     lora_int_id: int = 1
@@ -68,13 +74,24 @@ class VLLMOptions:
         if self.executor not in EXECUTORS:
             raise ValueError(f"vllm executor {self.executor!r} is unknown: use one of {', '.join(EXECUTORS)}")
         if self.transport not in ("auto", *TRANSPORTS):
-            raise ValueError(f"vllm transport {self.transport!r} is unknown: use auto, {', '.join(TRANSPORTS)}")
+            raise ValueError(
+                f"vllm transport {self.transport!r} is unknown: use auto, {', '.join(TRANSPORTS)}"
+            )
         if self.lora_int_id < 1:
             raise ValueError(f"lora_int_id={self.lora_int_id} must be >= 1")
 
 
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """vLLM's name for a rollout dtype given as a string (``bf16``, ``bfloat16``...) or a torch dtype."""
+    name = str(dtype).removeprefix("torch.")
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"rollout dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
+    return name
 
 
 def eos_token_ids(model_path: str) -> list[int]:
@@ -92,18 +109,33 @@ def eos_token_ids(model_path: str) -> list[int]:
 class VLLMRollout(BaseRollout):
     """A vLLM engine that generates token ids with log-probs and takes verified weight syncs."""
 
-    def __init__(self, config: RolloutConfig, model_config: ModelConfig, options: VLLMOptions | None = None) -> None:
-        self.config, self.model_config = config, model_config
+    def __init__(
+        self,
+        config: RolloutConfig,
+        model: str | ModelConfig,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        trust_remote_code: bool = False,
+        *,
+        lora_rank: int | None = None,
+        options: VLLMOptions | None = None,
+    ) -> None:
+        """``model`` is the HF directory or its :class:`ModelConfig`; a ``lora_rank`` > 0 (there or as keyword)
+        starts vLLM with LoRA enabled so adapters sync as adapters. ``dtype`` overrides ``config.dtype``."""
+        if not isinstance(model, ModelConfig):
+            model = ModelConfig(path=model, trust_remote_code=trust_remote_code)
+        if lora_rank is not None:
+            model = dataclasses.replace(model, lora_rank=lora_rank)
+        self.config, self.model_config = config, model
         self.options = options or VLLMOptions()
-        if config.dtype not in DTYPES:
-            raise ValueError(f"rollout.dtype={config.dtype!r}: use one of {', '.join(DTYPES)}")
-        if not model_config.path or not os.path.isdir(model_config.path):
-            raise ValueError(f"model.path={model_config.path!r} is not a local HF model directory")
-        self.device = torch.device(self.options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype_name(dtype if dtype is not None else config.dtype)
+        if not model.path or not os.path.isdir(model.path):
+            raise ValueError(f"model.path={model.path!r} is not a local HF model directory")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.executor = self._resolve_executor()
         self.transport_kind = self._resolve_transport()
         self.sleep_enabled = self.device.type == "cuda" and config.free_cache_engine
-        self.eos_ids = eos_token_ids(model_config.path)
+        self.eos_ids = eos_token_ids(model.path)
         kwargs = self.engine_kwargs()
         if self.executor == "server":
             self.engine: LLMFront | AsyncFront = AsyncFront(kwargs)
@@ -117,17 +149,26 @@ class VLLMRollout(BaseRollout):
             self._weights_error = "the engine started from dummy weights (load_format=dummy)"
         self._lora_request: Any = None
 
+    @property
+    def supports_lora_adapters(self) -> bool:
+        """True when LoRA adapters sync unmerged (vLLM started with LoRA); trainers merge them otherwise."""
+        return self.model_config.lora_rank > 0
+
     # ------------------------------------------------------------------ construction
     def _resolve_executor(self) -> str:
         executor, mode = self.options.executor, self.config.mode
         if executor == "auto":
             executor = "server" if mode == "async" else "external_launcher" if _distributed() else "inprocess"
         if (executor == "server") != (mode == "async"):
-            raise ValueError(f"rollout.mode={mode!r} with vllm executor {executor!r}: async mode runs the server "
-                             "executor and sync mode any other")
+            raise ValueError(
+                f"rollout.mode={mode!r} with vllm executor {executor!r}: async mode runs the server "
+                "executor and sync mode any other"
+            )
         if executor == "external_launcher" and not _distributed():
-            raise ValueError("the external_launcher executor runs under torchrun with torch.distributed "
-                             "initialised: launch with torchrun or use executor=inprocess")
+            raise ValueError(
+                "the external_launcher executor runs under torchrun with torch.distributed "
+                "initialised: launch with torchrun or use executor=inprocess"
+            )
         return executor
 
     def _resolve_transport(self) -> str:
@@ -136,31 +177,46 @@ class VLLMRollout(BaseRollout):
         if kind == "auto":
             kind = "inprocess" if local else "cuda_ipc" if self.device.type == "cuda" else "shm"
         if kind == "inprocess" and not local:
-            raise ValueError(f"transport=inprocess needs the vLLM worker in this process, but executor="
-                             f"{self.executor!r} runs it in another: use shm (CPU) or cuda_ipc (GPU)")
+            raise ValueError(
+                f"transport=inprocess needs the vLLM worker in this process, but executor="
+                f"{self.executor!r} runs it in another: use shm (CPU) or cuda_ipc (GPU)"
+            )
         return kind
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments of vLLM's ``LLM`` / ``AsyncEngineArgs`` for this config."""
         cfg = self.config
         kwargs: dict[str, Any] = dict(
-            model=self.model_config.path, dtype=cfg.dtype, tensor_parallel_size=cfg.tensor_model_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+            model=self.model_config.path,
+            dtype=self.dtype,
+            tensor_parallel_size=cfg.tensor_model_parallel_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len or cfg.prompt_length + cfg.response_length,
-            enable_prefix_caching=cfg.enable_prefix_caching, load_format=cfg.load_format, seed=cfg.seed,
-            skip_tokenizer_init=True, trust_remote_code=self.model_config.trust_remote_code,
-            worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",
-            enable_sleep_mode=self.sleep_enabled)
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            load_format=cfg.load_format,
+            seed=cfg.seed,
+            skip_tokenizer_init=True,
+            trust_remote_code=self.model_config.trust_remote_code,
+            worker_extension_cls=EXTENSION,
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.sleep_enabled,
+        )
         if self.model_config.lora_rank > 0:
             kwargs.update(enable_lora=True, max_lora_rank=self.model_config.lora_rank, max_loras=1)
         if self.executor == "external_launcher":
             world = torch.distributed.get_world_size()
             if world % cfg.tensor_model_parallel_size:
-                raise ValueError(f"rollout.tensor_model_parallel_size={cfg.tensor_model_parallel_size} does not "
-                                 f"divide the torchrun world size {world}: choose a divisor of {world}")
-            kwargs.update(distributed_executor_backend="external_launcher",
-                          data_parallel_size=world // cfg.tensor_model_parallel_size)
+                raise ValueError(
+                    f"rollout.tensor_model_parallel_size={cfg.tensor_model_parallel_size} does not "
+                    f"divide the torchrun world size {world}: choose a divisor of {world}"
+                )
+            kwargs.update(
+                distributed_executor_backend="external_launcher",
+                data_parallel_size=world // cfg.tensor_model_parallel_size,
+            )
         kwargs.update(cfg.engine_kwargs)
         return kwargs
 
@@ -170,15 +226,24 @@ class VLLMRollout(BaseRollout):
         from vllm.sampling_params import RequestOutputKind
 
         # FINAL_ONLY: one output per request holding all n samples (the async engine otherwise streams them).
-        return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                              top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_new_tokens,
-                              stop_token_ids=sorted(set(sampling.stop_token_ids) | set(self.eos_ids)),
-                              seed=sampling.seed, logprobs=0)
+        return SamplingParams(
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=sorted(set(sampling.stop_token_ids) | set(self.eos_ids)),
+            seed=sampling.seed,
+            logprobs=0,
+        )
 
     def _check_ready(self) -> None:
         if self._weights_error is not None:
-            raise WeightSyncError(f"the rollout has no valid weights: {self._weights_error}; call update_weights "
-                                  "with the full model before generating")
+            raise WeightSyncError(
+                f"the rollout has no valid weights: {self._weights_error}; call update_weights "
+                "with the full model before generating"
+            )
         if self._asleep:
             self.wake_up()
 
@@ -187,11 +252,14 @@ class VLLMRollout(BaseRollout):
         outputs = self.engine.generate(prompts, self.sampling_params(sampling), self._lora_request)
         return [s for i, out in enumerate(outputs) for s in self._samples(i, out)]
 
-    async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingConfig,
-                        prompt_index: int = 0) -> list[RolloutSample]:
+    async def agenerate(
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, prompt_index: int = 0
+    ) -> list[RolloutSample]:
         """One prompt's ``sampling.n`` samples, awaitable from any event loop (server executor only)."""
         if not isinstance(self.engine, AsyncFront):
-            raise ValueError(f"agenerate needs rollout.mode=async (the server executor), not {self.executor!r}")
+            raise ValueError(
+                f"agenerate needs rollout.mode=async (the server executor), not {self.executor!r}"
+            )
         self._check_ready()
         out = await self.engine.submit(prompt_ids, self.sampling_params(sampling), self._lora_request)
         return self._samples(prompt_index, out)
@@ -202,18 +270,32 @@ class VLLMRollout(BaseRollout):
         for comp in sorted(out.outputs, key=lambda c: c.index):
             ids = list(comp.token_ids)
             lps = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(ids)], dtype=torch.float32)
-            samples.append(RolloutSample(prompt_index=index, prompt_ids=list(out.prompt_token_ids), response_ids=ids,
-                                         log_probs=lps, finish_reason=str(comp.finish_reason or "length")))
+            samples.append(
+                RolloutSample(
+                    prompt_index=index,
+                    prompt_ids=list(out.prompt_token_ids),
+                    response_ids=ids,
+                    log_probs=lps,
+                    finish_reason=str(comp.finish_reason or "length"),
+                )
+            )
         return samples
 
     # ------------------------------------------------------------------ weight sync
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, peft_config: dict[str, Any] | None = None,
-                       base_sync_done: bool = False) -> SyncReport:
+    def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        peft_config: dict[str, Any] | None = None,
+        base_sync_done: bool = False,
+    ) -> SyncReport:
         """Sync the base weights, or (``peft_config`` and ``base_sync_done``) the LoRA adapter only."""
         kind = "lora" if peft_config is not None and base_sync_done else "base"
         if kind == "lora" and not self._base_synced:
-            raise ValueError("a LoRA adapter sync (base_sync_done=True) came before any base sync: call "
-                             "update_weights(base weights, base_sync_done=False) first")
+            raise ValueError(
+                "a LoRA adapter sync (base_sync_done=True) came before any base sync: call "
+                "update_weights(base weights, base_sync_done=False) first"
+            )
         if kind == "lora" and self.model_config.lora_rank <= 0:
             raise ValueError("a LoRA adapter sync needs model.lora_rank > 0 so vLLM starts with LoRA enabled")
         if "weights" in self._asleep:
@@ -222,12 +304,14 @@ class VLLMRollout(BaseRollout):
         with pause:
             return self._sync(kind, weights, peft_config)
 
-    def _sync(self, kind: str, weights: Iterable[tuple[str, torch.Tensor]],
-              peft_config: dict[str, Any] | None) -> SyncReport:
+    def _sync(
+        self, kind: str, weights: Iterable[tuple[str, torch.Tensor]], peft_config: dict[str, Any] | None
+    ) -> SyncReport:
         start = time.perf_counter()
         transport = self.transport
-        sender = BucketSender(transport, transport.buffer.numel(), dtype=DTYPES[self.config.dtype],
-                              buffer=transport.buffer)
+        sender = BucketSender(
+            transport, transport.buffer.numel(), dtype=DTYPES[self.dtype], buffer=transport.buffer
+        )
         lora = (self.options.lora_name, self.options.lora_int_id) if kind == "lora" else None
         try:
             self.engine.collective_rpc("ws_begin", kind, jsonable(peft_config), lora)
@@ -235,7 +319,10 @@ class VLLMRollout(BaseRollout):
             results = self.engine.collective_rpc("ws_finish")
         except Exception as exc:
             self._weights_error = f"the last weight sync failed ({type(exc).__name__}: {exc})"
-            self.engine.collective_rpc("ws_abort")
+            try:
+                self.engine.collective_rpc("ws_abort")
+            except Exception as abort_exc:  # the engine may be gone; the sync's own error is the one to raise
+                exc.add_note(f"aborting the sync on the vLLM workers failed too: {abort_exc}")
             if isinstance(exc, (WeightSyncError, ValueError)):
                 raise
             raise WeightSyncError(f"weight sync failed on the vLLM side: {exc}") from exc
@@ -245,8 +332,10 @@ class VLLMRollout(BaseRollout):
             raise WeightSyncError(f"sent {report.num_tensors} tensors but workers loaded {bad}")
         if not self.engine.reset_prefix_cache():
             self._weights_error = "the prefix cache could not be reset after the sync"
-            raise WeightSyncError("vLLM refused to reset its prefix cache after the sync (requests still running?): "
-                                  "cached KV blocks would be served from the old weights")
+            raise WeightSyncError(
+                "vLLM refused to reset its prefix cache after the sync (requests still running?): "
+                "cached KV blocks would be served from the old weights"
+            )
         if kind == "lora":
             from vllm.lora.request import LoRARequest
 
@@ -264,8 +353,12 @@ class VLLMRollout(BaseRollout):
         if self._transport is None:
             bucket = self.config.update_weights_bucket_megabytes << 20
             device = self.device if self.transport_kind != "shm" else torch.device("cpu")
-            self._transport = RpcBucketTransport(self.transport_kind, bucket, device,
-                                                 lambda payload: self.engine.collective_rpc("ws_load_bucket", payload))
+            self._transport = RpcBucketTransport(
+                self.transport_kind,
+                bucket,
+                device,
+                lambda payload: self.engine.collective_rpc("ws_load_bucket", payload),
+            )
         return self._transport
 
     # ------------------------------------------------------------------ memory
@@ -292,5 +385,6 @@ class VLLMRollout(BaseRollout):
         if self._transport is not None:
             self._transport.close()
             self._transport = None
-        self.engine.shutdown()
-
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None

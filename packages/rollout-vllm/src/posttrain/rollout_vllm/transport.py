@@ -46,9 +46,13 @@ class RpcBucketTransport:
             raise ValueError(f"weight-sync transport {kind!r} is unknown: use one of {', '.join(TRANSPORTS)}")
         device = torch.device(device)
         if kind == "cuda_ipc" and device.type != "cuda":
-            raise ValueError(f"the cuda_ipc transport needs a CUDA buffer device, got {device}: use shm on CPU")
+            raise ValueError(
+                f"the cuda_ipc transport needs a CUDA buffer device, got {device}: use shm on CPU"
+            )
         if kind == "shm" and device.type != "cpu":
-            raise ValueError(f"the shm transport needs a CPU buffer device, got {device}: use cuda_ipc on GPU")
+            raise ValueError(
+                f"the shm transport needs a CPU buffer device, got {device}: use cuda_ipc on GPU"
+            )
         self.kind, self.send_payload = kind, send
         self._shm: shared_memory.SharedMemory | None = None
         self._handle: Any = None
@@ -69,8 +73,17 @@ class RpcBucketTransport:
             return
         if self.kind == "cuda_ipc":
             torch.cuda.current_stream(self.buffer.device).synchronize()
-        self.send_payload(pickle.dumps({"kind": self.kind, "handle": self._handle, "metas": bucket.metas,
-                                        "index": bucket.index, "is_last": bucket.is_last}))
+        self.send_payload(
+            pickle.dumps(
+                {
+                    "kind": self.kind,
+                    "handle": self._handle,
+                    "metas": bucket.metas,
+                    "index": bucket.index,
+                    "is_last": bucket.is_last,
+                }
+            )
+        )
 
     def close(self) -> None:
         """Free the buffer (unlinks the shared-memory segment)."""
@@ -93,12 +106,15 @@ class BucketOpener:
         if isinstance(payload, Bucket):
             return payload
         if not isinstance(payload, bytes):
-            raise TypeError(f"weight-sync payload must be a Bucket or pickled bytes, got {type(payload).__name__}")
+            raise TypeError(
+                f"weight-sync payload must be a Bucket or pickled bytes, got {type(payload).__name__}"
+            )
         msg = pickle.loads(payload)
         return Bucket(self._buffer(msg["kind"], msg["handle"]), msg["metas"], msg["index"], msg["is_last"])
 
     def _buffer(self, kind: str, handle: Any) -> torch.Tensor:
-        key = (kind, handle if kind == "shm" else handle[7])  # the IPC memory handle bytes identify the buffer
+        # A segment is named by its path; a CUDA buffer by its IPC memory handle (bytes, field 7).
+        key = (kind, handle if kind == "shm" else handle[7])
         if key not in self._buffers:
             if kind == "shm":
                 self._buffers[key] = self._map_segment(handle)
@@ -115,8 +131,10 @@ class BucketOpener:
         # segment with this process's resource tracker, which then reports it leaked (and unlinks it) at exit.
         path = os.path.join("/dev/shm", name.lstrip("/"))
         if not os.path.exists(path):
-            raise FileNotFoundError(f"weight-sync shared-memory segment {path} does not exist (the trainer must "
-                                    "run on the same host and keep the segment until the sync ends)")
+            raise FileNotFoundError(
+                f"weight-sync shared-memory segment {path} does not exist (the trainer must "
+                "run on the same host and keep the segment until the sync ends)"
+            )
         with open(path, "r+b") as f:
             segment = mmap.mmap(f.fileno(), 0)
         self._maps.append(segment)

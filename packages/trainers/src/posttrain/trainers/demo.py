@@ -1,12 +1,16 @@
 """``posttrain demo``: the whole pipeline on a CPU in minutes, with nothing downloaded.
 
 1. ``posttrain model init --size tiny``: a random 0.35 M-parameter Qwen2 and a byte-level BPE chat tokenizer.
-2. ``posttrain data synthetic``: single-digit additions ("What is 3 + 5?" -> "3 + 5 = 8\\n#### 8").
-3. SFT with the FSDP2 engine until the model has learnt the answer format and gets some sums right.
+2. ``posttrain data synthetic --task largest``: "Which is the largest of 3, 8, 5?" -> "The largest is 8.\\n#### 8",
+   800 training triples and 100 held-out ones.
+3. SFT with the FSDP2 engine, stopped early on purpose: the model has the format and about half the answers.
 4. GRPO with the FSDP2 engine and the HF rollout: 8 samples per prompt, rule reward 1 for the right number after
    ``####``, KL loss to the SFT model. Weights are synced into the rollout after every step (checksummed).
-5. The test-set reward (greedy, exact match) of the SFT model and of the GRPO model, a checkpoint,
-   ``metrics.jsonl`` and ``metrics.png`` for both stages.
+5. The test-set reward (greedy, exact match on the held-out triples) of the SFT model and of the GRPO model, a
+   checkpoint, ``metrics.jsonl`` and ``metrics.png`` for both stages.
+
+Why this task: a 0.35 M-parameter model memorises arithmetic facts rather than learning addition, so RL gains on
+training sums do not reach unseen sums; "largest of three" it learns as a rule, so they do.
 
 Every knob is a ``key=value`` override of :class:`DemoConfig`, e.g. ``posttrain demo grpo_steps=40``.
 """
@@ -24,7 +28,7 @@ from posttrain.core.config.loader import ConfigError, merge_config
 
 from . import main_ppo, sft
 from .data.convert import write_parquet
-from .data.synthetic import arithmetic_rows
+from .data.synthetic import largest_rows
 from .model_init import init_model
 
 
@@ -34,16 +38,16 @@ class DemoConfig:
 
     out_dir: str = "outputs/demo"
     """Everything goes here: model/, data/, sft/, grpo/."""
-    digits: int = 1
-    """Digits per operand of the synthetic additions (1: 100 distinct sums, learnable in minutes)."""
-    num_train: int = 80
-    """Training questions (the rest of the 100 single-digit sums are the test set)."""
-    num_test: int = 20
+    num_train: int = 800
+    """Training questions."""
+    num_test: int = 100
     """Test questions, never seen in training."""
-    sft_steps: int = 60
+    sft_steps: int = 100
     """SFT optimizer steps (16 conversations each)."""
-    grpo_steps: int = 15
-    """GRPO steps (8 prompts x 8 samples each)."""
+    grpo_steps: int = 40
+    """GRPO steps (16 prompts x 8 samples each, two optimizer steps of 8 prompts)."""
+    grpo_lr: float = 2e-4
+    """GRPO learning rate."""
     seed: int = 0
     """Seed of the model init and the data."""
 
@@ -58,7 +62,7 @@ def run(cfg: DemoConfig) -> dict[str, float]:
     out = Path(cfg.out_dir)
     start = time.perf_counter()
     model = init_model(out / "model", size="tiny", seed=cfg.seed)
-    splits = arithmetic_rows(cfg.num_train, cfg.num_test, digits=cfg.digits, seed=cfg.seed)
+    splits = largest_rows(cfg.num_train, cfg.num_test, seed=cfg.seed)
     train, test = (write_parquet(splits[s], out / "data" / f"{s}.parquet") for s in ("train", "test"))
     print(f"[demo] model {model}, data {train.parent} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
     data = [f"data.train_files=[{train}]", f"data.val_files=[{test}]", "trainer.resume_mode=disable"]
@@ -68,11 +72,13 @@ def run(cfg: DemoConfig) -> dict[str, float]:
     sft_model = out / "sft" / f"global_step_{cfg.sft_steps}" / "actor" / "huggingface"
     print(f"[demo] SFT done, model at {sft_model} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
     main_ppo.run(["--config", "grpo_tiny", f"model.path={sft_model}", *data, "trainer.val_before_train=true",
-                  f"trainer.total_training_steps={cfg.grpo_steps}", f"trainer.default_local_dir={out / 'grpo'}"],
+                  f"trainer.total_training_steps={cfg.grpo_steps}", f"trainer.default_local_dir={out / 'grpo'}",
+                  "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", f"actor.optim.lr={cfg.grpo_lr}",
+                  "trainer.test_freq=10"],
                  "grpo")
     before, after = _last(out / "grpo" / "metrics.jsonl", "val/reward/mean")
     result = {"test_reward_sft": before, "test_reward_grpo": after, "seconds": time.perf_counter() - start}
-    print(f"\n[demo] test-set reward (greedy, {cfg.num_test} unseen sums): SFT model {before:.3f} -> "
+    print(f"\n[demo] test-set reward (greedy, {cfg.num_test} held-out questions): SFT model {before:.3f} -> "
           f"GRPO model {after:.3f}\n[demo] curves: {out / 'sft' / 'metrics.png'}, {out / 'grpo' / 'metrics.png'}; "
           f"checkpoint: {out / 'grpo' / f'global_step_{cfg.grpo_steps}'}; {result['seconds']:.0f}s in total")
     return result

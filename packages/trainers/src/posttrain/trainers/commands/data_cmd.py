@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..data.convert import convert, read_records, write_parquet
-from ..data.synthetic import TASKS, arithmetic_rows
+from ..data.synthetic import TASKS, synthetic_rows
 
 
 def parser() -> argparse.ArgumentParser:
@@ -20,7 +20,7 @@ def parser() -> argparse.ArgumentParser:
     syn.add_argument("--out", required=True, help="output directory")
     syn.add_argument("--num-train", type=int, default=2000)
     syn.add_argument("--num-test", type=int, default=200)
-    syn.add_argument("--digits", type=int, default=2, help="digits per operand")
+    syn.add_argument("--digits", type=int, default=2, help="digits per operand (arithmetic)")
     syn.add_argument("--seed", type=int, default=0)
     for name in ("gsm8k", "math"):
         conv = sub.add_parser(name, help=f"convert a local {name} parquet/jsonl -> OUT/<split>.parquet")
@@ -41,7 +41,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(list(argv))
     out = Path(args.out)
     if args.action == "synthetic":
-        splits = arithmetic_rows(args.num_train, args.num_test, digits=args.digits, seed=args.seed)
+        splits = synthetic_rows(args.task, args.num_train, args.num_test, digits=args.digits, seed=args.seed)
         for split, rows in splits.items():
             print(f"wrote {len(rows)} rows to {write_parquet(rows, out / f'{split}.parquet')}")
         return 0

@@ -1,5 +1,9 @@
 """Synthetic tasks a tiny model can learn in minutes on a CPU, in the SFT and RL column layouts.
 
+``largest``: "Which is the largest of a, b, c?" over single digits (1,000 ordered triples); the answer names
+it and ends with ``#### <max>``. A tiny model learns the comparison as a rule, so held-out triples score like
+training ones: the demo's task, where RL gains on the training prompts show up on the test set.
+
 ``arithmetic``: "What is a + b?" with ``digits``-digit operands; the answer restates the sum and ends with
 ``#### <sum>`` (the GSM8K convention the rule reward reads). Each row carries both layouts: ``messages`` (a
 user/assistant chat for SFT) and verl's RL columns ``data_source``, ``prompt`` (the user turn as a chat list),
@@ -15,7 +19,9 @@ from typing import Any
 
 DATA_SOURCE = "synthetic_arithmetic"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-TASKS = ("arithmetic",)
+LARGEST_SOURCE = "synthetic_largest"
+LARGEST_INSTRUCTION = 'Output the final answer after "####".'
+TASKS = ("arithmetic", "largest")
 
 
 def arithmetic_example(a: int, b: int) -> tuple[str, str, str]:
@@ -85,6 +91,32 @@ def arithmetic_rows(
             )
         )
     return out
+
+
+def largest_rows(num_train: int, num_test: int, *, seed: int = 0) -> dict[str, list[dict]]:
+    """``{"train": rows, "test": rows}`` of distinct digit triples (the test triples never appear in training)."""
+    if num_train + num_test > 1000:
+        raise ValueError(f"num_train + num_test = {num_train + num_test} exceeds the 1000 digit triples: lower them")
+    triples = [(a, b, c) for a in range(10) for b in range(10) for c in range(10)]
+    random.Random(seed).shuffle(triples)
+    out: dict[str, list[dict]] = {"train": [], "test": []}
+    for i, t in enumerate(triples[: num_train + num_test]):
+        split = "train" if i < num_train else "test"
+        m = max(t)
+        question = f"Which is the largest of {t[0]}, {t[1]}, {t[2]}?"
+        out[split].append(make_row(question, f"The largest is {m}.\n#### {m}", str(m), data_source=LARGEST_SOURCE,
+                                   ability="logic", instruction=LARGEST_INSTRUCTION, split=split,
+                                   index=len(out[split])))
+    return out
+
+
+def synthetic_rows(task: str, num_train: int, num_test: int, *, digits: int = 2, seed: int = 0) -> dict[str, list[dict]]:
+    """Rows of ``task`` (one of :data:`TASKS`)."""
+    if task == "largest":
+        return largest_rows(num_train, num_test, seed=seed)
+    if task == "arithmetic":
+        return arithmetic_rows(num_train, num_test, digits=digits, seed=seed)
+    raise ValueError(f"synthetic task {task!r} is unknown: choose one of {', '.join(TASKS)}")
 
 
 def tokenizer_corpus(num_lines: int = 4000, seed: int = 0) -> Iterator[str]:
