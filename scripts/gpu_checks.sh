@@ -13,14 +13,16 @@ nvidia-smi -L | tee "$out/gpus.txt"
 git rev-parse --short HEAD 2>/dev/null | tee "$out/commit.txt" || true
 case "${1:-tests}" in
   tests)
-    timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider \
-      packages/engine-fsdp/tests packages/ckpt/tests packages/rollout-hf/tests packages/trainers/tests \
-      packages/rollout-vllm/tests/test_transport.py 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
+    # one pytest per package: each tests/ folder has its own conftest module
+    for t in engine-fsdp/tests ckpt/tests rollout-hf/tests trainers/tests rollout-vllm/tests/test_transport.py \
+             engine-megatron/tests; do
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "packages/$t" 2>&1 | tail -15
+    done 2>&1 | tee "$out/gpu_tests.log" ;;
   train)
     timeout 560 python3 bench/train_throughput.py --gpus 1,2 --out "$out/train.json" 2>&1 | tee "$out/train.log" | tail -40 ;;
   sync)
-    timeout 200 python3 bench/weight_sync.py --json "$out/ws1.json" 2>&1 | tee "$out/ws1.log" | tail -20
-    timeout 200 python3 bench/weight_sync.py --gpus 2 --json "$out/ws2.json" 2>&1 | tee "$out/ws2.log" | tail -20 ;;
+    timeout 200 python3 bench/weight_sync.py --bucket-mb 2048 --json "$out/ws1.json" 2>&1 | tee "$out/ws1.log" | tail -20
+    timeout 200 python3 bench/weight_sync.py --gpus 2 --bucket-mb 2048 --json "$out/ws2.json" 2>&1 | tee "$out/ws2.log" | tail -20 ;;
   ckpt)
     timeout 500 python3 bench/ckpt_throughput.py --dir /tmp/ckpt-bench --json "$out/ckpt.json" 2>&1 | tee "$out/ckpt.log" | tail -30 ;;
   *) echo "usage: gpu_checks.sh tests|train|sync|ckpt" >&2; exit 2 ;;

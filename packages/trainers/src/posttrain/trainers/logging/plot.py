@@ -1,6 +1,7 @@
 """A PNG of the training curves from ``metrics.jsonl``: one panel per metric family, drawn with Agg.
 
-Panels: losses (every ``*/loss`` key in one panel), gradient norm, learning rate, throughput, and any other
+Panels: reward (training ``reward/mean`` and ``val/reward/mean``, RL runs only), losses (every ``*/loss`` key in one
+panel), gradient norm, learning rate, throughput, and any other
 ``train/``, ``val/`` or ``critic/`` / ``actor/`` keys asked for. It uses ``matplotlib.figure.Figure`` with the Agg
 canvas directly, so it never touches pyplot's global backend or needs a display.
 """
@@ -12,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 DEFAULT_PANELS = (
+    ("reward", ("reward/mean",)),
     ("loss", ("/loss",)),
     ("grad norm", ("grad_norm",)),
     ("learning rate", ("/lr",)),
