@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of every package, for the lent GPU machine (or any CUDA box with torch, transformers, peft):
 #   bash scripts/fetch_megatron_wheels.sh              # once, here: wheels into .whl/
+#   uv build --all-packages --wheel --out-dir .whl     # here: posttrain's own wheels (entry points for the registry)
 #   bash scripts/gpu_checks.sh tests|train|sync|ckpt   # there, with .whl carried; results under $OUT (or ./gpu-out)
 # Each part is short enough for one 10-minute call. Results are JSON/log files; BENCHMARKS.md records them.
 set -uo pipefail
@@ -8,6 +9,7 @@ cd "$(dirname "$0")/.."
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
 eval "$(bash scripts/install_megatron_wheels.sh)"
+export PYTHONPATH=/tmp/site  # the installed wheels carry the entry-point metadata the registries read
 export PYTHONUNBUFFERED=1
 nvidia-smi -L | tee "$out/gpus.txt"
 git rev-parse --short HEAD 2>/dev/null | tee "$out/commit.txt" || true

@@ -35,7 +35,8 @@ def assets(tmp_path_factory):
 
 def grpo_args(assets, run_dir: Path, *extra: str) -> list[str]:
     return [
-        "--config", "grpo_tiny",
+        "--config",
+        "grpo_tiny",
         f"model.path={assets['model']}",
         f"data.train_files=[{assets['train']}]",
         f"data.val_files=[{assets['test']}]",
@@ -62,9 +63,22 @@ def reference(assets):
 def test_grpo_logs_every_phase(reference):
     rows = read_metrics(reference / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    for key in ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
-                "actor/pg_clipfrac", "actor/grad_norm", "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref",
-                "timing_s/adv", "timing_s/update_actor", "timing_s/update_weights", "perf/tokens_per_s"):
+    for key in (
+        "reward/mean",
+        "response_length/mean",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy",
+        "actor/pg_clipfrac",
+        "actor/grad_norm",
+        "timing_s/gen",
+        "timing_s/old_log_prob",
+        "timing_s/ref",
+        "timing_s/adv",
+        "timing_s/update_actor",
+        "timing_s/update_weights",
+        "perf/tokens_per_s",
+    ):
         assert key in rows[-1], key
     assert "val/reward/mean" in rows[-1]
     # the actor moved away from the reference, so the KL loss is positive once it has been updated
@@ -72,8 +86,15 @@ def test_grpo_logs_every_phase(reference):
 
 
 def test_resume_is_bitwise_identical(assets, reference, tmp_path):
-    run(grpo_args(assets, tmp_path, f"trainer.resume_mode=resume_path",
-                  f"trainer.resume_from_path={reference / 'global_step_2'}"), "grpo")
+    run(
+        grpo_args(
+            assets,
+            tmp_path,
+            "trainer.resume_mode=resume_path",
+            f"trainer.resume_from_path={reference / 'global_step_2'}",
+        ),
+        "grpo",
+    )
     ref_rows = {r["step"]: r for r in read_metrics(reference / "metrics.jsonl")}
     new_rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in new_rows] == [3, 4]
@@ -93,27 +114,35 @@ def _greedy(model, prompt: list[int], steps: int, eos: int) -> list[int]:
             ids.append(nxt)
             if nxt == eos:
                 break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_rollout_after_sync_generates_the_trained_models_greedy_tokens(assets, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    cfg = load_config(grpo_args(assets, tmp_path)[2:] + ["algorithm.adv_estimator=grpo", "actor.optim.lr=0.05"],
-                      ["grpo_tiny"])
+    cfg = load_config(
+        grpo_args(assets, tmp_path)[2:] + ["algorithm.adv_estimator=grpo", "actor.optim.lr=0.05"],
+        ["grpo_tiny"],
+    )
     trainer = RLTrainer(cfg)
     try:
         before = [p.clone() for _, p in trainer.actor.get_per_tensor_param(dtype="float32")[0]]
         trainer.train_step()  # updates the actor and syncs its weights into the rollout
         stream, _ = trainer.actor.get_per_tensor_param(dtype="float32")
         trained = dict(stream)
-        assert any(not torch.equal(b, t) for b, t in zip(before, trained.values())), "the step changed nothing"
+        assert any(not torch.equal(b, t) for b, t in zip(before, trained.values())), (
+            "the step changed nothing"
+        )
         model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)
         missing, unexpected = model.load_state_dict(trained, strict=False)
         assert not unexpected and all("rotary" in k or "lm_head" in k for k in missing)
         prompts = [trainer.train_set[i].ids for i in range(4)]
-        samples = trainer.rollout.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=8,
-                                                                   stop_token_ids=[trainer.tokenizer.eos_token_id]))
+        samples = trainer.rollout.generate(
+            prompts,
+            SamplingConfig(
+                temperature=0.0, max_new_tokens=8, stop_token_ids=[trainer.tokenizer.eos_token_id]
+            ),
+        )
         for prompt, sample in zip(prompts, samples):
             assert sample.response_ids == _greedy(model, prompt, 8, trainer.tokenizer.eos_token_id)
     finally:
@@ -122,10 +151,21 @@ def test_rollout_after_sync_generates_the_trained_models_greedy_tokens(assets, t
 
 @pytest.mark.slow
 def test_ppo_with_critic_runs(assets, tmp_path):
-    metrics = run(grpo_args(assets, tmp_path, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2",
-                            "trainer.save_freq=-1", "critic.ppo_mini_batch_size=2",
-                            "critic.engine.dtype=float32", "critic.engine.use_torch_compile=false",
-                            "critic.engine.max_token_len_per_gpu=4096", "critic.optim.lr=1e-3"), "ppo")
+    metrics = run(
+        grpo_args(
+            assets,
+            tmp_path,
+            "algorithm.adv_estimator=gae",
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=-1",
+            "critic.ppo_mini_batch_size=2",
+            "critic.engine.dtype=float32",
+            "critic.engine.use_torch_compile=false",
+            "critic.engine.max_token_len_per_gpu=4096",
+            "critic.optim.lr=1e-3",
+        ),
+        "ppo",
+    )
     assert "critic/vf_loss" in metrics and "critic/lr" in metrics and metrics["critic/vf_loss"] > 0
 
 
@@ -133,11 +173,24 @@ def test_ppo_with_critic_runs(assets, tmp_path):
 @pytest.mark.slow
 def test_two_process_grpo(assets, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "posttrain.trainers.main_ppo", *grpo_args(assets, tmp_path, "algorithm.adv_estimator=grpo",
-                                                           "trainer.n_gpus_per_node=2",
-                                                           "trainer.total_training_steps=2",
-                                                           "trainer.save_freq=-1")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "posttrain.trainers.main_ppo",
+        *grpo_args(
+            assets,
+            tmp_path,
+            "algorithm.adv_estimator=grpo",
+            "trainer.n_gpus_per_node=2",
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=-1",
+        ),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(tmp_path / "metrics.jsonl")

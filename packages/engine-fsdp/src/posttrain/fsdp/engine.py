@@ -366,7 +366,7 @@ class FSDPEngine(BaseEngine):
         """Delegates to ``posttrain.fsdp.checkpoint.save_fsdp_checkpoint`` (retention is the caller's job)."""
         from .checkpoint import save_fsdp_checkpoint
 
-        save_fsdp_checkpoint(self, local_path, global_step)
+        save_fsdp_checkpoint(self, local_path, global_step, **kwargs)
 
     def load_checkpoint(self, local_path: str, **kwargs: Any) -> None:
         """Delegates to ``posttrain.fsdp.checkpoint.load_fsdp_checkpoint``."""

@@ -66,21 +66,43 @@ def run(cfg: DemoConfig) -> dict[str, float]:
     train, test = (write_parquet(splits[s], out / "data" / f"{s}.parquet") for s in ("train", "test"))
     print(f"[demo] model {model}, data {train.parent} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
     data = [f"data.train_files=[{train}]", f"data.val_files=[{test}]", "trainer.resume_mode=disable"]
-    sft.run(["--config", "sft_tiny", f"model.path={model}", *data, f"trainer.total_training_steps={cfg.sft_steps}",
-             f"trainer.default_local_dir={out / 'sft'}", "trainer.test_freq=-1",
-             "checkpoint.save_contents=[model,optimizer,extra,hf_model]"])
+    sft.run(
+        [
+            "--config",
+            "sft_tiny",
+            f"model.path={model}",
+            *data,
+            f"trainer.total_training_steps={cfg.sft_steps}",
+            f"trainer.default_local_dir={out / 'sft'}",
+            "trainer.test_freq=-1",
+            "checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        ]
+    )
     sft_model = out / "sft" / f"global_step_{cfg.sft_steps}" / "actor" / "huggingface"
     print(f"[demo] SFT done, model at {sft_model} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
-    main_ppo.run(["--config", "grpo_tiny", f"model.path={sft_model}", *data, "trainer.val_before_train=true",
-                  f"trainer.total_training_steps={cfg.grpo_steps}", f"trainer.default_local_dir={out / 'grpo'}",
-                  "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", f"actor.optim.lr={cfg.grpo_lr}",
-                  "trainer.test_freq=10"],
-                 "grpo")
+    main_ppo.run(
+        [
+            "--config",
+            "grpo_tiny",
+            f"model.path={sft_model}",
+            *data,
+            "trainer.val_before_train=true",
+            f"trainer.total_training_steps={cfg.grpo_steps}",
+            f"trainer.default_local_dir={out / 'grpo'}",
+            "data.train_batch_size=16",
+            "actor.ppo_mini_batch_size=8",
+            f"actor.optim.lr={cfg.grpo_lr}",
+            "trainer.test_freq=10",
+        ],
+        "grpo",
+    )
     before, after = _last(out / "grpo" / "metrics.jsonl", "val/reward/mean")
     result = {"test_reward_sft": before, "test_reward_grpo": after, "seconds": time.perf_counter() - start}
-    print(f"\n[demo] test-set reward (greedy, {cfg.num_test} held-out questions): SFT model {before:.3f} -> "
-          f"GRPO model {after:.3f}\n[demo] curves: {out / 'sft' / 'metrics.png'}, {out / 'grpo' / 'metrics.png'}; "
-          f"checkpoint: {out / 'grpo' / f'global_step_{cfg.grpo_steps}'}; {result['seconds']:.0f}s in total")
+    print(
+        f"\n[demo] test-set reward (greedy, {cfg.num_test} held-out questions): SFT model {before:.3f} -> "
+        f"GRPO model {after:.3f}\n[demo] curves: {out / 'sft' / 'metrics.png'}, {out / 'grpo' / 'metrics.png'}; "
+        f"checkpoint: {out / 'grpo' / f'global_step_{cfg.grpo_steps}'}; {result['seconds']:.0f}s in total"
+    )
     return result
 
 

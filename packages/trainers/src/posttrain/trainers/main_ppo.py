@@ -21,7 +21,9 @@ ALGORITHM_DEFAULTS = {"ppo": [], "grpo": ["algorithm.adv_estimator=grpo"]}
 
 
 def parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="RL post-training (PPO / GRPO) with a colocated rollout.")
+    p = argparse.ArgumentParser(
+        prog=prog, description="RL post-training (PPO / GRPO) with a colocated rollout."
+    )
     p.add_argument("--config", action="append", default=[], help="preset name or YAML file (repeatable)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.n=4")
     return p

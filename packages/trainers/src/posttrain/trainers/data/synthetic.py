@@ -96,7 +96,9 @@ def arithmetic_rows(
 def largest_rows(num_train: int, num_test: int, *, seed: int = 0) -> dict[str, list[dict]]:
     """``{"train": rows, "test": rows}`` of distinct digit triples (the test triples never appear in training)."""
     if num_train + num_test > 1000:
-        raise ValueError(f"num_train + num_test = {num_train + num_test} exceeds the 1000 digit triples: lower them")
+        raise ValueError(
+            f"num_train + num_test = {num_train + num_test} exceeds the 1000 digit triples: lower them"
+        )
     triples = [(a, b, c) for a in range(10) for b in range(10) for c in range(10)]
     random.Random(seed).shuffle(triples)
     out: dict[str, list[dict]] = {"train": [], "test": []}
@@ -104,13 +106,24 @@ def largest_rows(num_train: int, num_test: int, *, seed: int = 0) -> dict[str, l
         split = "train" if i < num_train else "test"
         m = max(t)
         question = f"Which is the largest of {t[0]}, {t[1]}, {t[2]}?"
-        out[split].append(make_row(question, f"The largest is {m}.\n#### {m}", str(m), data_source=LARGEST_SOURCE,
-                                   ability="logic", instruction=LARGEST_INSTRUCTION, split=split,
-                                   index=len(out[split])))
+        out[split].append(
+            make_row(
+                question,
+                f"The largest is {m}.\n#### {m}",
+                str(m),
+                data_source=LARGEST_SOURCE,
+                ability="logic",
+                instruction=LARGEST_INSTRUCTION,
+                split=split,
+                index=len(out[split]),
+            )
+        )
     return out
 
 
-def synthetic_rows(task: str, num_train: int, num_test: int, *, digits: int = 2, seed: int = 0) -> dict[str, list[dict]]:
+def synthetic_rows(
+    task: str, num_train: int, num_test: int, *, digits: int = 2, seed: int = 0
+) -> dict[str, list[dict]]:
     """Rows of ``task`` (one of :data:`TASKS`)."""
     if task == "largest":
         return largest_rows(num_train, num_test, seed=seed)

@@ -18,8 +18,9 @@ from posttrain.core.batch import PackedBatch
 from posttrain.core.rollout import RolloutSample
 
 
-def build_batch(samples: Sequence[RolloutSample], scores: Sequence[float], uids: Sequence[int],
-                temperature: float) -> PackedBatch:
+def build_batch(
+    samples: Sequence[RolloutSample], scores: Sequence[float], uids: Sequence[int], temperature: float
+) -> PackedBatch:
     """Pack samples (grouped by prompt) with their scores and group ids."""
     seqs, masks, temps, rollout_lp = [], [], [], []
     for s in samples:
@@ -27,11 +28,15 @@ def build_batch(samples: Sequence[RolloutSample], scores: Sequence[float], uids:
         seqs.append(list(s.prompt_ids) + list(s.response_ids))
         masks.append([0.0] * n_prompt + [1.0] * n_resp)
         temps.append([max(temperature, 1e-6)] * (n_prompt + n_resp))
-        rollout_lp.append(torch.cat([torch.zeros(n_prompt), torch.as_tensor(s.log_probs, dtype=torch.float32)]))
+        rollout_lp.append(
+            torch.cat([torch.zeros(n_prompt), torch.as_tensor(s.log_probs, dtype=torch.float32)])
+        )
     batch = PackedBatch.from_sequences(seqs, masks, {"temperature": temps, "rollout_log_probs": rollout_lp})
     batch.seq_fields["uid"] = torch.as_tensor(list(uids), dtype=torch.long)
     batch.seq_fields["score"] = torch.as_tensor(list(scores), dtype=torch.float32)
-    batch.seq_fields["response_length"] = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    batch.seq_fields["response_length"] = torch.tensor(
+        [len(s.response_ids) for s in samples], dtype=torch.float32
+    )
     return batch
 
 
@@ -44,20 +49,29 @@ def token_level_scores(batch: PackedBatch) -> torch.Tensor:
     return out
 
 
-def mini_batches(batch: PackedBatch, num_prompts_per_mini: int, n: int, dp_size: int,
-                 generator: torch.Generator | None = None) -> list[PackedBatch]:
+def mini_batches(
+    batch: PackedBatch,
+    num_prompts_per_mini: int,
+    n: int,
+    dp_size: int,
+    generator: torch.Generator | None = None,
+) -> list[PackedBatch]:
     """Split this rank's batch into mini-batches of whole prompt groups (shuffled when a generator is given)."""
     per_rank = num_prompts_per_mini * n
     if per_rank % dp_size:
-        raise ValueError(f"actor.ppo_mini_batch_size x rollout.n = {per_rank} sequences do not split over "
-                         f"{dp_size} data-parallel ranks: make it a multiple of {dp_size}")
+        raise ValueError(
+            f"actor.ppo_mini_batch_size x rollout.n = {per_rank} sequences do not split over "
+            f"{dp_size} data-parallel ranks: make it a multiple of {dp_size}"
+        )
     size = per_rank // dp_size
     if batch.num_seqs % size:
-        raise ValueError(f"this rank's {batch.num_seqs} sequences do not split into mini-batches of {size}: make "
-                         "data.train_batch_size a multiple of actor.ppo_mini_batch_size")
+        raise ValueError(
+            f"this rank's {batch.num_seqs} sequences do not split into mini-batches of {size}: make "
+            "data.train_batch_size a multiple of actor.ppo_mini_batch_size"
+        )
     order = list(range(batch.num_seqs))
     if generator is not None:
-        groups = [order[i:i + n] for i in range(0, len(order), n)]
+        groups = [order[i : i + n] for i in range(0, len(order), n)]
         perm = torch.randperm(len(groups), generator=generator).tolist()
         order = [i for g in perm for i in groups[g]]
-    return [batch.select(order[i:i + size]) for i in range(0, len(order), size)]
+    return [batch.select(order[i : i + size]) for i in range(0, len(order), size)]

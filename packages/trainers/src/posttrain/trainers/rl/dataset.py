@@ -36,13 +36,17 @@ class Prompt:
 def _check_reward_column(table: pa.Table, key: str) -> None:
     t = table.schema.field("reward_model").type
     if not (pa.types.is_struct(t) and t.get_field_index("ground_truth") >= 0):
-        raise ValueError(f"{key}: column 'reward_model' has type {t}, expected struct<ground_truth: string, ...>")
+        raise ValueError(
+            f"{key}: column 'reward_model' has type {t}, expected struct<ground_truth: string, ...>"
+        )
 
 
 class PromptDataset:
     """Tokenised prompts with their reward metadata."""
 
-    def __init__(self, files: Sequence[str], tokenizer: Any, config: DataConfig, key: str = "data.train_files"):
+    def __init__(
+        self, files: Sequence[str], tokenizer: Any, config: DataConfig, key: str = "data.train_files"
+    ):
         table = read_tables(files, {config.prompt_key: CHAT, config.reward_fn_key: "string"}, key)
         full = pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
         if "reward_model" not in full.schema.names:
@@ -58,10 +62,14 @@ class PromptDataset:
                 self.dropped += 1
                 continue
             truth = str(row["reward_model"]["ground_truth"])
-            self.items.append(Prompt(list(ids), row[config.reward_fn_key], truth, row.get("extra_info") or {}))
+            self.items.append(
+                Prompt(list(ids), row[config.reward_fn_key], truth, row.get("extra_info") or {})
+            )
         if not self.items:
-            raise ValueError(f"{key}: every prompt is longer than data.max_prompt_length={config.max_prompt_length}"
-                             " tokens: raise it")
+            raise ValueError(
+                f"{key}: every prompt is longer than data.max_prompt_length={config.max_prompt_length}"
+                " tokens: raise it"
+            )
 
     def __len__(self) -> int:
         return len(self.items)

@@ -28,14 +28,18 @@ from ..algorithms.packed import masked_mean
 from .batch import mini_batches, token_level_scores
 
 
-def forward_outputs(engine: BaseEngine, batch: PackedBatch, key: str, adapter_off: bool = False) -> torch.Tensor:
+def forward_outputs(
+    engine: BaseEngine, batch: PackedBatch, key: str, adapter_off: bool = False
+) -> torch.Tensor:
     """(T,) ``model_output[key]`` of a forward-only pass, on the CPU, in batch order."""
     ctx = engine.disable_adapter() if adapter_off else contextlib.nullcontext()
     with engine.eval_mode(), ctx:
         out = engine.infer_batch(batch)
     if not engine.is_mp_src_rank_with_outputs() or "model_output" not in out:
-        raise ValueError("the RL trainer needs outputs on every data-parallel rank; model-parallel layouts "
-                         "(megatron TP/PP > 1) are not supported by the RL loop yet: use model_engine=fsdp2")
+        raise ValueError(
+            "the RL trainer needs outputs on every data-parallel rank; model-parallel layouts "
+            "(megatron TP/PP > 1) are not supported by the RL loop yet: use model_engine=fsdp2"
+        )
     return out["model_output"][key].detach().float().cpu()
 
 
@@ -72,18 +76,34 @@ def compute_values(critic: BaseEngine, batch: PackedBatch) -> None:
     batch.fields["values"] = align_values(raw, batch.cu_seqlens) * batch.loss_mask
 
 
-def compute_advantages(batch: PackedBatch, cfg: AlgorithmConfig, kl_ctrl: FixedKLController | None,
-                       reward_baselines: torch.Tensor | None = None) -> dict[str, float]:
+def compute_advantages(
+    batch: PackedBatch,
+    cfg: AlgorithmConfig,
+    kl_ctrl: FixedKLController | None,
+    reward_baselines: torch.Tensor | None = None,
+) -> dict[str, float]:
     """Scores (+ KL penalty) -> token rewards -> ``fields['advantages']`` and ``fields['returns']``."""
     metrics: dict[str, float] = {}
     rewards = token_level_scores(batch)
     if cfg.use_kl_in_reward:
-        rewards, kl_metrics = apply_kl_penalty(rewards, batch.fields["old_log_probs"], batch.fields["ref_log_probs"],
-                                               batch.loss_mask, batch.cu_seqlens, kl_ctrl, cfg.kl_penalty)
+        rewards, kl_metrics = apply_kl_penalty(
+            rewards,
+            batch.fields["old_log_probs"],
+            batch.fields["ref_log_probs"],
+            batch.loss_mask,
+            batch.cu_seqlens,
+            kl_ctrl,
+            cfg.kl_penalty,
+        )
         metrics.update(kl_metrics)
-    inputs = AdvantageInputs(token_level_rewards=rewards, response_mask=batch.loss_mask,
-                             cu_seqlens=batch.cu_seqlens, index=batch.seq_fields["uid"],
-                             values=batch.fields.get("values"), reward_baselines=reward_baselines)
+    inputs = AdvantageInputs(
+        token_level_rewards=rewards,
+        response_mask=batch.loss_mask,
+        cu_seqlens=batch.cu_seqlens,
+        index=batch.seq_fields["uid"],
+        values=batch.fields.get("values"),
+        reward_baselines=reward_baselines,
+    )
     adv, returns = compute_advantage(inputs, cfg)
     batch.fields["advantages"] = adv.float()
     batch.fields["returns"] = returns.float()
@@ -96,8 +116,18 @@ PARTIAL_SUMS = ("actor/pg_loss", "critic/vf_loss")
 """Loss metrics each micro-batch reports as its share of the mini-batch loss: summed, not averaged."""
 
 
-def update(engine: BaseEngine, batch: PackedBatch, loss_fn: Callable, *, prompts_per_mini: int, n: int,
-           epochs: int, dp_size: int, generator: torch.Generator | None, prefix: str) -> dict[str, float]:
+def update(
+    engine: BaseEngine,
+    batch: PackedBatch,
+    loss_fn: Callable,
+    *,
+    prompts_per_mini: int,
+    n: int,
+    epochs: int,
+    dp_size: int,
+    generator: torch.Generator | None,
+    prefix: str,
+) -> dict[str, float]:
     """``epochs`` passes of optimizer steps over mini-batches; metrics averaged over optimizer steps."""
     per_step: dict[str, list[float]] = {}
     with engine.train_mode():

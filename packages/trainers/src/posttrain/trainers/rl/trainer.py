@@ -66,10 +66,14 @@ class RLTrainer:
         torch.manual_seed(cfg.trainer.seed)
         self.tokenizer = load_tokenizer(cfg)
         self.train_set = PromptDataset(cfg.data.train_files, self.tokenizer, cfg.data)
-        self.val_set = (PromptDataset(cfg.data.val_files, self.tokenizer, cfg.data, key="data.val_files")
-                        if cfg.data.val_files else None)
-        self.sampler = StatefulSampler(len(self.train_set), cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
-                                       seed=cfg.data.seed)
+        self.val_set = (
+            PromptDataset(cfg.data.val_files, self.tokenizer, cfg.data, key="data.val_files")
+            if cfg.data.val_files
+            else None
+        )
+        self.sampler = StatefulSampler(
+            len(self.train_set), cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
+        )
         steps = cfg.trainer.total_training_steps or self.sampler.steps_per_epoch * cfg.trainer.total_epochs
         self.total_steps = steps
         self.use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
@@ -79,7 +83,8 @@ class RLTrainer:
         self.dp_rank = self.actor.get_data_parallel_rank()
         self._check_batch_sizes()
         self.rollout = RolloutRegistry.from_entry_points().get_rollout_cls(cfg.rollout.name)(
-            cfg.rollout, cfg.model.path, device=self.actor.device)
+            cfg.rollout, cfg.model.path, device=self.actor.device
+        )
         self.rewards = RewardManager(cfg.reward)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
         self.actor_loss = make_actor_loss(cfg.actor, loss_scale_factor=float(cfg.rollout.response_length))
@@ -87,10 +92,16 @@ class RLTrainer:
         self.base_synced = False
         self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, cfg.checkpoint)
         self.global_step = self._resume()
-        self.tracker = Tracker(cfg.trainer.logger, local_dir=cfg.trainer.default_local_dir,
-                               project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name,
-                               config=to_dict(cfg), total_steps=self.total_steps, resume_step=self.global_step,
-                               enabled=pdist.rank() == 0)
+        self.tracker = Tracker(
+            cfg.trainer.logger,
+            local_dir=cfg.trainer.default_local_dir,
+            project=cfg.trainer.project_name,
+            experiment=cfg.trainer.experiment_name,
+            config=to_dict(cfg),
+            total_steps=self.total_steps,
+            resume_step=self.global_step,
+            enabled=pdist.rank() == 0,
+        )
         self.sync_weights()
 
     # ------------------------------------------------------------------ set-up
@@ -99,9 +110,14 @@ class RLTrainer:
         optim = optim or self.cfg.actor.optim
         if optim.total_training_steps < 0:
             optim = dataclasses.replace(optim, total_training_steps=self.total_steps)
-        engine = registry.new(model_type, role_cfg.engine.strategy, model_config=model_cfg,
-                              engine_config=role_cfg.engine, optimizer_config=optim,
-                              checkpoint_config=self.cfg.checkpoint)
+        engine = registry.new(
+            model_type,
+            role_cfg.engine.strategy,
+            model_config=model_cfg,
+            engine_config=role_cfg.engine,
+            optimizer_config=optim,
+            checkpoint_config=self.cfg.checkpoint,
+        )
         engine.initialize()
         return engine
 
@@ -114,20 +130,27 @@ class RLTrainer:
             self.ref = self._new_engine("language_model", cfg.ref, cfg.model)
         self.critic = None
         if self.use_critic:
-            critic_model = cfg.critic.model if cfg.critic.model.path else dataclasses.replace(cfg.critic.model,
-                                                                                            path=cfg.model.path)
+            critic_model = (
+                cfg.critic.model
+                if cfg.critic.model.path
+                else dataclasses.replace(cfg.critic.model, path=cfg.model.path)
+            )
             self.critic = self._new_engine("value_model", cfg.critic, critic_model, cfg.critic.optim)
 
     def _check_batch_sizes(self) -> None:
         cfg = self.cfg
         if cfg.data.train_batch_size % self.dp_size:
-            raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} does not split over "
-                             f"{self.dp_size} data-parallel ranks: make it a multiple of {self.dp_size}")
+            raise ValueError(
+                f"data.train_batch_size={cfg.data.train_batch_size} does not split over "
+                f"{self.dp_size} data-parallel ranks: make it a multiple of {self.dp_size}"
+            )
         for role in ("actor", "critic") if self.use_critic else ("actor",):
             mini = getattr(cfg, role).ppo_mini_batch_size
             if cfg.data.train_batch_size % mini:
-                raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
-                                 f"{role}.ppo_mini_batch_size={mini}: both count prompts; make it a multiple")
+                raise ValueError(
+                    f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
+                    f"{role}.ppo_mini_batch_size={mini}: both count prompts; make it a multiple"
+                )
 
     # ------------------------------------------------------------------ checkpoints
     def _resume(self) -> int:
@@ -151,8 +174,10 @@ class RLTrainer:
         self.actor.save_checkpoint(str(staging / "actor"), global_step=step, **kwargs)
         if self.critic is not None:
             self.critic.save_checkpoint(str(staging / "critic"), global_step=step, **kwargs)
-        self.ckpt.save_trainer_state(step, {"global_step": step, "sampler": self.sampler.state_dict(),
-                                            "kl_ctrl": self.kl_ctrl.state_dict()})
+        self.ckpt.save_trainer_state(
+            step,
+            {"global_step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()},
+        )
         return self.ckpt.commit(step)
 
     # ------------------------------------------------------------------ weight sync
@@ -163,24 +188,38 @@ class RLTrainer:
         self.rollout.wake_up(["weights"])
         with self.actor.eval_mode():
             stream, peft_config = self.actor.get_per_tensor_param(
-                base_sync_done=self.base_synced, dtype=self.cfg.rollout.dtype, peft_merge=merge)
-            report = self.rollout.update_weights(stream, peft_config=peft_config, base_sync_done=self.base_synced)
+                base_sync_done=self.base_synced, dtype=self.cfg.rollout.dtype, peft_merge=merge
+            )
+            report = self.rollout.update_weights(
+                stream, peft_config=peft_config, base_sync_done=self.base_synced
+            )
         self.base_synced = peft_config is not None
         self.rollout.wake_up(["kv_cache"])
-        return {"timing_s/update_weights": time.perf_counter() - start, "sync/tensors": report.num_tensors,
-                "sync/megabytes": report.num_bytes / 2**20}
+        return {
+            "timing_s/update_weights": time.perf_counter() - start,
+            "sync/tensors": report.num_tensors,
+            "sync/megabytes": report.num_bytes / 2**20,
+        }
 
     # ------------------------------------------------------------------ generation and rewards
-    def generate(self, prompts: list, validate: bool = False, step: int = 0) -> tuple[list, list[float], list]:
+    def generate(
+        self, prompts: list, validate: bool = False, step: int = 0
+    ) -> tuple[list, list[float], list]:
         """(samples grouped by prompt, scores, data sources)."""
         sampling = self.cfg.rollout.sampling(validate=validate)
         sampling.seed = (self.cfg.trainer.seed * 1_000_003 + step * 7919 + pdist.rank() * 131) % (2**31)
-        sampling.stop_token_ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        sampling.stop_token_ids = (
+            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        )
         samples = self.rollout.generate([p.ids for p in prompts], sampling)
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         owners = [prompts[s.prompt_index] for s in samples]
-        result = self.rewards([p.data_source for p in owners], texts, [p.ground_truth for p in owners],
-                              [p.extra_info for p in owners])
+        result = self.rewards(
+            [p.data_source for p in owners],
+            texts,
+            [p.ground_truth for p in owners],
+            [p.extra_info for p in owners],
+        )
         return samples, result.scores, [p.data_source for p in owners]
 
     def _remax_baselines(self, prompts: list, n: int, step: int) -> torch.Tensor:
@@ -214,21 +253,46 @@ class RLTrainer:
             with timer("values"):
                 phases.compute_values(self.critic, batch)
         with timer("adv"):
-            baselines = (self._remax_baselines(prompts, n, self.global_step)
-                         if cfg.algorithm.adv_estimator == "remax" else None)
+            baselines = (
+                self._remax_baselines(prompts, n, self.global_step)
+                if cfg.algorithm.adv_estimator == "remax"
+                else None
+            )
             metrics.update(phases.compute_advantages(batch, cfg.algorithm, self.kl_ctrl, baselines))
         common = {"n": n, "dp_size": self.dp_size}
         if self.critic is not None:
             with timer("update_critic"):
-                metrics.update(phases.update(self.critic, batch, self.critic_loss, epochs=cfg.critic.ppo_epochs,
-                                             prompts_per_mini=cfg.critic.ppo_mini_batch_size, generator=None,
-                                             prefix="critic", **common))
+                metrics.update(
+                    phases.update(
+                        self.critic,
+                        batch,
+                        self.critic_loss,
+                        epochs=cfg.critic.ppo_epochs,
+                        prompts_per_mini=cfg.critic.ppo_mini_batch_size,
+                        generator=None,
+                        prefix="critic",
+                        **common,
+                    )
+                )
         if self.global_step >= cfg.trainer.critic_warmup:
-            gen = torch.Generator().manual_seed(cfg.trainer.seed + self.global_step) if cfg.actor.shuffle else None
+            gen = (
+                torch.Generator().manual_seed(cfg.trainer.seed + self.global_step)
+                if cfg.actor.shuffle
+                else None
+            )
             with timer("update_actor"):
-                metrics.update(phases.update(self.actor, batch, self.actor_loss, epochs=cfg.actor.ppo_epochs,
-                                             prompts_per_mini=cfg.actor.ppo_mini_batch_size, generator=gen,
-                                             prefix="actor", **common))
+                metrics.update(
+                    phases.update(
+                        self.actor,
+                        batch,
+                        self.actor_loss,
+                        epochs=cfg.actor.ppo_epochs,
+                        prompts_per_mini=cfg.actor.ppo_mini_batch_size,
+                        generator=gen,
+                        prefix="actor",
+                        **common,
+                    )
+                )
             metrics.update(self.sync_weights())
         metrics.update(timer)
         metrics.update(self._batch_metrics(batch, scores, sources, uids, time.perf_counter() - step_start))
@@ -237,9 +301,17 @@ class RLTrainer:
     def _batch_metrics(self, batch, scores, sources, uids, step_s: float) -> dict[str, float]:
         lengths = batch.seq_fields["response_length"]
         out = reward_metrics(scores, sources, uids, prefix="reward")
-        out.update({"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-                    "response_length/clip_ratio": float((lengths >= self.cfg.rollout.response_length).float().mean()),
-                    "perf/step_s": step_s, "perf/tokens": float(batch.num_tokens)})
+        out.update(
+            {
+                "response_length/mean": float(lengths.mean()),
+                "response_length/max": float(lengths.max()),
+                "response_length/clip_ratio": float(
+                    (lengths >= self.cfg.rollout.response_length).float().mean()
+                ),
+                "perf/step_s": step_s,
+                "perf/tokens": float(batch.num_tokens),
+            }
+        )
         return out
 
     def _reduce(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -256,7 +328,7 @@ class RLTrainer:
         """Greedy (rollout.val_temperature) reward over the whole validation set."""
         if self.val_set is None:
             return {}
-        mine = [self.val_set[i] for i in range(len(self.val_set))][self.dp_rank::self.dp_size]
+        mine = [self.val_set[i] for i in range(len(self.val_set))][self.dp_rank :: self.dp_size]
         _, scores, sources = self.generate(mine, validate=True) if mine else ([], [], [])
         total, count = pdist.all_reduce([sum(scores), len(scores)])
         return {"val/reward/mean": total / max(count, 1.0)}
@@ -271,7 +343,9 @@ class RLTrainer:
             metrics = self.train_step()
             self.global_step += 1
             last = self.global_step == self.total_steps
-            if self.val_set is not None and (last or (cfg.test_freq > 0 and self.global_step % cfg.test_freq == 0)):
+            if self.val_set is not None and (
+                last or (cfg.test_freq > 0 and self.global_step % cfg.test_freq == 0)
+            ):
                 metrics.update(self.validate())
             if last or (cfg.save_freq > 0 and self.global_step % cfg.save_freq == 0):
                 self.save_checkpoint(self.global_step)
