@@ -71,6 +71,15 @@ class _EntryPointRegistry:
     def names(self) -> list[str]:
         return sorted(self._targets)
 
+    def _resolve(self, key: str, base: type, missing: str) -> type:
+        """Import ``key``'s target and check it subclasses ``base``; ``missing`` is the error if unknown."""
+        if key not in self._targets:
+            raise ValueError(missing.format(have=", ".join(self.names()) or "none"))
+        cls = _load(self._targets[key])
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise TypeError(f"{self._targets[key]} ({key}) is not a {base.__name__} subclass")
+        return cls
+
 
 class EngineRegistry(_EntryPointRegistry):
     """(model_type, backend, device) -> engine class."""
@@ -80,20 +89,14 @@ class EngineRegistry(_EntryPointRegistry):
 
     def get_engine_cls(self, model_type: str, backend: str, device: str | None = None) -> type:
         device = device or runtime_device()
-        key = f"{model_type}.{backend}.{device}"
-        if key not in self._targets:
-            hint = self.packages.get(backend, f"a package that provides backend {backend!r}")
-            have = ", ".join(self.names()) or "none"
-            raise ValueError(
-                f"no engine for model_type={model_type!r}, backend={backend!r}, device={device!r}. "
-                f"Installed engines: {have}. Install {hint} or choose another backend."
-            )
-        cls = _load(self._targets[key])
         from .engine import BaseEngine
 
-        if not (isinstance(cls, type) and issubclass(cls, BaseEngine)):
-            raise TypeError(f"{self._targets[key]} (engine {key}) is not a BaseEngine subclass")
-        return cls
+        hint = self.packages.get(backend, f"a package that provides backend {backend!r}")
+        missing = (
+            f"no engine for model_type={model_type!r}, backend={backend!r}, device={device!r}. "
+            f"Installed engines: {{have}}. Install {hint} or choose another backend."
+        )
+        return self._resolve(f"{model_type}.{backend}.{device}", BaseEngine, missing)
 
     def new(self, model_type: str, backend: str, *args: Any, device: str | None = None, **kwargs: Any) -> Any:
         return self.get_engine_cls(model_type, backend, device)(*args, **kwargs)
@@ -106,16 +109,11 @@ class RolloutRegistry(_EntryPointRegistry):
     packages = ROLLOUT_PACKAGES
 
     def get_rollout_cls(self, name: str) -> type:
-        if name not in self._targets:
-            hint = self.packages.get(name, f"a package that provides rollout {name!r}")
-            have = ", ".join(self.names()) or "none"
-            raise ValueError(
-                f"no rollout named {name!r}. Installed rollouts: {have}. Install {hint} or set "
-                f"rollout.name to one of those."
-            )
-        cls = _load(self._targets[name])
         from .rollout import BaseRollout
 
-        if not (isinstance(cls, type) and issubclass(cls, BaseRollout)):
-            raise TypeError(f"{self._targets[name]} (rollout {name}) is not a BaseRollout subclass")
-        return cls
+        hint = self.packages.get(name, f"a package that provides rollout {name!r}")
+        missing = (
+            f"no rollout named {name!r}. Installed rollouts: {{have}}. Install {hint} or set "
+            "rollout.name to one of those."
+        )
+        return self._resolve(name, BaseRollout, missing)

@@ -80,7 +80,7 @@ class RolloutConfig:
     """Context length of the rollout engine; None = prompt_length + response_length."""
     enable_prefix_caching: bool = True
     """vLLM prefix cache (reset after every weight sync)."""
-    update_weights_bucket_megabytes: int = 512
+    update_weights_bucket_megabytes: int = 2048
     """Bucket size of the weight-sync protocol."""
     load_format: str = "auto"
     """``dummy`` starts from random weights and relies on the first sync."""

@@ -37,6 +37,7 @@ from .config import PostTrainConfig, load_config
 from .data.sampler import StatefulSampler, rank_slice
 from .data.sft_dataset import SFTDataset
 from .logging import Tracker
+from .loop import StepLoop
 from .perf import peak_flops_per_device, step_flops
 from .resume import resume_point
 
@@ -78,7 +79,7 @@ def build_engine(cfg: PostTrainConfig, optim: OptimizerConfig) -> BaseEngine:
     return engine
 
 
-class SFTTrainer:
+class SFTTrainer(StepLoop):
     """The SFT loop over one engine (the ``actor`` role)."""
 
     def __init__(self, cfg: PostTrainConfig) -> None:
@@ -209,33 +210,6 @@ class SFTTrainer:
         nll, count = pdist.all_reduce([nll, count])
         return {"val/loss": nll / max(count, 1.0)}
 
-    def fit(self) -> dict[str, float]:
-        """Train to ``total_steps``; return the last step's metrics."""
-        cfg = self.cfg.trainer
-        if self.val_set is not None and cfg.val_before_train and self.global_step == 0:
-            self.tracker.log(self.validate(), 0)
-        metrics: dict[str, float] = {}
-        while self.global_step < self.total_steps:
-            metrics = self.train_step()
-            self.global_step += 1
-            last = self.global_step == self.total_steps
-            if self.val_set is not None and (
-                last or (cfg.test_freq > 0 and self.global_step % cfg.test_freq == 0)
-            ):
-                metrics.update(self.validate())
-            if last or (cfg.save_freq > 0 and self.global_step % cfg.save_freq == 0):
-                self.save_checkpoint(self.global_step)
-            self.tracker.log(metrics, self.global_step)
-        return metrics
-
-    def close(self) -> None:
-        self.ckpt.close()
-        png = self.tracker.finish()
-        if png is not None:
-            print(f"curves: {png}", file=sys.stderr)
-        if self.owns_group:
-            torch.distributed.destroy_process_group()
-
 
 def _model_shape(path: str) -> tuple[int, int, int]:
     """(parameters, layers, hidden) of the HF model at ``path`` for the FLOPs count."""
@@ -264,7 +238,9 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     try:
         return trainer.fit()
     finally:
-        trainer.close()
+        png = trainer.close()
+        if png is not None and pdist.rank() == 0:
+            print(f"curves: {png}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from ..algorithms import get_kl_controller, make_actor_loss, make_critic_loss
 from ..config import PostTrainConfig
 from ..data.sampler import StatefulSampler, rank_slice
 from ..logging import Tracker
+from ..loop import StepLoop
 from ..resume import resume_point
 from ..rewards import RewardManager, reward_metrics
 from ..sft import load_tokenizer
@@ -56,7 +57,7 @@ class Timer(dict):
         return _Span()
 
 
-class RLTrainer:
+class RLTrainer(StepLoop):
     """PPO / GRPO over registry-built engines and a registry-built rollout."""
 
     def __init__(self, cfg: PostTrainConfig) -> None:
@@ -333,29 +334,5 @@ class RLTrainer:
         total, count = pdist.all_reduce([sum(scores), len(scores)])
         return {"val/reward/mean": total / max(count, 1.0)}
 
-    def fit(self) -> dict[str, float]:
-        """Train to ``total_steps``; return the last step's metrics (with val/* when validated)."""
-        cfg = self.cfg.trainer
-        metrics: dict[str, float] = {}
-        if self.val_set is not None and cfg.val_before_train and self.global_step == 0:
-            self.tracker.log(self.validate(), 0)
-        while self.global_step < self.total_steps:
-            metrics = self.train_step()
-            self.global_step += 1
-            last = self.global_step == self.total_steps
-            if self.val_set is not None and (
-                last or (cfg.test_freq > 0 and self.global_step % cfg.test_freq == 0)
-            ):
-                metrics.update(self.validate())
-            if last or (cfg.save_freq > 0 and self.global_step % cfg.save_freq == 0):
-                self.save_checkpoint(self.global_step)
-            self.tracker.log(metrics, self.global_step)
-        return metrics
-
-    def close(self) -> Path | None:
-        self.ckpt.close()
+    def release(self) -> None:
         self.rollout.release()
-        png = self.tracker.finish()
-        if self.owns_group:
-            torch.distributed.destroy_process_group()
-        return png

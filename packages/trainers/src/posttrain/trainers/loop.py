@@ -1,0 +1,66 @@
+"""The step loop the SFT and RL trainers share: validation and checkpoint cadence, logging, teardown.
+
+A trainer provides ``train_step()``, ``validate()`` and ``save_checkpoint(step)`` and the attributes set in its
+constructor (``cfg``, ``tracker``, ``ckpt``, ``global_step``, ``total_steps``, ``val_set``, ``owns_group``).
+Validation runs every ``trainer.test_freq`` steps and after the last one (and before the first with
+``trainer.val_before_train``); checkpoints every ``trainer.save_freq`` steps and after the last one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class StepLoop:
+    """``fit()`` and ``close()`` over a trainer's own step, validation and checkpoint methods."""
+
+    cfg: Any
+    tracker: Any
+    ckpt: Any
+    global_step: int
+    total_steps: int
+    val_set: Any
+    owns_group: bool
+
+    def train_step(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def validate(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def save_checkpoint(self, step: int) -> Any:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Free what the trainer holds besides checkpoints and loggers (e.g. a rollout engine)."""
+
+    def fit(self) -> dict[str, float]:
+        """Train to ``total_steps``; return the last step's metrics (with val/* when validated)."""
+        cfg = self.cfg.trainer
+        metrics: dict[str, float] = {}
+        if self.val_set is not None and cfg.val_before_train and self.global_step == 0:
+            self.tracker.log(self.validate(), 0)
+        while self.global_step < self.total_steps:
+            metrics = self.train_step()
+            self.global_step += 1
+            last = self.global_step == self.total_steps
+            if self.val_set is not None and (
+                last or (cfg.test_freq > 0 and self.global_step % cfg.test_freq == 0)
+            ):
+                metrics.update(self.validate())
+            if last or (cfg.save_freq > 0 and self.global_step % cfg.save_freq == 0):
+                self.save_checkpoint(self.global_step)
+            self.tracker.log(metrics, self.global_step)
+        return metrics
+
+    def close(self) -> Path | None:
+        """Wait for checkpoints, release resources, close loggers; return the curves PNG if one was drawn."""
+        self.ckpt.close()
+        self.release()
+        png = self.tracker.finish()
+        if self.owns_group:
+            torch.distributed.destroy_process_group()
+        return png
