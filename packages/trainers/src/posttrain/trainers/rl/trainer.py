@@ -260,7 +260,15 @@ class RLTrainer(StepLoop):
                 else None
             )
             metrics.update(phases.compute_advantages(batch, cfg.algorithm, self.kl_ctrl, baselines))
-        common = {"n": n, "dp_size": self.dp_size}
+        metrics.update(self._update_models(batch, timer))
+        metrics.update(timer)
+        metrics.update(self._batch_metrics(batch, scores, sources, uids, time.perf_counter() - step_start))
+        return self._reduce(metrics)
+
+    def _update_models(self, batch, timer: Timer) -> dict[str, float]:
+        """Critic update, then (after the warmup) actor update and weight sync."""
+        cfg, metrics = self.cfg, {}
+        common = {"n": cfg.rollout.n, "dp_size": self.dp_size}
         if self.critic is not None:
             with timer("update_critic"):
                 metrics.update(
@@ -275,29 +283,26 @@ class RLTrainer(StepLoop):
                         **common,
                     )
                 )
-        if self.global_step >= cfg.trainer.critic_warmup:
-            gen = (
-                torch.Generator().manual_seed(cfg.trainer.seed + self.global_step)
-                if cfg.actor.shuffle
-                else None
-            )
-            with timer("update_actor"):
-                metrics.update(
-                    phases.update(
-                        self.actor,
-                        batch,
-                        self.actor_loss,
-                        epochs=cfg.actor.ppo_epochs,
-                        prompts_per_mini=cfg.actor.ppo_mini_batch_size,
-                        generator=gen,
-                        prefix="actor",
-                        **common,
-                    )
+        if self.global_step < cfg.trainer.critic_warmup:
+            return metrics
+        gen = (
+            torch.Generator().manual_seed(cfg.trainer.seed + self.global_step) if cfg.actor.shuffle else None
+        )
+        with timer("update_actor"):
+            metrics.update(
+                phases.update(
+                    self.actor,
+                    batch,
+                    self.actor_loss,
+                    epochs=cfg.actor.ppo_epochs,
+                    prompts_per_mini=cfg.actor.ppo_mini_batch_size,
+                    generator=gen,
+                    prefix="actor",
+                    **common,
                 )
-            metrics.update(self.sync_weights())
-        metrics.update(timer)
-        metrics.update(self._batch_metrics(batch, scores, sources, uids, time.perf_counter() - step_start))
-        return self._reduce(metrics)
+            )
+        metrics.update(self.sync_weights())
+        return metrics
 
     def _batch_metrics(self, batch, scores, sources, uids, step_s: float) -> dict[str, float]:
         lengths = batch.seq_fields["response_length"]
