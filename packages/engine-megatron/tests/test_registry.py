@@ -1,0 +1,14 @@
+"""The installed posttrain-engine-megatron distribution registers its engines under the names trainers use."""
+
+from posttrain.core import BaseEngine, EngineRegistry
+
+
+def test_entry_points_resolve_to_the_engines(megatron_env):
+    registry = EngineRegistry.from_entry_points()
+    for model_type, name in (
+        ("language_model", "MegatronLanguageModelEngine"),
+        ("value_model", "MegatronValueModelEngine"),
+    ):
+        for device in ("cpu", "cuda"):
+            cls = registry.get_engine_cls(model_type, "megatron", device)
+            assert cls.__name__ == name and issubclass(cls, BaseEngine)
