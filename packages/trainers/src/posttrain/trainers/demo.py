@@ -18,6 +18,7 @@ Every knob is a ``key=value`` override of :class:`DemoConfig`, e.g. ``posttrain 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -61,6 +62,11 @@ def _last(metrics_path: Path, key: str) -> tuple[float | None, float | None]:
 def run(cfg: DemoConfig) -> dict[str, float]:
     out = Path(cfg.out_dir)
     start = time.perf_counter()
+    stale = [out / d for d in ("model", "data", "sft", "grpo") if (out / d).exists()]
+    if stale:
+        print(f"[demo] replacing the previous demo run in {out}", file=sys.stderr)
+        for path in stale:
+            shutil.rmtree(path)
     model = init_model(out / "model", size="tiny", seed=cfg.seed)
     splits = largest_rows(cfg.num_train, cfg.num_test, seed=cfg.seed)
     train, test = (write_parquet(splits[s], out / "data" / f"{s}.parquet") for s in ("train", "test"))
