@@ -34,7 +34,7 @@ def vllm_skip_reason() -> str | None:
     return None
 
 
-def save_tiny_model(path: str | Path, seed: int = 0) -> str:
+def save_tiny_model(path: str | Path, seed: int = 0, tie_word_embeddings: bool = False) -> str:
     """A random tiny Qwen2 (hidden 128, 2 heads of 64, 1 kv head, 2 layers, vocab 256) saved in float32."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -47,7 +47,7 @@ def save_tiny_model(path: str | Path, seed: int = 0) -> str:
         num_key_value_heads=1,
         head_dim=64,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=EOS,
         bos_token_id=EOS - 1,
     )
@@ -64,7 +64,8 @@ def hf_model(path: str, weights: dict[str, torch.Tensor] | None = None) -> Any:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if weights is not None:
         missing, unexpected = model.load_state_dict(weights, strict=False)
-        if unexpected or [m for m in missing if "rotary" not in m]:
+        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+        if unexpected or [m for m in missing if "rotary" not in m and m not in tied]:
             raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
     return model
 

@@ -160,6 +160,7 @@ class WeightSyncWorkerExtension:
         model = self.model_runner.get_model()
         with self._ws_config():
             finalize_layerwise_reload(model, self.model_runner.model_config)
+            self._ws_retie(model)
         missing = sorted(set(self.ws_param_names()) - state["loaded"])
         if missing:
             raise WeightSyncError(
@@ -170,6 +171,18 @@ class WeightSyncWorkerExtension:
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
+
+    def _ws_retie(self, model: Any) -> None:
+        """Tied embeddings: the stream carries ``embed_tokens`` only and the layerwise reload leaves ``lm_head`` on
+        its old weight (on CPU on its old prepacked GEMM too), so point it at the new weight and repack it."""
+        hf_config = self.model_runner.model_config.hf_config
+        lm_head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if not getattr(hf_config, "tie_word_embeddings", False) or lm_head is None or embed is None:
+            return
+        if lm_head.weight is not embed.weight:
+            lm_head.weight = embed.weight
+        lm_head.quant_method.process_weights_after_loading(lm_head)
 
     def _ws_finish_lora(self, state: dict[str, Any]) -> None:
         from safetensors.torch import save_file
