@@ -24,10 +24,9 @@ def two_rank_run(tiny_qwen2, tmp_path_factory):
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",
         "--nproc-per-node",
         "2",
-        "--master-port",
-        str(_port()),
         str(worker),
         tiny_qwen2,
         str(out),
@@ -38,12 +37,6 @@ def two_rank_run(tiny_qwen2, tmp_path_factory):
     for rank in (0, 1):
         results.update(json.loads((out / f"results_rank{rank}.json").read_text()))
     return out, results
-
-
-def _port() -> int:
-    from megatron_cpu import free_port
-
-    return free_port()
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
