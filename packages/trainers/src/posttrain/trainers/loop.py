@@ -13,6 +13,11 @@ from typing import Any
 
 import torch
 
+from posttrain.core.config.loader import to_dict
+
+from . import distributed as pdist
+from .logging import Tracker
+
 
 class StepLoop:
     """``fit()`` and ``close()`` over a trainer's own step, validation and checkpoint methods."""
@@ -33,6 +38,20 @@ class StepLoop:
 
     def save_checkpoint(self, step: int) -> Any:
         raise NotImplementedError
+
+    def make_tracker(self) -> Tracker:
+        """The loggers of ``trainer.logger`` (rank 0 only), continuing at ``global_step`` after a resume."""
+        cfg = self.cfg.trainer
+        return Tracker(
+            cfg.logger,
+            local_dir=cfg.default_local_dir,
+            project=cfg.project_name,
+            experiment=cfg.experiment_name,
+            config=to_dict(self.cfg),
+            total_steps=self.total_steps,
+            resume_step=self.global_step,
+            enabled=pdist.rank() == 0,
+        )
 
     def release(self) -> None:
         """Free what the trainer holds besides checkpoints and loggers (e.g. a rollout engine)."""

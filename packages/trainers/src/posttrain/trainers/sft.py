@@ -30,13 +30,12 @@ import torch
 from posttrain.ckpt import CheckpointManager, load_trainer_state
 from posttrain.core import BaseEngine, EngineRegistry, LossContext, PackedBatch
 from posttrain.core.config import OptimizerConfig
-from posttrain.core.config.loader import ConfigError, to_dict
+from posttrain.core.config.loader import ConfigError
 
 from . import distributed as pdist
 from .config import PostTrainConfig, load_config
 from .data.sampler import StatefulSampler, rank_slice
 from .data.sft_dataset import SFTDataset
-from .logging import Tracker
 from .loop import StepLoop
 from .perf import peak_flops_per_device, step_flops
 from .resume import resume_point
@@ -116,16 +115,7 @@ class SFTTrainer(StepLoop):
         self.global_step = self._resume()
         self.model_shape = _model_shape(cfg.model.path)
         self.peak_flops = peak_flops_per_device(cfg.trainer.peak_tflops)
-        self.tracker = Tracker(
-            cfg.trainer.logger,
-            local_dir=cfg.trainer.default_local_dir,
-            project=cfg.trainer.project_name,
-            experiment=cfg.trainer.experiment_name,
-            config=to_dict(cfg),
-            total_steps=self.total_steps,
-            resume_step=self.global_step,
-            enabled=pdist.rank() == 0,
-        )
+        self.tracker = self.make_tracker()
 
     # ------------------------------------------------------------------ checkpoints
     def _resume(self) -> int:

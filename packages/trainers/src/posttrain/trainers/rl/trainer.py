@@ -25,13 +25,11 @@ import torch
 
 from posttrain.ckpt import CheckpointManager, load_trainer_state
 from posttrain.core import EngineRegistry, RolloutRegistry
-from posttrain.core.config.loader import to_dict
 
 from .. import distributed as pdist
 from ..algorithms import get_kl_controller, make_actor_loss, make_critic_loss
 from ..config import PostTrainConfig
 from ..data.sampler import StatefulSampler, rank_slice
-from ..logging import Tracker
 from ..loop import StepLoop
 from ..resume import resume_point
 from ..rewards import RewardManager, reward_metrics
@@ -93,16 +91,7 @@ class RLTrainer(StepLoop):
         self.base_synced = False
         self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, cfg.checkpoint)
         self.global_step = self._resume()
-        self.tracker = Tracker(
-            cfg.trainer.logger,
-            local_dir=cfg.trainer.default_local_dir,
-            project=cfg.trainer.project_name,
-            experiment=cfg.trainer.experiment_name,
-            config=to_dict(cfg),
-            total_steps=self.total_steps,
-            resume_step=self.global_step,
-            enabled=pdist.rank() == 0,
-        )
+        self.tracker = self.make_tracker()
         self.sync_weights()
 
     # ------------------------------------------------------------------ set-up
