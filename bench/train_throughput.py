@@ -74,7 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-compile", action="store_true", help="engine: do not torch.compile the log-prob chunk"
     )
+    p.add_argument("--compile-layers", action="store_true", help="engine: torch.compile each decoder layer")
     p.add_argument("--entropy", action="store_true", help="engine: also compute the entropy")
+    p.add_argument(
+        "--profile", action="store_true", help="engine: print the top CPU and GPU ops of one extra step"
+    )
     p.add_argument("--chunk", type=int, default=4096, help="engine: tokens per log-prob head chunk")
     p.add_argument(
         "--reshard-after-forward",
@@ -153,6 +157,21 @@ def timed_loop(
     return (time.perf_counter() - t0) / max(1, len(batches) - warmup), batches[warmup:]
 
 
+def print_profile(step: Any, device: torch.device) -> None:
+    """Run ``step`` once under the torch profiler; rank 0 prints the ops with the most CPU and device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    if dist.get_rank() == 0:
+        keys = ["self_cpu_time_total"] + (["self_cuda_time_total"] if device.type == "cuda" else [])
+        for key in keys:
+            table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+            print(table, flush=True)
+
+
 def summarize(
     name: str,
     sec: float,
@@ -202,6 +221,7 @@ def run_engine(
         max_token_len_per_gpu=args.tokens,
         reshard_after_forward=reshard,
         use_torch_compile=not args.no_compile,
+        compile_layers=args.compile_layers,
         entropy_from_logits_chunk_size=args.chunk,
     )
     eng = FSDPLanguageModelEngine(
@@ -230,9 +250,11 @@ def run_engine(
     ]
     with eng.train_mode():
         sec, timed = timed_loop(lambda b: eng.train_batch(b, loss_fn), batches, args.warmup, device)
+        if args.profile:
+            print_profile(lambda: eng.train_batch(batches[-1], loss_fn), device)
     timed_lengths = [b.seqlens for b in timed]
     result = summarize(
-        "engine_packed_varied",
+        "engine_packed_varied" + ("_compiled" if args.compile_layers else ""),
         sec,
         timed_lengths,
         sum(map(sum, timed_lengths)),

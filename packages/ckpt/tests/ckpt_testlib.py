@@ -54,11 +54,13 @@ class Block(torch.nn.Module):
 class TinyLM(torch.nn.Module):
     """A small causal-LM-shaped torch model (no transformers import: fast in subprocesses)."""
 
-    def __init__(self, vocab: int = 256, hidden: int = 64, layers: int = 2) -> None:
+    def __init__(self, vocab: int = 256, hidden: int = 64, layers: int = 2, tie: bool = False) -> None:
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(vocab, hidden)
         self.layers = torch.nn.ModuleList(Block(hidden) for _ in range(layers))
         self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+        if tie:  # one Parameter under two names, as with tie_word_embeddings
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -73,12 +75,14 @@ class TinyLM(torch.nn.Module):
         )
 
 
-def build(model_dir: Path | None = None, mesh: Any | None = None, lr: float = 1e-2) -> tuple[Any, Any, Any]:
-    """Model (TinyLM, or the HF model in ``model_dir``; FSDP2 per layer + root when ``mesh``), AdamW and a
-    warm-up LambdaLR."""
+def build(
+    model_dir: Path | None = None, mesh: Any | None = None, lr: float = 1e-2, tie: bool = False
+) -> tuple[Any, Any, Any]:
+    """Model (TinyLM, tied when ``tie``, or the HF model in ``model_dir``; FSDP2 per layer + root when
+    ``mesh``), AdamW and a warm-up LambdaLR."""
     if model_dir is None:
         torch.manual_seed(0)
-        model = TinyLM()
+        model = TinyLM(tie=tie)
         layers = model.layers
     else:
         from transformers import AutoModelForCausalLM

@@ -1,4 +1,4 @@
-"""Save on 2 gloo ranks (FSDP2), resume on 2 ranks in new processes (bitwise), load on 1 process.
+"""Save on 2 gloo ranks (FSDP2, tied embeddings), resume on 2 ranks in new processes (bitwise), load on 1 process.
 
 Two torchrun launches in all (see ckpt_dist_worker.py); the 1-process checks run in the pytest process.
 """
@@ -47,7 +47,7 @@ def test_save_2_resume_2_bitwise(run_dir: Path) -> None:
 def test_load_on_one_process(run_dir: Path) -> None:
     ref = torch.load(run_dir / "ref_k_rank0.pt", weights_only=False)
     step, path = find_latest(run_dir / "sync")
-    model, opt, sched = build()
+    model, opt, sched = build(tie=True)
     torch.manual_seed(99)
     counters = load_role(
         path / "actor",
@@ -78,4 +78,6 @@ def test_inspect_prints_manifest_and_tensors(run_dir: Path, capsys: pytest.Captu
     assert "latest complete=global_step_2" in out and '"backend": "fsdp2"' in out
     assert "model.layers.0.up_proj.weight  [128, 64]  float32" in out
     assert "optimizer.state.layers.1.down_proj.weight.exp_avg  [64, 128]  float32" in out
-    assert "optimizer.param_groups.lm_head.weight.lr" not in out  # plain values are not tensors
+    assert "optimizer.param_groups.embed_tokens.weight.lr" not in out  # plain values are not tensors
+    assert '"lm_head.weight": "embed_tokens.weight"' in out  # the tied alias, in the manifest
+    assert "model.embed_tokens.weight  [256, 64]" in out and "model.lm_head.weight" not in out

@@ -1,4 +1,5 @@
-"""CUDA paths: async save snapshots device tensors into pinned host buffers; load back onto the device."""
+"""CUDA paths: async save snapshots device tensors into pinned host buffers prepared in the background; load back
+onto the device."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.ckpt import CheckpointManager, RoleInfo, RoleState, load_role, save_role
+from posttrain.ckpt import CheckpointManager, RoleInfo, RoleState, load_role, prepare_role, save_role
 from posttrain.core.config import CheckpointConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -35,15 +36,17 @@ def test_async_save_of_cuda_state(tmp_path: Path) -> None:
     mgr = CheckpointManager(tmp_path, CheckpointConfig(async_save=True))
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     saved_avg = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
-    for step in (1, 2):  # the second save reuses the pinned buffers
+    prepared = prepare_role("actor", RoleState(model=model, optimizer=opt), CONTENTS, mgr.writer)
+    for step in (1, 2):  # both saves reuse the pinned buffers prepared in the background
         staging = mgr.stage(step)
         save_role(
             staging / "actor", RoleState(model=model, optimizer=opt), RoleInfo(), CONTENTS, step, mgr.writer
         )
         mgr.commit(step)
-        if step == 1:
-            bufs = [b for b in mgr.writer.host_buffers.values() if isinstance(b, torch.Tensor)]
-            assert bufs and all(b.is_pinned() for b in bufs)
+        bufs = prepared.result()
+        assert all(mgr.writer.host_buffers[k] is v for k, v in bufs.items())
+        cuda_bufs = [b for k, b in bufs.items() if "step" not in k.rsplit(".", 1)[-1]]
+        assert cuda_bufs and all(b.is_pinned() for b in cuda_bufs)
     for _ in range(3):  # training goes on while step 2 is written
         _step(model, opt)
     mgr.close()

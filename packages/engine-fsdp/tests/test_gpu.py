@@ -51,6 +51,30 @@ def test_bf16_log_probs_close_to_fp32_hf(tmp_path) -> None:
             torch.testing.assert_close(lp[1:], want, atol=5e-2, rtol=0)
 
 
+def test_compiled_layers_equal_eager(tmp_path) -> None:
+    """``compile_layers`` (bf16, varlen attention inside the compiled graph): the same log-probs, losses and
+    updated params as eager up to bf16 rounding, over two packed lengths (one dynamic graph serves both).
+    Params move by ~lr = 1e-4 per Adam step, so 3e-4 bounds a rounding-flipped update, not a wrong one."""
+    path = save_tiny_model(tmp_path / "lm")
+    runs = {}
+    for compiled in (False, True):
+        eng = make_engine(path, dtype="bfloat16", compile_layers=compiled)
+        layers = eng.module.model.layers
+        assert all((getattr(m, "_compiled_call_impl", None) is not None) == compiled for m in layers)
+        batches = [make_batch([40, 200, 9, 130]), make_batch([70, 11])]
+        with eng.train_mode():
+            losses = [eng.train_batch(b, pg_loss)["loss"] for b in batches]
+        with eng.eval_mode():
+            lp = eng.infer_batch(batches[0])["model_output"]["log_probs"]
+        params = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+        runs[compiled] = (losses, lp, params)
+    (l0, lp0, p0), (l1, lp1, p1) = runs[False], runs[True]
+    torch.testing.assert_close(l1, l0, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lp1, lp0, atol=5e-2, rtol=0)
+    for name in p0:
+        torch.testing.assert_close(p1[name], p0[name], atol=3e-4, rtol=0, msg=name)
+
+
 def test_offload_to_host_and_back_is_bit_identical(tmp_path) -> None:
     path = save_tiny_model(tmp_path / "lm")
     eng = make_engine(path, dtype="bfloat16")

@@ -82,6 +82,7 @@ def test_resume_mid_epoch_is_bitwise_identical(assets, reference):
             resumed,
             "trainer.resume_mode=resume_path",
             f"trainer.resume_from_path={reference / 'global_step_4'}",
+            "checkpoint.async_save=true",  # prepared host buffers + background writes: same bits on disk
         )
     )
     ref = {r["step"]: r for r in read_metrics(reference / "metrics.jsonl")}

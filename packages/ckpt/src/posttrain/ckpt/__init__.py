@@ -2,14 +2,15 @@
 
 ``CheckpointManager`` stages, commits (fsync, atomic rename, then the tracker) and retains step directories;
 ``save_role``/``load_role`` write and read one model's DCP shards (keyed by HF names), extra state and HF files;
-``AsyncWriter`` runs the writes of an async save in the background; ``export_hf`` turns a role into an HF model.
+``AsyncWriter`` runs the writes of an async save in the background (``prepare_role`` allocates its host buffers
+ahead of the first save); ``export_hf`` turns a role into an HF model.
 """
 
 from .extra import capture_rng, restore_rng
 from .hf import export_hf, load_full_model_state
 from .layout import TRACKER, is_complete
 from .manager import CheckpointManager, find_latest, load_trainer_state
-from .role import RoleInfo, RoleState, load_role, read_role_manifest, save_role
+from .role import RoleInfo, RoleState, load_role, prepare_role, read_role_manifest, save_role
 from .writer import AsyncWriter, CheckpointWriteError
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "load_full_model_state",
     "load_role",
     "load_trainer_state",
+    "prepare_role",
     "read_role_manifest",
     "restore_rng",
     "save_role",

@@ -1,7 +1,11 @@
 """``posttrain ckpt``: export a checkpoint role to a Hugging Face model, or inspect a checkpoint.
 
     posttrain ckpt export-hf <root>/global_step_N/actor <out dir> [--dtype bfloat16] [--max-shard-size-gb 5]
-    posttrain ckpt inspect <root | global_step_N | global_step_N/actor> [--tensors]
+                             [--adapter-only]
+    posttrain ckpt inspect <root | global_step_N | global_step_N/actor> [--no-tensors]
+
+A LoRA role is exported with its adapters merged into the base weights, or with ``--adapter-only`` as a peft
+adapter directory.
 
 Both run in one CPU process with no GPU and no process group.
 """
@@ -35,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
         help="cast the weights (default: keep the checkpoint's dtype)",
     )
     exp.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size")
+    exp.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="LoRA roles: write the peft adapter (adapter_config.json, adapter_model.safetensors) instead of "
+        "the merged model",
+    )
     ins = sub.add_parser("inspect", help="print manifests, sizes and the tensor list")
     ins.add_argument("path", type=Path, help="checkpoint root, global_step_N, or global_step_N/<role>")
     ins.add_argument("--no-tensors", action="store_true", help="omit the tensor list")
@@ -47,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export-hf":
             files = export_hf(
-                args.role_dir, args.out_dir, _DTYPES.get(args.dtype), int(args.max_shard_size_gb * (1 << 30))
+                args.role_dir,
+                args.out_dir,
+                _DTYPES.get(args.dtype),
+                int(args.max_shard_size_gb * (1 << 30)),
+                adapter_only=args.adapter_only,
             )
             print(f"wrote {args.out_dir}: {', '.join(files)}")
         else:

@@ -4,7 +4,8 @@ The export reads only the ``model.*`` tensors of a DCP checkpoint into full (uns
 process with no process group (DCP reassembles each tensor from however many ranks wrote it), then writes
 ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``,
 the layout ``from_pretrained`` reads. With ``tie_word_embeddings`` the ``lm_head.weight`` copy is dropped, as
-``save_pretrained`` does. No transformers import is needed here.
+``save_pretrained`` does. A LoRA role's adapters are merged into the base weights (:mod:`posttrain.ckpt.lora`),
+or written alone as a peft adapter directory. No transformers or peft import is needed here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .layout import DIST_CKPT, HF_DIR, atomic_write_text
+from .layout import DIST_CKPT, HF_DIR, ROLE_MANIFEST, atomic_write_text, read_json
+from .lora import adapter_state, is_lora_state, merge_lora
+from .tied import fill_aliases
 
 MODEL_PREFIX = "model."
 _TOKENIZER_FILES = (
@@ -69,8 +72,12 @@ def write_safetensors(
     state = {k: v for k, v in state.items() if not (tie_word_embeddings and k == "lm_head.weight")}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
+    storages: set[int] = set()
     for name in sorted(state):
         t = state[name].detach().contiguous()
+        if t.untyped_storage().data_ptr() in storages:  # tied: safetensors refuses shared memory
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
@@ -105,7 +112,10 @@ def dcp_tensor_metadata(dcp_dir: Path) -> dict[str, TensorStorageMetadata]:
 
 
 def load_full_model_state(dcp_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Full model tensors (HF names) from a DCP checkpoint, on the CPU of one process."""
+    """Full model tensors (HF names) from a DCP checkpoint, on the CPU of one process.
+
+    Names stored once as tied aliases (the role manifest's ``tied_aliases``) come back as the same tensor.
+    """
     flat = {
         k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
         for k, m in dcp_tensor_metadata(dcp_dir).items()
@@ -118,20 +128,37 @@ def load_full_model_state(dcp_dir: Path, dtype: torch.dtype | None = None) -> di
             "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
         )
         dcp.load(flat, storage_reader=dcp.FileSystemReader(str(dcp_dir)), no_dist=True)
-    return {k[len(MODEL_PREFIX) :]: (v.to(dtype) if dtype is not None else v) for k, v in flat.items()}
+    state = {k[len(MODEL_PREFIX) :]: (v.to(dtype) if dtype is not None else v) for k, v in flat.items()}
+    manifest = read_json(dcp_dir.parent / ROLE_MANIFEST) or {}
+    return fill_aliases(state, manifest.get("tied_aliases", {}))
 
 
 def export_hf(
-    role_dir: Path, out_dir: Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30
+    role_dir: Path,
+    out_dir: Path,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 << 30,
+    adapter_only: bool = False,
 ) -> list[str]:
-    """Write a loadable HF model directory from a checkpoint role directory; return the weight files."""
+    """Write a loadable HF model directory from a checkpoint role directory; return the weight files.
+
+    A LoRA role (peft names, adapter config in the manifest) is written with its adapters merged into the base
+    weights, or with ``adapter_only`` as a peft adapter directory (``adapter_config.json``,
+    ``adapter_model.safetensors``) for ``PeftModel.from_pretrained`` on the base model.
+    """
     hf_src = role_dir / HF_DIR
     if not (hf_src / "config.json").is_file():
         raise ValueError(
             f"{hf_src}/config.json is missing: export-hf needs the role directory of a posttrain "
             "checkpoint (global_step_N/<role>), which holds huggingface/config.json"
         )
-    state = load_full_model_state(role_dir / DIST_CKPT, dtype)
+    state = load_full_model_state(role_dir / DIST_CKPT)
+    peft_config = _saved_peft_config(role_dir, state)
+    if adapter_only:
+        return _write_adapter(role_dir, out_dir, state, peft_config, dtype)
+    if peft_config is not None:
+        state = merge_lora(state, peft_config)
+    state = _cast(state, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     for src in hf_src.iterdir():
         if src.is_file() and not src.name.startswith("model") and src.suffix != ".safetensors":
@@ -143,6 +170,52 @@ def export_hf(
         config.pop("torch_dtype", None)
         atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     return write_safetensors(out_dir, state, max_shard_bytes, bool(config.get("tie_word_embeddings", False)))
+
+
+def _saved_peft_config(role_dir: Path, state: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """The manifest's peft adapter configs when ``state`` holds LoRA tensors, else None."""
+    if not is_lora_state(state):
+        return None
+    peft_config = (read_json(role_dir / ROLE_MANIFEST) or {}).get("peft_config")
+    if not peft_config:
+        raise ValueError(
+            f"{role_dir} holds LoRA tensors but its {ROLE_MANIFEST} records no peft_config (saved by an "
+            "older posttrain-ckpt, or from a module that is not a peft model): re-save the role with "
+            "RoleInfo(peft_config={adapter: LoraConfig.to_dict()}), or load it into the peft model and "
+            "call merge_and_unload"
+        )
+    return peft_config
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """``state`` in ``dtype``; names that share a tensor (tied) still share the cast one."""
+    if dtype is None:
+        return state
+    cast: dict[int, torch.Tensor] = {}
+    return {k: cast.setdefault(id(v), v.to(dtype)) for k, v in state.items()}
+
+
+def _write_adapter(
+    role_dir: Path,
+    out_dir: Path,
+    state: dict[str, torch.Tensor],
+    peft_config: dict[str, Any] | None,
+    dtype: torch.dtype | None,
+) -> list[str]:
+    if peft_config is None:
+        raise ValueError(f"{role_dir} holds no LoRA adapter: export it without --adapter-only")
+    if len(peft_config) != 1:
+        raise ValueError(
+            f"{role_dir} has {len(peft_config)} peft adapters ({sorted(peft_config)}): --adapter-only writes "
+            "exactly one"
+        )
+    name, config = next(iter(peft_config.items()))
+    tensors = {k: v.contiguous() for k, v in _cast(adapter_state(state, name), dtype).items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {**config, "inference_mode": True}
+    atomic_write_text(out_dir / "adapter_config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return ["adapter_model.safetensors", "adapter_config.json"]
 
 
 def tensor_table(dcp_dir: Path) -> Iterable[tuple[str, tuple[int, ...], str, int]]:

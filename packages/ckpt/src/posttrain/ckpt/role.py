@@ -5,7 +5,9 @@
 are its HF parameter names, and the optimizer state flattened per parameter (``state.<name>.exp_avg``,
 ``param_groups.<name>.lr``). Under FSDP2 these are DTensors, under FSDP1 sharded tensors, in one process plain
 tensors; DCP stores global shapes and offsets, so a checkpoint written by N ranks loads on M ranks.
-``set_state_dict`` puts loaded values back through the same mapping. The role's ``manifest.json`` is written last.
+``set_state_dict`` puts loaded values back through the same mapping. A tied parameter is written once, under the
+first of its names; the manifest's ``tied_aliases`` maps the other names to it and load fills them back in
+(:mod:`posttrain.ckpt.tied`). The role's ``manifest.json`` is written last.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import copy
 import importlib.metadata
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,9 @@ from . import dist as ckpt_dist
 from .extra import capture_extra, load_extra, save_extra
 from .hf import write_hf_metadata, write_safetensors
 from .layout import DIST_CKPT, EXTRA_DIR, FORMAT, FORMAT_VERSION, HF_DIR, ROLE_MANIFEST, read_json, write_json
+from .lora import is_lora_state, merge_lora, peft_config_of
 from .snapshot import snapshot_to_host
+from .tied import drop_aliases, fill_aliases, tied_aliases
 from .writer import AsyncWriter
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -70,6 +75,10 @@ class RoleInfo:
     """Tokenizer directory (default ``model_dir``)."""
     dcp_thread_count: int = 4
     """Writer threads per rank for the DCP files."""
+    peft_config: dict[str, dict[str, Any]] | None = None
+    """LoRA adapter configs, ``{adapter name: LoraConfig.to_dict()}``, for a module that is not a peft model
+    itself; None reads them from the module's ``peft_config`` (a peft model, FSDP-wrapped or not). Recorded in
+    the manifest, where ``export-hf`` takes ``lora_alpha`` and the rest to merge the adapters."""
 
 
 def _check_save(state: RoleState, contents: list[str]) -> None:
@@ -82,12 +91,22 @@ def _check_save(state: RoleState, contents: list[str]) -> None:
 
 
 def _sharded_state(state: RoleState, contents: list[str]) -> dict[str, Any]:
+    """The (sharded) model and flattened optimizer state of ``contents``, every name of a tied tensor included."""
     if "optimizer" in contents:
         msd, osd = get_state_dict(state.model, state.optimizer, options=_OPTIONS)
         return {"model": msd, "optimizer": osd}
     if "model" in contents:
         return {"model": get_model_state_dict(state.model, options=_OPTIONS)}
     return {}
+
+
+def _deduplicated_state(state: RoleState, contents: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """What save writes: :func:`_sharded_state` with each tied tensor under one name; and the aliases."""
+    sharded = _sharded_state(state, contents)
+    if "model" not in sharded:
+        return sharded, {}
+    aliases = tied_aliases(state.model, list(sharded["model"]))
+    return {**sharded, "model": drop_aliases(sharded["model"], aliases)}, aliases
 
 
 def _full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -107,24 +126,47 @@ def save_role(
     """Write one role into ``role_dir`` on every rank (collective).
 
     With ``writer`` this blocks only for the device-to-host snapshot (plus the full-model gather when
-    ``hf_model`` is saved) and queues the file writes on the writer's thread.
+    ``hf_model`` is saved) and queues the file writes on the writer's thread; the first such save also allocates
+    the host buffers unless :func:`prepare_role` allocated them ahead. A tied parameter is written once, a LoRA
+    model's adapter config goes into the manifest, and ``hf_model`` holds the merged weights.
     """
     role_dir = Path(role_dir)
     _check_save(state, contents)
-    sharded = _sharded_state(state, contents)
+    sharded, aliases = _deduplicated_state(state, contents)
     extra = capture_extra(state.lr_scheduler, state.counters) if "extra" in contents else None
     full = _full_model_state(state.model) if "hf_model" in contents else None
     rank, world = ckpt_dist.get_rank(), ckpt_dist.get_world_size()
-    manifest = _manifest(state, info, contents, global_step, world)
+    manifest = _manifest(state, info, contents, global_step, world) | {"tied_aliases": aliases}
+    if full is not None and rank == 0 and manifest["peft_config"] and is_lora_state(full):
+        full = merge_lora(full, manifest["peft_config"])  # hf_model: the merged model, loadable as is
     if writer is None:
         _write_role(role_dir, sharded, extra, full, info, manifest, rank, None)
         return
     key = role_dir.name
     extra = copy.deepcopy(extra)
-    sharded = snapshot_to_host(sharded, writer.host_buffers, f"{key}/sharded")
+    buffers = writer.ready_buffers()  # waits for a prepare_role still allocating
+    sharded = snapshot_to_host(sharded, buffers, f"{key}/sharded")
     if full is not None and rank == 0:
-        full = snapshot_to_host(full, writer.host_buffers, f"{key}/full")
+        full = snapshot_to_host(full, buffers, f"{key}/full")
     writer.submit(_write_role, role_dir, sharded, extra, full, info, manifest, rank, writer.process_group)
+
+
+def prepare_role(role: str, state: RoleState, contents: list[str], writer: AsyncWriter) -> Future:
+    """Start allocating, in the background, the host buffers of an async :func:`save_role` of ``state`` into a
+    directory named ``role`` (actor, critic, ...), so that the first async save blocks no longer than later ones.
+
+    Call it on every rank (``get_state_dict`` may be collective) after the first optimizer step (an empty
+    optimizer state has no shapes yet); it returns at once with the allocation's future (result: the buffers by
+    key path). Buffers for the ``hf_model`` gather are not prepared.
+    """
+    _check_save(state, contents)
+    if "optimizer" in contents and not state.optimizer.state:
+        raise ValueError(
+            f"prepare_role({role!r}) with optimizer in checkpoint.save_contents={contents} needs the optimizer "
+            "state, which is empty before the first optimizer step: call it after the first step"
+        )
+    sharded, _ = _deduplicated_state(state, contents)
+    return writer.prepare(sharded, f"{role}/sharded")
 
 
 def _write_role(
@@ -176,6 +218,7 @@ def _manifest(
         "optimizer": type(state.optimizer).__name__ if state.optimizer is not None else None,
         "world_size": world,
         "parallel_sizes": dict(info.parallel_sizes),
+        "peft_config": info.peft_config or peft_config_of(state.model),
         "versions": {
             "torch": torch.__version__,
             "posttrain-ckpt": _version("posttrain-ckpt"),
@@ -199,7 +242,16 @@ def load_role(role_dir: str | Path, state: RoleState, contents: list[str]) -> di
     """Restore ``contents`` of one role into ``state`` on every rank (collective); return the saved counters."""
     role_dir = Path(role_dir)
     check_contents(contents, "checkpoint.load_contents")
-    saved = read_role_manifest(role_dir)["contents"]
+    manifest = read_role_manifest(role_dir)
+    _check_load(role_dir, state, contents, manifest["contents"])
+    if "model" in contents:
+        _load_sharded(role_dir, state, contents, manifest.get("tied_aliases", {}))
+    if "extra" in contents:
+        return load_extra(role_dir / DIST_CKPT / EXTRA_DIR, ckpt_dist.get_rank(), state.lr_scheduler)
+    return {}
+
+
+def _check_load(role_dir: Path, state: RoleState, contents: list[str], saved: list[str]) -> None:
     missing = [c for c in contents if c not in saved and c != "hf_model"]
     if missing:
         raise ValueError(
@@ -211,20 +263,24 @@ def load_role(role_dir: str | Path, state: RoleState, contents: list[str]) -> di
             f"checkpoint.load_contents={contents} lists optimizer but this role has no optimizer "
             "(forward-only): remove optimizer from checkpoint.load_contents"
         )
+
+
+def _load_sharded(role_dir: Path, state: RoleState, contents: list[str], aliases: dict[str, str]) -> None:
+    """DCP-load model (+ optimizer) in place; names stored as tied aliases are filled from their kept name."""
     sharded = _sharded_state(state, contents)
-    if sharded:
-        with ckpt_dist.single_process_dcp() as no_dist:
-            dcp.load(sharded, storage_reader=dcp.FileSystemReader(str(role_dir / DIST_CKPT)), no_dist=no_dist)
-        if "optimizer" in sharded:
-            set_state_dict(
-                state.model,
-                state.optimizer,
-                model_state_dict=sharded["model"],
-                optim_state_dict=sharded["optimizer"],
-                options=_OPTIONS,
-            )
-        else:
-            set_model_state_dict(state.model, sharded["model"], options=_OPTIONS)
-    if "extra" in contents:
-        return load_extra(role_dir / DIST_CKPT / EXTRA_DIR, ckpt_dist.get_rank(), state.lr_scheduler)
-    return {}
+    model_sd = sharded["model"]
+    stored = {k: v for k, v in model_sd.items() if not (k in aliases and aliases[k] in model_sd)}
+    to_read = {**sharded, "model": stored}
+    with ckpt_dist.single_process_dcp() as no_dist:
+        dcp.load(to_read, storage_reader=dcp.FileSystemReader(str(role_dir / DIST_CKPT)), no_dist=no_dist)
+    model_sd = fill_aliases(to_read["model"], {a: k for a, k in aliases.items() if a in model_sd})
+    if "optimizer" in to_read:
+        set_state_dict(
+            state.model,
+            state.optimizer,
+            model_state_dict=model_sd,
+            optim_state_dict=to_read["optimizer"],
+            options=_OPTIONS,
+        )
+    else:
+        set_model_state_dict(state.model, model_sd, options=_OPTIONS)

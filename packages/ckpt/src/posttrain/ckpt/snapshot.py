@@ -4,11 +4,17 @@ Each tensor (or each DTensor's local shard) is copied into a host buffer that is
 the first async save pays for allocating (and, for CUDA sources, pinning) host memory; later saves are one
 ``copy_(non_blocking=True)`` per tensor and one synchronisation. DTensors keep their spec (mesh, placements,
 global shape) around the host shard, so DCP still writes each rank's shard with its global offsets.
+
+:func:`buffer_plan` and :func:`allocate_buffers` split the allocation off: the plan (key path, local shape,
+dtype, pinned or not, DTensor spec) is read from the live state without copying, and the buffers can then be
+allocated on another thread before the first save (``AsyncWriter.prepare``). A snapshot reuses a buffer only
+when its shape, dtype (and DTensor spec) still match, and allocates a new one otherwise.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,3 +74,46 @@ def _copy_dtensor(src: DTensor, buffers: dict[str, Any], path: str) -> DTensor:
         buffers[path] = buf
     buf._local_tensor.copy_(local.detach(), non_blocking=local.device.type == "cuda")
     return buf
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One host buffer a snapshot of the planned state needs."""
+
+    path: str
+    """Key path of the tensor in the state (the key of :func:`snapshot_to_host`'s ``buffers``)."""
+    shape: torch.Size
+    """Shape of the tensor, or of the DTensor's local shard."""
+    dtype: torch.dtype
+    """Element type."""
+    pin: bool
+    """Pinned host memory (the source is on a CUDA device)."""
+    dtensor_spec: Any = None
+    """The DTensor's spec (mesh, placements, global shape) or None for a plain tensor."""
+
+
+def buffer_plan(state: Any, prefix: str = "") -> list[BufferSpec]:
+    """The host buffers :func:`snapshot_to_host` of ``state`` under ``prefix`` uses (no copy, no allocation)."""
+    if isinstance(state, DTensor):
+        local = state._local_tensor
+        return [BufferSpec(prefix, local.shape, local.dtype, local.device.type == "cuda", state._spec)]
+    if isinstance(state, torch.Tensor):
+        return [BufferSpec(prefix, state.shape, state.dtype, state.device.type == "cuda")]
+    if isinstance(state, dict):
+        return [b for k, v in state.items() for b in buffer_plan(v, f"{prefix}.{k}")]
+    if isinstance(state, (list, tuple)):
+        return [b for i, v in enumerate(state) for b in buffer_plan(v, f"{prefix}.{i}")]
+    return []
+
+
+def allocate_buffers(plan: list[BufferSpec]) -> dict[str, Any]:
+    """Host buffers for ``plan``, keyed by path; unpinned ones are written once so their pages are mapped."""
+    out: dict[str, Any] = {}
+    for spec in plan:
+        host = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=spec.pin)
+        if not spec.pin:
+            host.zero_()  # pinning maps the pages; plain memory would page-fault during the first copy
+        out[spec.path] = (
+            host if spec.dtensor_spec is None else DTensor(host, spec.dtensor_spec, requires_grad=False)
+        )
+    return out

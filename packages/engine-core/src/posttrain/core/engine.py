@@ -170,6 +170,11 @@ class BaseEngine(ABC):
     @abstractmethod
     def load_checkpoint(self, local_path: str, **kwargs: Any) -> None: ...
 
+    def prepare_checkpoint(self, role: str, writer: Any) -> None:
+        """Start allocating, in the background, the host buffers of this role's future async saves into
+        ``<step dir>/<role>`` (collective; call after the first optimizer step). Engines whose async save
+        stages nothing on the host keep this default, which does nothing."""
+
     # ------------------------------------------------------------------ parallel layout
     @abstractmethod
     def get_data_parallel_size(self) -> int: ...

@@ -19,7 +19,6 @@ packed stream.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import inspect
 from typing import Any
@@ -36,18 +35,28 @@ def register_packed_attention() -> str:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention_forward)
+    _varlen_api()  # resolve eagerly: compiled decoder layers then never trace the signature inspection
     return ATTN_IMPLEMENTATION
 
 
-@functools.cache
-def _varlen_api() -> tuple[Any, bool, bool] | None:
-    """(varlen_attn, takes is_causal, takes enable_gqa), or None when this torch has no varlen attention."""
+_VARLEN_API: dict[str, tuple[Any, bool, bool] | None] = {}
+"""Cache of :func:`_resolve_varlen_api`, filled on first use (a plain dict, so compiled layers read it)."""
+
+
+def _resolve_varlen_api() -> tuple[Any, bool, bool] | None:
     if importlib.util.find_spec("torch.nn.attention.varlen") is None:  # older torch: per-sequence SDPA
         return None
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
     return varlen_attn, "is_causal" in params, "enable_gqa" in params
+
+
+def _varlen_api() -> tuple[Any, bool, bool] | None:
+    """(varlen_attn, takes is_causal, takes enable_gqa), or None when this torch has no varlen attention."""
+    if "api" not in _VARLEN_API:
+        _VARLEN_API["api"] = _resolve_varlen_api()
+    return _VARLEN_API["api"]
 
 
 def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:

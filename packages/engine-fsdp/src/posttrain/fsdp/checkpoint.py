@@ -11,9 +11,10 @@ Both are collective: every rank calls them. Retention and the atomic commit belo
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from posttrain.ckpt import AsyncWriter, RoleInfo, RoleState, load_role, save_role
+from posttrain.ckpt import AsyncWriter, RoleInfo, RoleState, load_role, prepare_role, save_role
 from posttrain.core.config import check_checkpoint_for_engine
 
 
@@ -67,6 +68,24 @@ def save_fsdp_checkpoint(
     )
 
 
+def _refuse_native_megatron(role_dir: Path) -> None:
+    """A megatron engine role directory in its native layout (Megatron names and shards) has no manifest."""
+    if (role_dir / "transformer_config.json").is_file() and not (role_dir / "manifest.json").is_file():
+        raise ValueError(
+            f"{role_dir} is a native megatron engine checkpoint (Megatron parameter names and shards), which "
+            "the FSDP engine cannot read: save it with checkpoint.portable=true on the megatron engine (HF "
+            "names, this engine's layout), or load it on the megatron engine"
+        )
+
+
+def prepare_fsdp_checkpoint(engine: Any, role: str, writer: AsyncWriter) -> None:
+    """Pin the host buffers of the async saves of ``engine`` into ``<step dir>/<role>`` in the background
+    (collective; after the first optimizer step), so the first async save blocks no longer than later ones."""
+    config = engine.checkpoint_config
+    if config.async_save:
+        prepare_role(role, _role_state(engine, 0), list(config.save_contents), writer)
+
+
 def load_fsdp_checkpoint(engine: Any, local_path: str, **kwargs: Any) -> dict[str, Any]:
     """Restore ``checkpoint.load_contents`` from the role directory ``local_path`` (collective).
 
@@ -74,6 +93,7 @@ def load_fsdp_checkpoint(engine: Any, local_path: str, **kwargs: Any) -> dict[st
     """
     config = engine.checkpoint_config
     check_checkpoint_for_engine(engine.engine_config, config)
+    _refuse_native_megatron(Path(local_path))
     engine.to(engine.device, model=True, optimizer=True, grad=False)  # load into device-resident state
     try:
         counters = load_role(local_path, _role_state(engine, 0), list(config.load_contents))

@@ -35,7 +35,14 @@ from posttrain.core.engine import BaseEngine, PerTensorParams
 from . import sharding
 from .inputs import ModelInputs, packed_inputs, padded_inputs, temperatures
 from .logprobs import HeadRequest, PackedLogProbHead, align_to_tokens, shifted_targets
-from .modeling import build_model, has_safetensors, init_rope_buffers, load_weights, materialize
+from .modeling import (
+    build_model,
+    compile_decoder_layers,
+    has_safetensors,
+    init_rope_buffers,
+    load_weights,
+    materialize,
+)
 from .weights import (
     iter_rollout_tensors,
     lora_scalings,
@@ -118,6 +125,8 @@ class FSDPEngine(BaseEngine):
         }
         if not built.on_meta and has_safetensors(self.model_config.path):
             load_weights(module, self.model_config.path, **load_kwargs)
+        if cfg.compile_layers and self._device.type == "cuda":
+            compile_decoder_layers(built.hf_model, sharding.decoder_layer_classes(built.hf_model))
         if self.fsdp_version:
             self.device_mesh = sharding.build_mesh(self._device.type, cfg.fsdp_size)
             layers = sharding.decoder_layer_classes(built.hf_model)
@@ -260,8 +269,8 @@ class FSDPEngine(BaseEngine):
         ctx = loss_context(batch, group)
         micro_batches = [batch.select(p) for p in parts]
         outputs: list[dict[str, torch.Tensor]] = []
-        losses: list[float] = []
-        metrics: dict[str, list[float]] = {}
+        losses: list[torch.Tensor] = []
+        metrics: dict[str, list[Any]] = {}
         for mb in micro_batches:
             mb = mb.to(self._device)
             out = self._forward_micro(mb)
@@ -269,9 +278,9 @@ class FSDPEngine(BaseEngine):
                 loss, mb_metrics = loss_fn(out, mb, ctx)
                 if not forward_only:
                     loss.backward()
-                losses.append(float(loss.detach()))
+                losses.append(loss.detach())  # read once after the loop: no host sync per micro-batch
                 for key, value in (mb_metrics or {}).items():
-                    metrics.setdefault(key, []).append(float(value))
+                    metrics.setdefault(key, []).append(value)
             outputs.append({k: v.detach() for k, v in out.items()})
         for _ in range(steps - len(micro_batches)):
             self._filler_pass(forward_only)
@@ -281,7 +290,11 @@ class FSDPEngine(BaseEngine):
         model_output = {
             k: restore_order(parts, micro_batches, [o[k] for o in outputs]).to(target) for k in outputs[0]
         }
-        return {"model_output": model_output, "loss": losses, "metrics": metrics}
+        return {
+            "model_output": model_output,
+            "loss": _floats(losses),
+            "metrics": {k: _floats(v) for k, v in metrics.items()},
+        }
 
     def _lockstep_count(self, count: int) -> int:
         """The largest micro-batch count over the data-parallel ranks (FSDP needs equal counts)."""
@@ -368,11 +381,24 @@ class FSDPEngine(BaseEngine):
 
         save_fsdp_checkpoint(self, local_path, global_step, **kwargs)
 
+    def prepare_checkpoint(self, role: str, writer: Any) -> None:
+        """Delegates to ``posttrain.fsdp.checkpoint.prepare_fsdp_checkpoint`` (no-op without async_save)."""
+        from .checkpoint import prepare_fsdp_checkpoint
+
+        prepare_fsdp_checkpoint(self, role, writer)
+
     def load_checkpoint(self, local_path: str, **kwargs: Any) -> None:
         """Delegates to ``posttrain.fsdp.checkpoint.load_fsdp_checkpoint``."""
         from .checkpoint import load_fsdp_checkpoint
 
         load_fsdp_checkpoint(self, local_path)
+
+
+def _floats(values: list[Any]) -> list[float]:
+    """Python floats of scalars and 0-d tensors, with one host sync for all the tensors."""
+    tensors = [v.detach().float().reshape(()) for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 class FSDPLanguageModelEngine(FSDPEngine):

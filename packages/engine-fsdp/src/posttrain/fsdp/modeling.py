@@ -168,6 +168,19 @@ def build_model(
     return BuiltModel(module, model, config, peft_config, meta)
 
 
+def compile_decoder_layers(hf_model: torch.nn.Module, layers: tuple[type, ...]) -> int:
+    """``torch.compile`` every decoder layer in place (``Module.compile``: names and hooks unchanged).
+
+    ``dynamic=True`` makes the packed token count symbolic, so micro-batches of any length reuse one graph.
+    FSDP2's hooks stay outside the compiled graphs (dynamo skips FSDP hooks by default). Returns the count."""
+    count = 0
+    for module in hf_model.modules():
+        if isinstance(module, layers):
+            module.compile(dynamic=True)
+            count += 1
+    return count
+
+
 class SafetensorsReader:
     """Name -> tensor over the safetensors files of a directory, one memory-mapped tensor at a time."""
 

@@ -125,19 +125,26 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def grad_norm_and_clip(
     params: Iterable[torch.nn.Parameter], max_norm: float, shard_group: Any, comm_device: torch.device
 ) -> float:
-    """Global L2 norm of the gradients (local shards summed over ``shard_group``); clip when ``max_norm > 0``."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float32, device=comm_device)
+    """Global L2 norm of the gradients (local shards summed over ``shard_group``); clip when ``max_norm > 0``.
+
+    One ``_foreach_norm`` per (device, dtype) group and one ``_foreach_mul_`` for the clip, so the cost is a
+    few kernel launches rather than a few per parameter; the only host sync is reading the norm."""
+    grads = [_local(p.grad).detach() for p in params if p.grad is not None]
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
-        total += _local(g).detach().float().pow(2).sum().to(comm_device)
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    total = torch.zeros((), dtype=torch.float32, device=comm_device)
+    for group in groups.values():
+        norms = torch._foreach_norm(group, 2.0)
+        total += torch.stack(norms).float().pow(2).sum().to(comm_device)
     if shard_group is not None:
         dist.all_reduce(total, group=shard_group)
     norm = float(total.sqrt())
     if max_norm > 0 and math.isfinite(norm):
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
-            for g in grads:
-                _local(g).mul_(coef)
+            for group in groups.values():
+                torch._foreach_mul_(group, coef)
     return norm
 
 

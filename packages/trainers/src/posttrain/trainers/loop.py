@@ -53,6 +53,9 @@ class StepLoop:
             enabled=pdist.rank() == 0,
         )
 
+    def prepare_checkpoints(self) -> None:
+        """Let each role's engine pin its async-save buffers in the background (after the first step)."""
+
     def release(self) -> None:
         """Free what the trainer holds besides checkpoints and loggers (e.g. a rollout engine)."""
 
@@ -62,9 +65,13 @@ class StepLoop:
         metrics: dict[str, float] = {}
         if self.val_set is not None and cfg.val_before_train and self.global_step == 0:
             self.tracker.log(self.validate(), 0)
+        first = True
         while self.global_step < self.total_steps:
             metrics = self.train_step()
             self.global_step += 1
+            if first and self.ckpt.writer is not None:  # optimizer state exists now: shapes are known
+                self.prepare_checkpoints()
+            first = False
             last = self.global_step == self.total_steps
             if self.val_set is not None and (
                 last or (cfg.test_freq > 0 and self.global_step % cfg.test_freq == 0)

@@ -130,6 +130,9 @@ class SFTTrainer(StepLoop):
             print(f"resumed from {path} (step {step}, epoch {self.sampler.epoch})", file=sys.stderr)
         return step
 
+    def prepare_checkpoints(self) -> None:
+        self.engine.prepare_checkpoint(ROLE, self.ckpt.writer)
+
     def save_checkpoint(self, step: int) -> None:
         staging = self.ckpt.stage(step)
         kwargs = {"writer": self.ckpt.writer} if self.ckpt.writer is not None else {}

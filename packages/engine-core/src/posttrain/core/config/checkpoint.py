@@ -46,6 +46,10 @@ class CheckpointConfig:
     """Keep at most this many checkpoints (older ones are deleted after a new save succeeds); None keeps all."""
     mbridge_config: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for Megatron-Bridge's HF save (e.g. distributed_filesystem, memory_efficient)."""
+    portable: bool = False
+    """Megatron engine: write model and optimizer keyed by HF names in the FSDP engine's layout (DCP, flattened
+    AdamW state, LR scheduler state in extra), so the checkpoint resumes on either backend. The FSDP engine
+    always writes this layout, and the megatron engine loads it whatever this flag says."""
 
     def __post_init__(self) -> None:
         check_contents(self.save_contents, "checkpoint.save_contents")

@@ -154,11 +154,16 @@ class FSDPEngineConfig(EngineConfig):
     ulysses_sequence_parallel_size: int = 1
     """Ulysses sequence parallel degree (only 1 is implemented)."""
     entropy_from_logits_with_chunking: bool = False
-    """Compute entropy over vocabulary chunks of ``entropy_from_logits_chunk_size`` tokens."""
+    """verl compatibility; this engine's head always works in chunks of ``entropy_from_logits_chunk_size``
+    tokens, with or without it."""
     use_torch_compile: bool = True
-    """Compile the entropy function where torch.compile works."""
+    """Compile the log-prob/entropy head's per-chunk function on CUDA."""
     entropy_checkpointing: bool = False
-    """Recompute entropy in backward instead of storing its activations."""
+    """verl compatibility; this engine's head always recomputes each chunk's fp32 softmax in backward (so no
+    fp32 full-vocabulary logits of a whole micro-batch are ever kept), with or without it."""
+    compile_layers: bool = False
+    """``torch.compile`` each decoder layer on CUDA (fuses norms, RoPE and the MLP's elementwise ops; dynamic
+    token counts, so one compile serves every packed length). The first steps pay the compile time."""
     pad_to_length: bool = False
     """Pad packed micro-batches up to a multiple of ``pad_to_length_bucket`` tokens (stable shapes)."""
     pad_to_length_bucket: int = 1024

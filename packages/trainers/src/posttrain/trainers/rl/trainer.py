@@ -158,6 +158,11 @@ class RLTrainer(StepLoop):
             print(f"resumed from {path} (step {step})", file=sys.stderr)
         return step
 
+    def prepare_checkpoints(self) -> None:
+        self.actor.prepare_checkpoint("actor", self.ckpt.writer)
+        if self.critic is not None:
+            self.critic.prepare_checkpoint("critic", self.ckpt.writer)
+
     def save_checkpoint(self, step: int) -> Path:
         staging = self.ckpt.stage(step)
         kwargs = {"writer": self.ckpt.writer} if self.ckpt.writer is not None else {}
