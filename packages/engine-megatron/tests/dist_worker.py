@@ -1,9 +1,10 @@
 """torchrun worker for the 2-rank tests: TP=2 (sequence parallel), PP=2 and PP=2 x VPP=2 against HF references.
 
-Usage: ``torchrun --nproc-per-node 2 dist_worker.py HF_DIR OUT_DIR [JSON engine overrides]``. Also checks
-forward-only log-probs at PP=2 x VPP=2 (interleaved schedule) and, on CUDA, Megatron-FSDP at DP=2. Writes ``OUT_DIR/results_rank<r>.json``
-(differences to the references) and ``OUT_DIR/tp2_ckpt`` (a TP=2 checkpoint after one step) with
-``OUT_DIR/tp2_params.pt`` (the exported parameters at that point).
+Usage: ``torchrun --nproc-per-node 2 dist_worker.py HF_DIR OUT_DIR [JSON engine overrides]``. PP=2 x VPP=2 (the
+interleaved schedule, a 4-layer model) is checked forward-only and training with 2 and 4 micro-batches; on
+CUDA, Megatron-FSDP at DP=2 too. Writes ``OUT_DIR/results_rank<r>.json``
+(differences to the references) and ``OUT_DIR/tp2_ckpt`` (a TP=2 checkpoint after one step; the same state saved
+asynchronously in ``OUT_DIR/tp2_ckpt_async``) with ``OUT_DIR/tp2_params.pt`` (the exported parameters then).
 """
 
 from __future__ import annotations
@@ -80,6 +81,17 @@ def _check_data_parallel(name, eng, batch, ref, results):
     )
 
 
+def _save_async(eng, path):
+    """The same state again through the async path (the step manager's background writer, its gloo group)."""
+    from posttrain.ckpt import AsyncWriter
+
+    writer = AsyncWriter(process_group=torch.distributed.new_group(backend="gloo"))
+    eng.checkpoint_config.async_save = True  # this engine's config only; the sync save above already ran
+    eng.save_checkpoint(path, global_step=1, writer=writer)
+    writer.close()
+    eng.checkpoint_config.async_save = False
+
+
 def _dump(out_dir, results):
     """Each rank writes what it has so far (a later failure keeps earlier results)."""
     with open(os.path.join(out_dir, f"results_rank{torch.distributed.get_rank()}.json"), "w") as f:
@@ -103,6 +115,7 @@ def main() -> None:
     extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     eng = make_engine(hf_path, tensor_model_parallel_size=2, sequence_parallel=True, **extra)
     _check("tp2", eng, hf_path, batch, ref, results, out_dir=out_dir)
+    _save_async(eng, os.path.join(out_dir, "tp2_ckpt_async"))
     _dump(out_dir, results)
     del eng
     mpu.destroy_model_parallel()
@@ -124,8 +137,15 @@ def main() -> None:
     eng = make_engine(
         deep, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, forward_only=True
     )
-    _check_infer("vpp2", eng, deep, batch, results)  # VPP is forward-only (see rules.check_layout)
+    _check_infer("vpp2_infer", eng, deep, batch, results)
     _dump(out_dir, results)
+    del eng
+    ref_deep = reference_step(deep, batch, lr=1e-3, clip=1.0)
+    for name, kw in (("vpp2", {}), ("vpp2_mb4", {"micro_batch_size_per_gpu": 1})):
+        eng = make_engine(deep, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, **kw)
+        _check(name, eng, deep, batch, ref_deep, results)  # interleaved 1F1B, 2 and 4 micro-batches
+        _dump(out_dir, results)
+        del eng
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

@@ -1,5 +1,6 @@
-"""Two gloo ranks: TP=2 (sequence parallel) and PP=2 (1F1B) equal the HF reference (so each equals TP=1), and a
-TP=2 checkpoint loads at TP=1 (dist_ckpt resharding)."""
+"""Two gloo ranks: TP=2 (sequence parallel), PP=2 (1F1B) and PP=2 x VPP=2 (interleaved 1F1B) equal the HF reference
+(so each equals TP=1), and a TP=2 checkpoint, saved synchronously or asynchronously, loads at TP=1 (dist_ckpt
+resharding)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def two_rank_run(tiny_qwen2, tmp_path_factory):
     return out, results
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "vpp2", "vpp2_mb4"])
 def test_two_rank_layouts_equal_hf_reference(two_rank_run, layout):
     _, results = two_rank_run
     assert results[f"{layout}_logprob_maxdiff"] < 2e-5
@@ -49,16 +50,17 @@ def test_two_rank_layouts_equal_hf_reference(two_rank_run, layout):
 
 
 def test_vpp2_forward_only_log_probs_equal_hf(two_rank_run):
-    assert two_rank_run[1]["vpp2_logprob_maxdiff"] < 2e-5
+    assert two_rank_run[1]["vpp2_infer_logprob_maxdiff"] < 2e-5
 
 
-def test_tp2_checkpoint_loads_at_tp1(two_rank_run, megatron_env, tiny_qwen2):
+@pytest.mark.parametrize("ckpt", ["tp2_ckpt", "tp2_ckpt_async"])
+def test_tp2_checkpoint_loads_at_tp1(two_rank_run, megatron_env, tiny_qwen2, ckpt):
     from megatron_cpu import make_engine
 
     out, _ = two_rank_run
     saved = torch.load(out / "tp2_params.pt")
     eng = make_engine(tiny_qwen2)
-    eng.load_checkpoint(str(out / "tp2_ckpt"))
+    eng.load_checkpoint(str(out / ckpt))
     loaded = dict(eng.get_per_tensor_param()[0])
     for name, tensor in saved.items():
         assert torch.equal(loaded[name].cpu(), tensor), name

@@ -127,6 +127,12 @@ def make_provider(bridge: Any, cfg: McoreEngineConfig, *, on_cuda: bool, router_
     ).items():
         setattr(provider, name, value)
     provider.transformer_layer_spec = lambda config, vp_stage=None: layer_spec(config, use_te, vp_stage)
+    if (cfg.virtual_pipeline_model_parallel_size or 1) > 1:
+        # Megatron-LM's (and mbridge's) p2p settings for the interleaved schedule; TransformerConfig's own
+        # defaults (batched, not overlapped) hang its warm-up send_forward_recv_forward on variable-length
+        # micro-batches (measured on gloo, PP=2 x VPP=2).
+        provider.overlap_p2p_comm = True
+        provider.batch_p2p_comm = False
     if not (on_cuda and use_te):
         for name in CPU_OFF_FUSIONS:
             if hasattr(provider, name):

@@ -8,7 +8,10 @@ Layout of one role directory::
     <role dir>/transformer_config.json
 
 The model and optimizer go through ``megatron.core.dist_checkpointing`` with the sharded state dicts of the
-model chunks and of Megatron's optimizer, so a checkpoint written at one TP/PP/DP layout loads at another.
+model chunks and of Megatron's optimizer, so a checkpoint written at one TP/PP/DP layout loads at another; with
+``checkpoint.async_save`` the dist_ckpt files are written on the step manager's background writer
+(:mod:`.async_save`). Under Megatron-FSDP ``dist_ckpt/`` holds the fsdp_dtensor format instead (torch DCP over
+DTensors, reshardable over DP: :mod:`.fsdp_dtensor`).
 The HF weights go through Megatron-Bridge's ``save_hf_weights`` with ``checkpoint.mbridge_config`` keyword
 arguments (only those its signature accepts).
 """
@@ -26,7 +29,9 @@ from typing import Any
 
 import torch
 
-from . import build
+from posttrain.core.config import check_checkpoint_for_engine
+
+from . import async_save, build, fsdp_dtensor, portable
 
 HF_SIDE_FILES = (
     "config.json",
@@ -161,46 +166,93 @@ def _prune(local_path: Path, max_keep: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save(engine: Any, local_path: str, global_step: int, max_ckpt_to_keep: int | None) -> None:
-    """Write ``checkpoint.save_contents`` of ``engine`` under ``local_path`` (a role directory)."""
-    from megatron.core import dist_checkpointing
-
-    contents = engine.checkpoint_config.save_contents
-    root = Path(local_path)
-    _warn_max_connections(engine)
-    if engine.engine_config.use_megatron_fsdp:
-        raise NotImplementedError(
-            "saving a use_megatron_fsdp=true engine (Megatron-Bridge's fsdp_dtensor format) "
-            "is not implemented yet: train with use_megatron_fsdp=false to checkpoint"
-        )
-    ckpt_dir = root / "dist_ckpt"
+def _fresh_dir(path: Path) -> None:
     if _rank() == 0:
-        if ckpt_dir.exists():
-            shutil.rmtree(ckpt_dir)
-        ckpt_dir.mkdir(parents=True)
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
     _barrier()
-    dist_checkpointing.save(
-        _sharded(engine, contents, is_loading=False),
-        str(ckpt_dir),
-        content_metadata={"global_step": global_step},
-    )
-    if "extra" in contents:  # RNG per rank (restored only at the same world size and rank)
+
+
+def _write_side_files(engine: Any, root: Path, contents: list[str]) -> None:
+    """RNG per rank (restored only at the same world size and rank), huggingface/, transformer_config.json."""
+    if "extra" in contents:
         (root / "extra").mkdir(parents=True, exist_ok=True)
         torch.save(_rng_state(), root / "extra" / f"rng_rank{_rank()}.pt")
     _write_hf(engine, root / "huggingface", "hf_model" in contents)
     if _rank() == 0:
         config = build.config_to_dict(build.unwrap(engine.chunks[0]).config)
         (root / "transformer_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+
+
+def _check_async(engine: Any, writer: Any) -> None:
+    check_checkpoint_for_engine(engine.engine_config, engine.checkpoint_config)  # no async Megatron-FSDP
+    if engine.checkpoint_config.async_save and writer is None:
+        raise ValueError(
+            "checkpoint.async_save=true needs the background writer of the step's CheckpointManager: "
+            "call engine.save_checkpoint(path, global_step=..., writer=manager.writer), or set "
+            "checkpoint.async_save=false"
+        )
+
+
+def wait_for_pending_save(engine: Any) -> None:
+    """Block until this engine's previous async save is written; re-raise its error."""
+    pending, engine._pending_save = getattr(engine, "_pending_save", None), None
+    if pending is not None:
+        pending.result()
+
+
+def save(
+    engine: Any, local_path: str, global_step: int, max_ckpt_to_keep: int | None, writer: Any = None
+) -> None:
+    """Write ``checkpoint.save_contents`` of ``engine`` under ``local_path`` (a role directory).
+
+    With ``checkpoint.async_save`` pass the step manager's ``writer`` (:class:`posttrain.ckpt.AsyncWriter`): the
+    call returns after the planning and the host snapshot, and the dist_ckpt files are written on its thread.
+    """
+    if engine.checkpoint_config.portable:  # HF-keyed, the FSDP engine's layout (portable.py)
+        portable.save(engine, local_path, global_step)
+        return _prune(Path(local_path), max_ckpt_to_keep or engine.checkpoint_config.max_ckpt_to_keep)
+    from megatron.core import dist_checkpointing
+
+    contents = engine.checkpoint_config.save_contents
+    root = Path(local_path)
+    _check_async(engine, writer)
+    _warn_max_connections(engine)
+    ckpt_dir = root / "dist_ckpt"
+    _fresh_dir(ckpt_dir)
+    sharded = None if engine.engine_config.use_megatron_fsdp else _sharded(engine, contents, is_loading=False)
+    if sharded is None:
+        fsdp_dtensor.save(engine, contents, ckpt_dir)
+    elif engine.checkpoint_config.async_save:
+        engine._pending_save = async_save.save(sharded, ckpt_dir, {"global_step": global_step}, writer)
+    else:
+        dist_checkpointing.save(sharded, str(ckpt_dir), content_metadata={"global_step": global_step})
+    _write_side_files(engine, root, contents)
     _barrier()
     _prune(
         root, max_ckpt_to_keep if max_ckpt_to_keep is not None else engine.checkpoint_config.max_ckpt_to_keep
     )
 
 
-def load(engine: Any, local_path: str) -> None:
-    """Restore ``checkpoint.load_contents`` from ``local_path/dist_ckpt`` (any TP/PP/DP layout)."""
+def _load_state(engine: Any, ckpt_dir: Path, contents: list[str]) -> dict[str, Any]:
+    """Restore model and optimizer in place; return the saved ``extra`` dict ({} when not loaded)."""
     from megatron.core import dist_checkpointing
 
+    if engine.engine_config.use_megatron_fsdp:
+        return fsdp_dtensor.load(engine, contents, ckpt_dir)
+    state = dist_checkpointing.load(_sharded(engine, contents, is_loading=True), str(ckpt_dir))
+    if "model" in contents:
+        _load_model_state(engine.chunks, state)
+    if "optimizer" in contents and engine.optimizer is not None:
+        engine.optimizer.load_state_dict(state["optimizer"])
+    return dict(state.get("extra") or {})
+
+
+def load(engine: Any, local_path: str) -> None:
+    """Restore ``checkpoint.load_contents`` from ``local_path/dist_ckpt`` (any TP/PP/DP layout)."""
+    if portable.is_portable(local_path):  # HF-keyed: the FSDP engine's, or saved with portable=true
+        return portable.load(engine, local_path)
     ckpt_dir = Path(local_path) / "dist_ckpt"
     if not ckpt_dir.is_dir():
         raise ValueError(
@@ -208,16 +260,12 @@ def load(engine: Any, local_path: str) -> None:
             "the megatron engine's save_checkpoint"
         )
     contents = engine.checkpoint_config.load_contents
-    state = dist_checkpointing.load(_sharded(engine, contents, is_loading=True), str(ckpt_dir))
-    if "model" in contents:
-        _load_model_state(engine.chunks, state)
-    if "optimizer" in contents and engine.optimizer is not None:
-        engine.optimizer.load_state_dict(state["optimizer"])
+    extra = _load_state(engine, ckpt_dir, contents)
     rng_file = Path(local_path) / "extra" / f"rng_rank{_rank()}.pt"
     if "extra" in contents and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    if "extra" in contents and "extra" in state:
-        engine._lr_step = int(state["extra"]["lr_step"])
-        engine.skipped_steps = int(state["extra"]["skipped_steps"])
+    if "extra" in contents and extra:
+        engine._lr_step = int(extra["lr_step"])
+        engine.skipped_steps = int(extra["skipped_steps"])
         if engine.optimizer is not None:
             engine._set_lr()

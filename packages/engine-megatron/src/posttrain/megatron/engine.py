@@ -29,7 +29,7 @@ from posttrain.core.batch import (
 from posttrain.core.config import McoreEngineConfig
 from posttrain.core.engine import BaseEngine, PerTensorParams
 
-from . import build, checkpoint, offload, rules
+from . import build, checkpoint, offload, rules, vanilla
 from .packing import pack_micro_batch, token_outputs
 from .router_replay import RouterReplay
 from .value_head import add_value_head
@@ -51,15 +51,8 @@ class MegatronEngine(BaseEngine):
         rules.check_engine(cfg, self.checkpoint_config, self.model_config, on_cuda=on_cuda)
         self._device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         build.init_model_parallel(cfg, cfg.seed)
-        self.bridge = build.make_bridge(self.model_config.path, self.model_config.trust_remote_code)
         self.router_replay = RouterReplay(cfg.router_replay, cfg.sequence_parallel)
-        self.provider = build.make_provider(
-            self.bridge, cfg, on_cuda=on_cuda, router_replay=self.router_replay.enabled
-        )
-        hook = add_value_head if self.is_value_model else None
-        self.chunks = build.build_model(
-            self.provider, cfg, wrap_with_ddp=not cfg.forward_only, on_cuda=on_cuda, pre_wrap_hook=hook
-        )
+        self.chunks = self._build_chunks(cfg, on_cuda)
         self._load_initial_weights()
         self.optimizer = None
         self._lr_step = 0
@@ -73,6 +66,24 @@ class MegatronEngine(BaseEngine):
             self._offload.to(
                 "cpu", model=cfg.param_offload, optimizer=cfg.optimizer_offload, grad=cfg.grad_offload
             )
+
+    def _build_chunks(self, cfg: McoreEngineConfig, on_cuda: bool) -> list[torch.nn.Module]:
+        """Model chunks through Megatron-Bridge, or the deprecated mbridge with ``vanilla_mbridge``."""
+        hook = add_value_head if self.is_value_model else None
+        path, remote = self.model_config.path, self.model_config.trust_remote_code
+        if cfg.vanilla_mbridge:
+            self.provider = None
+            self.bridge = vanilla.VanillaBridge(path, cfg, on_cuda=on_cuda, trust_remote_code=remote)
+            return self.bridge.build_model(
+                wrap_with_ddp=not cfg.forward_only, on_cuda=on_cuda, value_head=hook
+            )
+        self.bridge = build.make_bridge(path, remote)
+        self.provider = build.make_provider(
+            self.bridge, cfg, on_cuda=on_cuda, router_replay=self.router_replay.enabled
+        )
+        return build.build_model(
+            self.provider, cfg, wrap_with_ddp=not cfg.forward_only, on_cuda=on_cuda, pre_wrap_hook=hook
+        )
 
     def _load_initial_weights(self) -> None:
         cfg = self.engine_config
@@ -333,9 +344,11 @@ class MegatronEngine(BaseEngine):
     def save_checkpoint(
         self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None, **kwargs: Any
     ) -> None:
-        checkpoint.save(self, local_path, global_step, max_ckpt_to_keep)
+        checkpoint.wait_for_pending_save(self)  # a second save waits for the first
+        checkpoint.save(self, local_path, global_step, max_ckpt_to_keep, writer=kwargs.get("writer"))
 
     def load_checkpoint(self, local_path: str, **kwargs: Any) -> None:
+        checkpoint.wait_for_pending_save(self)
         checkpoint.load(self, local_path)
 
     # ------------------------------------------------------------------ parallel layout

@@ -16,7 +16,7 @@ from posttrain.core.config import (
     check_checkpoint_for_engine,
 )
 
-from . import _deps
+from . import _deps, vanilla
 
 
 def _hf_config(model: ModelConfig) -> dict:
@@ -44,12 +44,6 @@ def check_layout(cfg: McoreEngineConfig, hf: dict) -> None:
         raise ValueError(
             f"engine.virtual_pipeline_model_parallel_size={vpp} needs "
             "pipeline_model_parallel_size > 1: set it to null or raise the PP size"
-        )
-    if vpp is not None and vpp > 1 and not cfg.forward_only:
-        raise ValueError(
-            f"engine.virtual_pipeline_model_parallel_size={vpp} for a training role: training through "
-            "the interleaved schedule fails on variable-length THD micro-batches in this version "
-            "(forward-only roles work); set it to null, or engine.forward_only=true for a reference"
         )
     layers = int(hf.get("num_hidden_layers", 0))
     stages = pp * (vpp or 1)
@@ -95,11 +89,7 @@ def check_engine(
     """Every cross-config rule, raising a ValueError that names the bad value and the fix."""
     check_checkpoint_for_engine(cfg, ckpt, role)
     if cfg.vanilla_mbridge:
-        _deps.import_vanilla_mbridge()
-        raise ValueError(
-            "engine.vanilla_mbridge=true: the standalone mbridge path is deprecated and not built by "
-            "posttrain; set engine.vanilla_mbridge=false (Megatron-Bridge)"
-        )
+        vanilla.check(cfg)
     if cfg.use_megatron_fsdp and not on_cuda:
         raise ValueError(
             "engine.use_megatron_fsdp=true needs CUDA (Megatron-FSDP allocates CUDA streams): "

@@ -1,0 +1,77 @@
+"""Async save of the megatron engine through the step manager's background writer (one gloo rank, CPU)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+def _params(eng) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in eng.get_per_tensor_param()[0]}
+
+
+def test_async_save_snapshots_then_writes_before_the_commit(megatron_env, tiny_qwen2, packed_batch, tmp_path):
+    from megatron_cpu import make_engine, nll_loss
+
+    from posttrain.ckpt import CheckpointManager
+    from posttrain.core.config import CheckpointConfig
+
+    config = CheckpointConfig(async_save=True)
+    manager = CheckpointManager(tmp_path, config)
+    eng = make_engine(tiny_qwen2, ckpt=config)
+    with eng.train_mode():
+        eng.train_batch(packed_batch, nll_loss)
+        eng.lr_scheduler_step()
+    snapshot = _params(eng)
+    staging = manager.stage(1)
+    gate = threading.Event()
+    manager.writer.submit(gate.wait)  # holds the writer thread: the save below must not wait for it
+    eng.save_checkpoint(str(staging / "actor"), global_step=1, writer=manager.writer)
+    manager.commit(1)
+    ckpt_dir = staging / "actor" / "dist_ckpt"
+    assert not (ckpt_dir / "metadata.json").exists()  # returned before writing
+    with eng.train_mode():  # training goes on while the save is queued
+        eng.train_batch(packed_batch, nll_loss)
+        eng.lr_scheduler_step()
+    assert manager.latest() is None  # nothing committed yet
+    gate.set()
+    manager.wait()
+    step, path = manager.latest()
+    assert step == 1 and (path / "actor" / "dist_ckpt" / "metadata.json").is_file()
+
+    fresh = make_engine(tiny_qwen2)
+    fresh.load_checkpoint(str(path / "actor"))
+    for name, tensor in _params(fresh).items():  # the snapshot, not the parameters after the later step
+        assert torch.equal(tensor, snapshot[name]), name
+    assert fresh._lr_step == 1
+    manager.close()
+
+
+def test_async_save_without_writer_names_the_fix(megatron_env, tiny_qwen2, tmp_path):
+    from megatron_cpu import make_engine
+
+    from posttrain.core.config import CheckpointConfig
+
+    eng = make_engine(tiny_qwen2, ckpt=CheckpointConfig(async_save=True))
+    with pytest.raises(ValueError, match="writer=manager.writer"):
+        eng.save_checkpoint(str(tmp_path / "actor"), global_step=1)
+
+
+def test_second_async_save_waits_for_the_first(megatron_env, tiny_qwen2, tmp_path):
+    from megatron_cpu import make_engine
+
+    from posttrain.ckpt import AsyncWriter
+    from posttrain.core.config import CheckpointConfig
+
+    writer = AsyncWriter(process_group=torch.distributed.new_group(backend="gloo"))
+    eng = make_engine(tiny_qwen2, ckpt=CheckpointConfig(async_save=True))
+    eng.save_checkpoint(str(tmp_path / "a"), global_step=1, writer=writer)
+    first = eng._pending_save
+    eng.save_checkpoint(str(tmp_path / "b"), global_step=2, writer=writer)
+    assert first.done() and (tmp_path / "a" / "dist_ckpt" / "metadata.json").is_file()
+    writer.close()
+    assert (tmp_path / "b" / "dist_ckpt" / "metadata.json").is_file()
