@@ -2,7 +2,7 @@
 # The GPU checks of every package, for the lent GPU machine (or any CUDA box with torch, transformers, peft):
 #   bash scripts/fetch_megatron_wheels.sh              # once, here: wheels into .whl/
 #   uv build --all-packages --wheel --out-dir .whl     # here: posttrain's own wheels (entry points for the registry)
-#   bash scripts/gpu_checks.sh tests|train|sync|ckpt   # there, with .whl carried; results under $OUT (or ./gpu-out)
+#   bash scripts/gpu_checks.sh tests|megatron|train|sync|ckpt   # there, with .whl carried; results under $OUT (or ./gpu-out)
 # Each part is short enough for one 10-minute call. Results are JSON/log files; BENCHMARKS.md records them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,16 +16,19 @@ git rev-parse --short HEAD 2>/dev/null | tee "$out/commit.txt" || true
 case "${1:-tests}" in
   tests)
     # one pytest per package: each tests/ folder has its own conftest module
-    for t in engine-fsdp/tests ckpt/tests rollout-hf/tests trainers/tests rollout-vllm/tests/test_transport.py \
-             engine-megatron/tests; do
+    for t in engine-fsdp/tests ckpt/tests rollout-hf/tests trainers/tests rollout-vllm/tests/test_transport.py; do
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "packages/$t" 2>&1 | tail -15
     done 2>&1 | tee "$out/gpu_tests.log" ;;
+  megatron)
+    # engine-megatron's GPU tests (TP/PP/VPP parity, Megatron-FSDP checkpoint, MoE, cross-backend) take ~5-8 min
+    timeout 590 python3 -m pytest -q -m gpu -p no:cacheprovider packages/engine-megatron/tests 2>&1 \
+      | tail -25 | tee "$out/gpu_megatron.log" ;;
   train)
-    timeout 560 python3 bench/train_throughput.py --gpus 1,2 --out "$out/train.json" 2>&1 | tee "$out/train.log" | tail -40 ;;
+    timeout 560 python3 bench/train_throughput.py --gpus 1,2 --compile-layers --out "$out/train.json" 2>&1 | tee "$out/train.log" | tail -40 ;;
   sync)
     timeout 200 python3 bench/weight_sync.py --bucket-mb 2048 --json "$out/ws1.json" 2>&1 | tee "$out/ws1.log" | tail -20
     timeout 200 python3 bench/weight_sync.py --gpus 2 --bucket-mb 2048 --json "$out/ws2.json" 2>&1 | tee "$out/ws2.log" | tail -20 ;;
   ckpt)
     timeout 500 python3 bench/ckpt_throughput.py --dir /tmp/ckpt-bench --json "$out/ckpt.json" 2>&1 | tee "$out/ckpt.log" | tail -30 ;;
-  *) echo "usage: gpu_checks.sh tests|train|sync|ckpt" >&2; exit 2 ;;
+  *) echo "usage: gpu_checks.sh tests|megatron|train|sync|ckpt" >&2; exit 2 ;;
 esac
