@@ -25,39 +25,42 @@ from ..algorithms import (
     compute_advantage,
 )
 from ..algorithms.packed import masked_mean
+from ..distributed import Replicas
 from .batch import mini_batches, token_level_scores
 
 
 def forward_outputs(
-    engine: BaseEngine, batch: PackedBatch, key: str, adapter_off: bool = False
-) -> torch.Tensor:
-    """(T,) ``model_output[key]`` of a forward-only pass, on the CPU, in batch order."""
+    engine: BaseEngine,
+    batch: PackedBatch,
+    replicas: Replicas,
+    keys: tuple[str, ...],
+    adapter_off: bool = False,
+) -> dict[str, torch.Tensor]:
+    """``model_output[key]`` (T,) of a forward-only pass for each of ``keys`` the engine returned, on the CPU,
+    in batch order, on every rank (broadcast from the model-parallel source rank)."""
     ctx = engine.disable_adapter() if adapter_off else contextlib.nullcontext()
-    with engine.eval_mode(), ctx:
+    with engine.eval_mode(), ctx, torch.no_grad():
         out = engine.infer_batch(batch)
-    if not engine.is_mp_src_rank_with_outputs() or "model_output" not in out:
-        raise ValueError(
-            "the RL trainer needs outputs on every data-parallel rank; model-parallel layouts "
-            "(megatron TP/PP > 1) are not supported by the RL loop yet: use model_engine=fsdp2"
-        )
-    return out["model_output"][key].detach().float().cpu()
+    outputs = None
+    if engine.is_mp_src_rank_with_outputs():
+        if "model_output" not in out:
+            raise RuntimeError(f"{type(engine).__name__} returned no model_output on its source rank")
+        model_output = out["model_output"]
+        outputs = {k: model_output[k].detach().float().cpu() for k in keys if k in model_output}
+    return replicas.broadcast(outputs)
 
 
-def compute_old_log_probs(actor: BaseEngine, batch: PackedBatch) -> dict[str, float]:
+def compute_old_log_probs(actor: BaseEngine, batch: PackedBatch, replicas: Replicas) -> dict[str, float]:
     """Actor log-probs (and entropy) before the update -> ``fields['old_log_probs']``."""
     batch.meta["calculate_entropy"] = True
-    ctx = actor.eval_mode()
-    with ctx, torch.no_grad():
-        out = actor.infer_batch(batch)
-    batch.meta["calculate_entropy"] = False
-    if "model_output" not in out:
-        raise ValueError("the RL trainer needs outputs on every data-parallel rank (use model_engine=fsdp2)")
-    lp = out["model_output"]["log_probs"].detach().float().cpu()
-    batch.fields["old_log_probs"] = lp * batch.loss_mask
-    entropy = out["model_output"].get("entropy")
+    try:
+        out = forward_outputs(actor, batch, replicas, ("log_probs", "entropy"))
+    finally:
+        batch.meta["calculate_entropy"] = False
+    batch.fields["old_log_probs"] = out["log_probs"] * batch.loss_mask
     metrics = {}
-    if entropy is not None:
-        metrics["actor/entropy"] = float(masked_mean(entropy.detach().float().cpu(), batch.loss_mask))
+    if "entropy" in out:
+        metrics["actor/entropy"] = float(masked_mean(out["entropy"], batch.loss_mask))
     rollout_lp = batch.fields.get("rollout_log_probs")
     if rollout_lp is not None:
         diff = (rollout_lp - batch.fields["old_log_probs"]).abs()
@@ -65,14 +68,15 @@ def compute_old_log_probs(actor: BaseEngine, batch: PackedBatch) -> dict[str, fl
     return metrics
 
 
-def compute_ref_log_probs(ref: BaseEngine, batch: PackedBatch, adapter_off: bool) -> None:
+def compute_ref_log_probs(ref: BaseEngine, batch: PackedBatch, replicas: Replicas, adapter_off: bool) -> None:
     """Reference log-probs -> ``fields['ref_log_probs']`` (a LoRA actor with its adapter off serves as ref)."""
-    batch.fields["ref_log_probs"] = forward_outputs(ref, batch, "log_probs", adapter_off) * batch.loss_mask
+    out = forward_outputs(ref, batch, replicas, ("log_probs",), adapter_off)
+    batch.fields["ref_log_probs"] = out["log_probs"] * batch.loss_mask
 
 
-def compute_values(critic: BaseEngine, batch: PackedBatch) -> None:
+def compute_values(critic: BaseEngine, batch: PackedBatch, replicas: Replicas) -> None:
     """Critic values aligned to the predicting state -> ``fields['values']``."""
-    raw = forward_outputs(critic, batch, "values")
+    raw = forward_outputs(critic, batch, replicas, ("values",))["values"]
     batch.fields["values"] = align_values(raw, batch.cu_seqlens) * batch.loss_mask
 
 
@@ -125,10 +129,12 @@ def update(
     n: int,
     epochs: int,
     dp_size: int,
+    replicas: Replicas,
     generator: torch.Generator | None,
     prefix: str,
 ) -> dict[str, float]:
-    """``epochs`` passes of optimizer steps over mini-batches; metrics averaged over optimizer steps."""
+    """``epochs`` passes of optimizer steps over mini-batches; metrics averaged over optimizer steps and
+    broadcast from the model-parallel source rank (the only one the engine reports them on)."""
     per_step: dict[str, list[float]] = {}
     with engine.train_mode():
         for _ in range(epochs):
@@ -142,6 +148,11 @@ def update(
                 for key, value in step_metrics.items():
                     per_step.setdefault(key, []).append(value)
     lr = engine.lr_scheduler_step()
-    metrics: dict[str, Any] = {k: sum(v) / len(v) for k, v in per_step.items() if v}
+    mine = (
+        {k: sum(v) / len(v) for k, v in per_step.items() if v}
+        if engine.is_mp_src_rank_with_outputs()
+        else None
+    )
+    metrics: dict[str, Any] = replicas.broadcast(mine)
     metrics[f"{prefix}/lr"] = lr
     return metrics

@@ -5,12 +5,19 @@ generate ``rollout.n`` responses each -> reward -> old log-probs (actor) -> refe
 ``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``; a LoRA actor with its adapter off is the reference) ->
 values (critic, for GAE) -> advantages -> critic update -> actor update (after ``trainer.critic_warmup`` steps)
 over ``actor.ppo_mini_batch_size``-prompt mini-batches -> weight sync into the rollout. Sampling is seeded from
-``(trainer.seed, step, rank)``, so a resumed run replays exactly what an uninterrupted one would have done.
+``(trainer.seed, step, data-parallel rank)``, so a resumed run replays exactly what an uninterrupted one would
+have done.
 
 Where this departs from verl: there is no Ray and no separate rollout server; the rollout lives in the trainer
 process (verl's HYBRID mode), and advantages are computed on each rank for its own prompt groups (all n samples
-of a prompt are generated on one rank, so group statistics need no communication). Model-parallel engine
-layouts (Megatron TP/PP > 1) are not wired into this loop yet.
+of a prompt are generated on one rank, so group statistics need no communication).
+
+Model-parallel engine layouts (Megatron TP/PP/CP > 1) put several ranks on one data-parallel rank (a replica
+group, :class:`~posttrain.trainers.distributed.Replicas`); the engine returns outputs and loss metrics on one of
+them. That source rank generates and scores the group's rollouts and broadcasts them, so every rank of the group
+packs the same batch; forward outputs (old / reference log-probs, entropy, values) and update metrics are
+broadcast from it too, so the advantages and the logged metrics are the same on every rank. Every role must use
+the actor's layout.
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ class RLTrainer(StepLoop):
         self._build_engines()
         self.dp_size = self.actor.get_data_parallel_size()
         self.dp_rank = self.actor.get_data_parallel_rank()
+        self.replicas = self._replica_groups()
         self._check_batch_sizes()
         self.rollout = RolloutRegistry.from_entry_points().get_rollout_cls(cfg.rollout.name)(
             cfg.rollout, cfg.model.path, device=self.actor.device
@@ -126,6 +134,17 @@ class RLTrainer(StepLoop):
                 else dataclasses.replace(cfg.critic.model, path=cfg.model.path)
             )
             self.critic = self._new_engine("value_model", cfg.critic, critic_model, cfg.critic.optim)
+
+    def _replica_groups(self) -> pdist.Replicas:
+        """The actor's replica groups; the reference and the critic must share the actor's layout."""
+        replicas = pdist.replica_groups(self.actor)
+        for role, engine in (("ref", self.ref), ("critic", self.critic)):
+            if engine is not None and pdist.engine_layout(engine) != replicas.layout:
+                raise ValueError(
+                    f"{role}.engine has another parallel layout than actor.engine: give both the same "
+                    "strategy and tensor/pipeline/context parallel sizes"
+                )
+        return replicas
 
     def _check_batch_sizes(self) -> None:
         cfg = self.cfg
@@ -200,9 +219,13 @@ class RLTrainer(StepLoop):
     def generate(
         self, prompts: list, validate: bool = False, step: int = 0
     ) -> tuple[list, list[float], list]:
-        """(samples grouped by prompt, scores, data sources)."""
+        """(samples grouped by prompt, scores, data sources), made on the replica group's source rank."""
+        result = self._generate(prompts, validate, step) if self.replicas.is_src else None
+        return self.replicas.broadcast(result)
+
+    def _generate(self, prompts: list, validate: bool, step: int) -> tuple[list, list[float], list]:
         sampling = self.cfg.rollout.sampling(validate=validate)
-        sampling.seed = (self.cfg.trainer.seed * 1_000_003 + step * 7919 + pdist.rank() * 131) % (2**31)
+        sampling.seed = (self.cfg.trainer.seed * 1_000_003 + step * 7919 + self.dp_rank * 131) % (2**31)
         sampling.stop_token_ids = (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
@@ -240,13 +263,15 @@ class RLTrainer(StepLoop):
         batch = build_batch(samples, scores, uids, cfg.rollout.temperature)
         metrics: dict[str, float] = {"train/epoch": epoch}
         with timer("old_log_prob"):
-            metrics.update(phases.compute_old_log_probs(self.actor, batch))
+            metrics.update(phases.compute_old_log_probs(self.actor, batch, self.replicas))
         if self.use_ref:
             with timer("ref"):
-                phases.compute_ref_log_probs(self.ref or self.actor, batch, adapter_off=self.lora_ref)
+                phases.compute_ref_log_probs(
+                    self.ref or self.actor, batch, self.replicas, adapter_off=self.lora_ref
+                )
         if self.critic is not None:
             with timer("values"):
-                phases.compute_values(self.critic, batch)
+                phases.compute_values(self.critic, batch, self.replicas)
         with timer("adv"):
             baselines = (
                 self._remax_baselines(prompts, n, self.global_step)
@@ -262,7 +287,7 @@ class RLTrainer(StepLoop):
     def _update_models(self, batch, timer: Timer) -> dict[str, float]:
         """Critic update, then (after the warmup) actor update and weight sync."""
         cfg, metrics = self.cfg, {}
-        common = {"n": cfg.rollout.n, "dp_size": self.dp_size}
+        common = {"n": cfg.rollout.n, "dp_size": self.dp_size, "replicas": self.replicas}
         if self.critic is not None:
             with timer("update_critic"):
                 metrics.update(
@@ -315,11 +340,12 @@ class RLTrainer(StepLoop):
         return out
 
     def _reduce(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Average every metric over data-parallel ranks (tokens summed) and add throughput."""
+        """Average every metric over ranks (tokens summed over data-parallel ranks) and add throughput; the
+        ranks of a replica group hold the same values, so this is the mean over data-parallel ranks."""
         keys = sorted(metrics)
         values = pdist.all_reduce([metrics[k] for k in keys])
         world = pdist.world_size()
-        out = {k: (v if k == "perf/tokens" else v / world) for k, v in zip(keys, values)}
+        out = {k: v / (self.replicas.size if k == "perf/tokens" else world) for k, v in zip(keys, values)}
         out["perf/tokens_per_s"] = out["perf/tokens"] / max(out["perf/step_s"], 1e-9)
         return out
 

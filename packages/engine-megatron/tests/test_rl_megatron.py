@@ -1,0 +1,129 @@
+"""GRPO through the RL loop on the Megatron engine (CPU, gloo): two ranks with TP=2, and two with PP=2, reproduce
+the one-process TP=1 run step for step (same rollouts and rewards; old and reference log-probs, losses and grad
+norms equal up to float32 reduction order), and both ranks of the model-parallel group hold the same batch.
+
+Sampling is not forced greedy: the rollout's weights are the actor's, which agree across layouts to ~1e-7 after
+an update, so with the same seed the sampled tokens agree unless a draw lands that close to a boundary."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+LAYOUTS = {
+    "tp2": ["actor.engine.tensor_model_parallel_size=2", "ref.engine.tensor_model_parallel_size=2"],
+    "pp2": ["actor.engine.pipeline_model_parallel_size=2", "ref.engine.pipeline_model_parallel_size=2"],
+}
+"""Two-rank layouts (one data-parallel rank each) and the overrides that make them."""
+
+CLOSE = {
+    "actor/loss": 1e-5,
+    "actor/pg_loss": 1e-5,
+    "actor/kl_loss": 1e-5,
+    "actor/ppo_kl": 1e-5,
+    "actor/entropy": 1e-5,
+    "actor/grad_norm": 5e-5,  # TP=2 measured 4e-6 relative (sharded norm), PP=2 2e-8
+}
+"""Logged metrics that agree to float32 noise (relative tolerance, absolute below 1); rewards, response lengths
+and token counts agree exactly."""
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from posttrain.trainers.data.convert import write_parquet
+    from posttrain.trainers.data.synthetic import arithmetic_rows
+    from posttrain.trainers.model_init import init_model
+
+    root = tmp_path_factory.mktemp("rl_megatron")
+    splits = arithmetic_rows(16, 4, digits=1, seed=0)
+    return {
+        "root": root,
+        # "small" has 2 KV heads, so TP=2 divides them, and 4 layers for PP=2
+        "model": init_model(root / "small", arch="qwen2", size="small", seed=0),
+        "train": write_parquet(splits["train"], root / "data" / "train.parquet"),
+    }
+
+
+def _args(assets, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"model.path={assets['model']}",
+        f"data.train_files=[{assets['train']}]",
+        f"trainer.default_local_dir={run_dir}",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(assets, megatron_env):
+    """{layout: (metrics rows, [rank 0 batches, rank 1 batches])} and "tp1" (this process) the same way; the
+    two-rank runs go in the background while the reference runs here."""
+    from rl_megatron_worker import CPU_DEFAULTS, recording
+
+    from posttrain.trainers.logging import read_metrics
+    from posttrain.trainers.main_ppo import run
+
+    worker = Path(__file__).with_name("rl_megatron_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {}
+    for name, layout in LAYOUTS.items():
+        out = assets["root"] / name
+        out.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        cmd += [str(worker), "--record", str(out), *_args(assets, out, "trainer.n_gpus_per_node=2", *layout)]
+        with open(
+            out / "log.txt", "w"
+        ) as log:  # a file, not a pipe: nobody reads until the reference is done
+            procs[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    results = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' thread count: the same CPU kernels sample the same tokens
+    try:
+        store: list = []
+        with recording(store):
+            run([*CPU_DEFAULTS, *_args(assets, assets["root"] / "tp1")], "grpo")
+        results["tp1"] = (read_metrics(assets["root"] / "tp1" / "metrics.jsonl"), [store])
+    finally:
+        torch.set_num_threads(threads)
+        for name, proc in procs.items():
+            proc.wait(timeout=900)
+            log = (assets["root"] / name / "log.txt").read_text()
+            assert proc.returncode == 0, f"{name}:\n{log[-6000:]}"
+    for name in LAYOUTS:
+        out = assets["root"] / name
+        batches = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+        results[name] = (read_metrics(out / "metrics.jsonl"), batches)
+    return results
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_both_ranks_of_a_model_parallel_group_hold_the_same_batch(runs, layout):
+    rank0, rank1 = runs[layout][1]
+    assert len(rank0) == len(rank1) == 2
+    for step0, step1 in zip(rank0, rank1):
+        for key in step0:
+            assert torch.equal(step0[key], step1[key]), key
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_rank_layout_equals_one_process_run(runs, layout):
+    ref_rows, (ref_batches,) = runs["tp1"]
+    rows, (batches, _) = runs[layout]
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [1, 2]
+    for step, (ref, got) in enumerate(zip(ref_batches, batches), start=1):
+        assert torch.equal(ref["input_ids"], got["input_ids"]), f"step {step}: different rollouts"
+        assert torch.equal(ref["score"], got["score"]), step
+        for key in ("old_log_probs", "ref_log_probs"):
+            assert float((ref[key] - got[key]).abs().max()) < 1e-5, (step, key)
+    for ref, got in zip(ref_rows, rows):
+        for key in ("reward/mean", "response_length/mean", "perf/tokens"):
+            assert got[key] == ref[key], (ref["step"], key)
+        for key, tol in CLOSE.items():
+            diff = abs(got[key] - ref[key])
+            assert diff < tol * max(1.0, abs(ref[key])), (ref["step"], key, got[key], ref[key])
