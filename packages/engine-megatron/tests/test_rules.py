@@ -88,9 +88,18 @@ def test_megatron_fsdp_checkpoint_rules(tmp_path):
         _check(tmp_path, ckpt=CheckpointConfig(async_save=True), use_megatron_fsdp=True)
 
 
-def test_lora_not_implemented_is_explicit(tmp_path):
-    with pytest.raises(ValueError, match="lora_rank=8"):
-        _check(tmp_path, model_kw={"lora_rank": 8})
+@pytest.mark.parametrize(
+    ("model_kw", "ckpt", "error", "match"),
+    [
+        ({"lora_adapter_path": "/some/adapter"}, None, ValueError, "lora_adapter_path='/some/adapter'"),
+        ({"target_modules": ["c_attn"]}, None, ValueError, r"\['c_attn'\]"),
+        ({"target_modules": 3}, None, ValueError, "target_modules=3"),
+        ({}, CheckpointConfig(portable=True), NotImplementedError, "portable=true with model.lora_rank=8"),
+    ],
+)
+def test_lora_rules(tmp_path, model_kw, ckpt, error, match):
+    with pytest.raises(error, match=match):
+        _check(tmp_path, ckpt=ckpt, model_kw={"lora_rank": 8, **model_kw})
 
 
 def test_missing_model_dir(tmp_path):

@@ -31,7 +31,7 @@ import torch
 
 from posttrain.core.config import check_checkpoint_for_engine
 
-from . import async_save, build, fsdp_dtensor, portable
+from . import async_save, build, fsdp_dtensor, lora, portable
 
 HF_SIDE_FILES = (
     "config.json",
@@ -63,10 +63,13 @@ def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     return {f"model{i}": build.unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
-def _load_model_state(chunks: list[torch.nn.Module], state: dict[str, Any]) -> None:
+def _load_model_state(
+    chunks: list[torch.nn.Module], state: dict[str, Any], fresh_adapters: bool = False
+) -> None:
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for key, chunk in zip(keys, chunks):
-        build.unwrap(chunk).load_state_dict(state[key], strict=True)
+        module = build.unwrap(chunk)
+        module.load_state_dict(lora.load_keys(module, state[key], fresh_adapters=fresh_adapters), strict=True)
 
 
 def load_model_dist(chunks: list[torch.nn.Module], path: str | os.PathLike, prefix: str = "") -> None:
@@ -84,7 +87,8 @@ def load_model_dist(chunks: list[torch.nn.Module], path: str | os.PathLike, pref
     sharded = model_sharded_state_dict(chunks)
     if prefix:
         sharded = {k: v for k, v in sharded.items() if k.startswith(prefix)}
-    _load_model_state(chunks, dist_checkpointing.load(sharded, str(ckpt)))
+    sharded = {k: lora.drop_adapters(v) for k, v in sharded.items()}  # a base model: adapters start fresh
+    _load_model_state(chunks, dist_checkpointing.load(sharded, str(ckpt)), fresh_adapters=True)
 
 
 def _warn_max_connections(engine: Any) -> None:
@@ -252,6 +256,12 @@ def _load_state(engine: Any, ckpt_dir: Path, contents: list[str]) -> dict[str, A
 def load(engine: Any, local_path: str) -> None:
     """Restore ``checkpoint.load_contents`` from ``local_path/dist_ckpt`` (any TP/PP/DP layout)."""
     if portable.is_portable(local_path):  # HF-keyed: the FSDP engine's, or saved with portable=true
+        if getattr(engine, "lora", None) is not None:
+            raise NotImplementedError(
+                f"{local_path!r} is a portable (HF-keyed) checkpoint and this engine has LoRA: the portable "
+                "layout has no names for Megatron's LoRA adapters; resume LoRA runs from native megatron "
+                "checkpoints (checkpoint.portable=false)"
+            )
         return portable.load(engine, local_path)
     ckpt_dir = Path(local_path) / "dist_ckpt"
     if not ckpt_dir.is_dir():

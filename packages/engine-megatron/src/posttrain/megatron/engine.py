@@ -9,10 +9,14 @@ calls the loss function; the schedule divides each micro-batch loss by the numbe
 loss handed back to it is multiplied by that number and the caller's global token normalisation
 (:class:`posttrain.core.batch.LossContext`) is what decides the gradient scale. Outputs come back, in the
 caller's order, only on ranks where :meth:`is_mp_src_rank_with_outputs` (TP rank 0 of the last stage).
+With ``model.lora_rank > 0`` the chunks carry Megatron-Bridge's LoRA (:mod:`.lora`): only the adapters train,
+:meth:`disable_adapter` runs the base model, and :meth:`get_per_tensor_param` streams merged weights, the base,
+or the adapter under peft's names.
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Any
 
@@ -30,6 +34,7 @@ from posttrain.core.config import McoreEngineConfig
 from posttrain.core.engine import BaseEngine, PerTensorParams
 
 from . import build, checkpoint, offload, rules, vanilla
+from .lora import MegatronLora, rollout_stream
 from .packing import pack_micro_batch, token_outputs
 from .router_replay import RouterReplay
 from .value_head import add_value_head
@@ -39,6 +44,8 @@ class MegatronEngine(BaseEngine):
     """Megatron-Core model + optimizer behind the backend-neutral engine interface."""
 
     is_value_model = False
+    peft_merge = False
+    """Default of ``get_per_tensor_param(peft_merge=...)``: stream LoRA merged into the base weights."""
 
     def initialize(self) -> None:
         cfg = self.engine_config
@@ -52,6 +59,11 @@ class MegatronEngine(BaseEngine):
         self._device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         build.init_model_parallel(cfg, cfg.seed)
         self.router_replay = RouterReplay(cfg.router_replay, cfg.sequence_parallel)
+        self.lora = (
+            MegatronLora(self.model_config, value_model=self.is_value_model)
+            if self.model_config.lora_rank > 0
+            else None
+        )
         self.chunks = self._build_chunks(cfg, on_cuda)
         self._load_initial_weights()
         self.optimizer = None
@@ -69,20 +81,26 @@ class MegatronEngine(BaseEngine):
 
     def _build_chunks(self, cfg: McoreEngineConfig, on_cuda: bool) -> list[torch.nn.Module]:
         """Model chunks through Megatron-Bridge, or the deprecated mbridge with ``vanilla_mbridge``."""
-        hook = add_value_head if self.is_value_model else None
+        hooks = [add_value_head] if self.is_value_model else []
+        if self.lora is not None:
+            hooks.append(self.lora.apply)  # after the value head, so the head can be left trainable
         path, remote = self.model_config.path, self.model_config.trust_remote_code
         if cfg.vanilla_mbridge:
             self.provider = None
             self.bridge = vanilla.VanillaBridge(path, cfg, on_cuda=on_cuda, trust_remote_code=remote)
             return self.bridge.build_model(
-                wrap_with_ddp=not cfg.forward_only, on_cuda=on_cuda, value_head=hook
+                wrap_with_ddp=not cfg.forward_only, on_cuda=on_cuda, value_head=hooks[0] if hooks else None
             )
         self.bridge = build.make_bridge(path, remote)
         self.provider = build.make_provider(
             self.bridge, cfg, on_cuda=on_cuda, router_replay=self.router_replay.enabled
         )
         return build.build_model(
-            self.provider, cfg, wrap_with_ddp=not cfg.forward_only, on_cuda=on_cuda, pre_wrap_hook=hook
+            self.provider,
+            cfg,
+            wrap_with_ddp=not cfg.forward_only,
+            on_cuda=on_cuda,
+            pre_wrap_hook=hooks or None,
         )
 
     def _load_initial_weights(self) -> None:
@@ -329,17 +347,36 @@ class MegatronEngine(BaseEngine):
             )
 
     # ------------------------------------------------------------------ weights and checkpoints
-    def get_per_tensor_param(self, **kwargs: Any) -> PerTensorParams:
+    def get_per_tensor_param(
+        self,
+        base_sync_done: bool = False,
+        dtype: torch.dtype | str | None = None,
+        peft_merge: bool | None = None,
+        **kwargs: Any,
+    ) -> PerTensorParams:
+        """Lazy (HF name, full tensor) stream (in ``dtype`` when given) and the peft config or None.
+
+        Without LoRA: every weight. With LoRA and ``peft_merge`` (default :attr:`peft_merge`): base weights with
+        the adapter merged. Otherwise the base weights when ``base_sync_done`` is False and only the adapter
+        tensors (peft names) when it is True, with the peft config dict. Every rank must consume it."""
         if self.is_value_model:
             raise ValueError(
                 "get_per_tensor_param on a value model: only policy weights are synced to rollouts"
             )
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
         if self._export_tasks is None:
             self._export_tasks = self.bridge.get_conversion_tasks(self.chunks)
-        stream = self.bridge.export_hf_weights(
-            self.chunks, cpu=False, show_progress=False, conversion_tasks=self._export_tasks
+        merge = self.lora is None or (self.peft_merge if peft_merge is None else peft_merge)
+        adapter_only = self.lora is not None and base_sync_done and not merge
+        stream = rollout_stream(
+            self.bridge, self.chunks, self._export_tasks, merge=merge, adapter_only=adapter_only, dtype=dtype
         )
-        return ((name, tensor) for name, tensor in stream), None
+        return stream, None if merge else self.lora.peft_config()
+
+    def disable_adapter(self) -> contextlib.AbstractContextManager[Any]:
+        """Inside the context the model runs as its base model (a LoRA actor is its own reference)."""
+        return contextlib.nullcontext() if self.lora is None else self.lora.disable_adapter(self.chunks)
 
     def save_checkpoint(
         self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None, **kwargs: Any

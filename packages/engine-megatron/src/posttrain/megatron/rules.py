@@ -16,7 +16,7 @@ from posttrain.core.config import (
     check_checkpoint_for_engine,
 )
 
-from . import _deps, vanilla
+from . import _deps, lora, vanilla
 
 
 def _hf_config(model: ModelConfig) -> dict:
@@ -117,8 +117,25 @@ def check_engine(
             "runs packed THD micro-batches): set engine.use_remove_padding=true"
         )
     if model.lora_rank > 0:
-        raise ValueError(
-            f"model.lora_rank={model.lora_rank}: LoRA through Megatron-Bridge's PEFT is not "
-            "implemented in the megatron engine yet; use the fsdp engine for LoRA or set lora_rank=0"
-        )
+        _check_lora(cfg, ckpt, model)
     check_layout(cfg, _hf_config(model))
+
+
+def _check_lora(cfg: McoreEngineConfig, checkpoint: CheckpointConfig, model: ModelConfig) -> None:
+    lora.check_config(model)
+    if cfg.vanilla_mbridge:
+        raise ValueError(
+            f"model.lora_rank={model.lora_rank} with engine.vanilla_mbridge=true: LoRA goes through "
+            "Megatron-Bridge's PEFT; set engine.vanilla_mbridge=false"
+        )
+    if cfg.use_megatron_fsdp:
+        raise ValueError(
+            f"model.lora_rank={model.lora_rank} with engine.use_megatron_fsdp=true is untested with "
+            "Megatron-Bridge's LoRA: set engine.use_megatron_fsdp=false"
+        )
+    if checkpoint.portable:
+        raise NotImplementedError(
+            f"checkpoint.portable=true with model.lora_rank={model.lora_rank}: the HF-keyed portable layout "
+            "has no names for the Megatron LoRA adapters; set checkpoint.portable=false (the native "
+            "dist_ckpt saves the adapters)"
+        )
