@@ -1,9 +1,12 @@
-"""torchrun worker for the 2-rank LoRA test: a TP=2 (sequence parallel) LoRA engine against HF + peft.
+"""torchrun worker for the 2-rank LoRA tests: LoRA engines at TP=2 (sequence parallel) and at PP=2 against HF + peft.
 
-Usage: ``torchrun --nproc-per-node 2 lora_worker.py HF_DIR OUT_DIR``. After one training step, rank 0 loads the
-adapter stream into peft on the HF model and writes ``OUT_DIR/results.json``: the largest differences between
-the engine's log-probs and peft's, between the merged stream and peft's ``merge_and_unload``, and between the
-engine inside ``disable_adapter()`` and the HF base model; plus how far the adapter moves the log-probs.
+Usage: ``torchrun --nproc-per-node 2 lora_worker.py HF_DIR OUT_DIR``. For each layout, after one training step,
+the rank that holds the outputs (TP rank 0 of the last pipeline stage) loads the adapter stream into peft on
+the HF model and records the largest differences between the engine's log-probs and peft's, between the merged
+stream and peft's ``merge_and_unload``, and between the engine inside ``disable_adapter()`` and the HF base
+model; plus how far the adapter moves the log-probs, the layers the adapter stream covers and whether every
+rank streamed the same names and config; then that a PP=2 selection which leaves the first stage without an
+adapter is refused on every rank. Each rank writes ``OUT_DIR/results_rank<r>.json`` ({layout: ...}).
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+LAYOUTS = {
+    "tp2": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    "pp2": dict(pipeline_model_parallel_size=2),
+}
 
 
 def _log_probs(eng, batch):
@@ -32,20 +40,20 @@ def _peft_reference(hf_path, adapter, config):
     )
     result = set_peft_model_state_dict(model, adapter)
     assert not result.unexpected_keys, result.unexpected_keys
+    assert not [k for k in result.missing_keys if ".lora_" in k], result.missing_keys
     return model
 
 
-def main(hf_path: str, out_dir: str) -> None:
-    from megatron_cpu import hf_log_probs, nll_loss, prepare_environment, sample_batch
-    from test_lora import make_lora_engine
+def _same_on_all_ranks(value) -> bool:
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, value)
+    return all(g == gathered[0] for g in gathered)
 
-    prepare_environment()
-    torch.distributed.init_process_group("gloo")
-    import megatron.bridge.peft.utils as peft_utils
 
-    peft_utils.HAVE_TE = False  # see test_lora.lora_env
-    batch = sample_batch()
-    eng = make_lora_engine(hf_path, tensor_model_parallel_size=2, sequence_parallel=True)
+def _compare(hf_path, batch, eng) -> dict | None:
+    """Train one step, stream the adapter and the merged weights (every rank), compare on the output rank."""
+    from megatron_cpu import hf_log_probs, nll_loss
+
     with eng.train_mode():
         eng.train_batch(batch, nll_loss)
     ours = _log_probs(eng, batch)
@@ -54,22 +62,55 @@ def main(hf_path: str, out_dir: str) -> None:
     stream, config = eng.get_per_tensor_param(base_sync_done=True)
     adapter = {k: v.cpu() for k, v in stream}
     merged = {k: v.cpu() for k, v in eng.get_per_tensor_param(peft_merge=True)[0]}
-    if torch.distributed.get_rank() == 0:
-        model = _peft_reference(hf_path, adapter, config)
-        with torch.no_grad():
-            ref = hf_log_probs(model, batch)
-            with model.disable_adapter():
-                ref_base = hf_log_probs(model, batch)
-        ref_merged = model.merge_and_unload().state_dict()
-        results = {
-            "logprob_maxdiff": float((ours - ref).abs().max()),
-            "base_logprob_maxdiff": float((ours_base - ref_base).abs().max()),
-            "adapter_effect": float((ref - ref_base).abs().max()),
-            "merged_maxdiff": max(float((merged[k] - v).abs().max()) for k, v in ref_merged.items()),
-            "merged_names_equal": sorted(merged) == sorted(ref_merged),
-        }
-        with open(os.path.join(out_dir, "results.json"), "w") as f:
-            json.dump(results, f)
+    same = _same_on_all_ranks(
+        (sorted(adapter), sorted(merged), json.dumps(config, sort_keys=True, default=str))
+    )
+    if ours is None:
+        return None
+    model = _peft_reference(hf_path, adapter, config)
+    with torch.no_grad():
+        ref = hf_log_probs(model, batch)
+        with model.disable_adapter():
+            ref_base = hf_log_probs(model, batch)
+    ref_merged = model.merge_and_unload().state_dict()
+    return {
+        "logprob_maxdiff": float((ours - ref).abs().max()),
+        "base_logprob_maxdiff": float((ours_base - ref_base).abs().max()),
+        "adapter_effect": float((ref - ref_base).abs().max()),
+        "merged_maxdiff": max(float((merged[k] - v).abs().max()) for k, v in ref_merged.items()),
+        "merged_names_equal": sorted(merged) == sorted(ref_merged),
+        "adapter_layers": sorted({int(k.split(".layers.")[1].split(".")[0]) for k in adapter}),
+        "same_streams_on_all_ranks": same,
+    }
+
+
+def main(hf_path: str, out_dir: str) -> None:
+    from megatron_cpu import prepare_environment, sample_batch
+    from test_lora import make_lora_engine
+
+    prepare_environment()
+    torch.distributed.init_process_group("gloo")
+    from megatron.core import parallel_state as mpu
+
+    results = {}
+    for layout, engine_kw in LAYOUTS.items():
+        eng = make_lora_engine(hf_path, **engine_kw)
+        found = _compare(hf_path, sample_batch(), eng)
+        if found is not None:
+            results[layout] = found
+        with open(os.path.join(out_dir, f"results_rank{torch.distributed.get_rank()}.json"), "w") as f:
+            json.dump(results, f, indent=1)  # what this rank has so far (a later failure keeps it)
+        del eng
+        mpu.destroy_model_parallel()
+    try:  # the first pipeline stage would hold no adapter (nothing to train): refused on every rank
+        only_last = dict(target_modules=["model.layers.1.mlp.down_proj"])
+        make_lora_engine(hf_path, model_kw=only_last, pipeline_model_parallel_size=2)
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    results[f"pp2_idle_stage_error_rank{torch.distributed.get_rank()}"] = error
+    with open(os.path.join(out_dir, f"results_rank{torch.distributed.get_rank()}.json"), "w") as f:
+        json.dump(results, f, indent=1)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

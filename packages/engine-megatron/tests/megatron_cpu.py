@@ -4,8 +4,9 @@ Megatron-Core 0.19 hard-codes ``torch.cuda`` calls (current device, seeding, RNG
 and Megatron-Bridge imports ``transformer_engine.pytorch`` unconditionally. For CPU tests (and for GPU runs on a
 machine without Transformer Engine) this module redirects those few calls to their CPU equivalents and
 registers an empty Transformer Engine stand-in *after* ``megatron.core.models.gpt.gpt_layer_specs`` has been
-imported, so Megatron-Core has already recorded that TE is absent and builds local (non-TE) layers. The
-posttrain package itself never does either; only tests and benchmarks call this.
+imported, so Megatron-Core has already recorded that TE is absent and builds local (non-TE) layers, and tells
+Megatron-Bridge's PEFT (LoRA) that TE is absent too. The posttrain package itself never does any of this; only
+tests and benchmarks call this.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def _stub_module(name: str) -> types.ModuleType:
 
 
 def install_te_standin() -> None:
-    """Register an empty ``transformer_engine`` after Megatron-Core decided it has no TE."""
+    """Register an empty ``transformer_engine`` after Megatron-Core decided it has no TE, then tell the bridge's
+    PEFT that TE is absent: without TE, Megatron-Core exports mock TE linear classes, which the PEFT would
+    pass to ``isinstance`` when it wraps a linear (LoRA). Nothing changes where a real TE was imported."""
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401  (records HAVE_TE=False first)
 
     if "transformer_engine" in sys.modules:
@@ -63,6 +66,9 @@ def install_te_standin() -> None:
     te.pytorch.ops = _stub_module("transformer_engine.pytorch.ops")
     te.common = _stub_module("transformer_engine.common")
     te.common.recipe = _stub_module("transformer_engine.common.recipe")
+    import megatron.bridge.peft.utils as peft_utils  # imports the bridge (needs the stand-in above)
+
+    peft_utils.HAVE_TE = False
 
 
 class _CpuStream:

@@ -3,8 +3,10 @@
 
 Usage: ``torchrun --standalone --nproc-per-node N rl_megatron_worker.py [--record DIR] [posttrain grpo args]``.
 The arguments extend :data:`CPU_DEFAULTS` (float32 megatron actor and reference, HF rollout, a two-step run with
-small batches, :func:`digit_share` as the reward). With ``--record DIR`` each rank writes ``DIR/rank<r>.pt``: per
-step, the packed batch as the advantage phase gets it (input ids, scores, old and reference log-probs).
+small batches, :func:`digit_share` as the reward); ``algorithm.adv_estimator=gae`` makes it PPO with a critic
+(``grpo`` only sets the estimator's default). With ``--record DIR`` each rank writes ``DIR/rank<r>.pt``: per
+step, the packed batch as the advantage phase gets it (input ids, scores, old and reference log-probs, and
+with a critic its values) and the advantages and returns it computed.
 """
 
 from __future__ import annotations
@@ -58,21 +60,25 @@ def digit_share(data_source, solution_str, ground_truth, extra_info=None) -> flo
 
 @contextlib.contextmanager
 def recording(store: list[dict[str, torch.Tensor]]) -> Iterator[None]:
-    """Append a copy of each step's batch, as the advantage phase gets it, to ``store``."""
+    """Append a copy of each step's batch, as the advantage phase gets it (with a critic: its values), and
+    the advantages and returns the phase computed, to ``store``."""
     from posttrain.trainers.rl import phases
 
     original = phases.compute_advantages
 
     def compute_advantages(batch, *args, **kwargs):
-        store.append(
-            {
-                "input_ids": batch.input_ids.clone(),
-                "score": batch.seq_fields["score"].clone(),
-                "old_log_probs": batch.fields["old_log_probs"].clone(),
-                "ref_log_probs": batch.fields["ref_log_probs"].clone(),
-            }
-        )
-        return original(batch, *args, **kwargs)
+        record = {
+            "input_ids": batch.input_ids.clone(),
+            "score": batch.seq_fields["score"].clone(),
+            "old_log_probs": batch.fields["old_log_probs"].clone(),
+            "ref_log_probs": batch.fields["ref_log_probs"].clone(),
+        }
+        metrics = original(batch, *args, **kwargs)
+        for key in ("values", "advantages", "returns"):  # values only with a critic (GAE)
+            if key in batch.fields:
+                record[key] = batch.fields[key].clone()
+        store.append(record)
+        return metrics
 
     phases.compute_advantages = compute_advantages
     try:

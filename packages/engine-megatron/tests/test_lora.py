@@ -1,4 +1,4 @@
-"""LoRA in the megatron engine (one CPU process, TP=1) against Hugging Face transformers + peft.
+"""LoRA in the megatron engine (one CPU process, TP=1; 2 gloo ranks at TP=2 and PP=2) against transformers + peft.
 
 One engine is trained for one step (so the adapter's B is non-zero); its adapter stream is loaded into peft on
 the HF model, which is the reference for the engine's log-probs, its merged stream and its base model.
@@ -18,18 +18,6 @@ import torch
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA = 4, 8
-
-
-@pytest.fixture(scope="module")
-def lora_env(megatron_env):
-    """Without Transformer Engine, Megatron-Core exports MagicMocks for the TE linears; tell the bridge's PEFT
-    (which would pass them to isinstance) that TE is absent. Test environment only, like megatron_cpu."""
-    import megatron.bridge.peft.utils as peft_utils
-
-    from posttrain.megatron import _deps
-
-    if not _deps.has_transformer_engine():
-        peft_utils.HAVE_TE = False
 
 
 def make_lora_engine(path: str, *, model_kw=None, cls_name="MegatronLanguageModelEngine", **engine_kw):
@@ -55,7 +43,7 @@ def _params(eng) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def trained(lora_env, tiny_qwen2):
+def trained(megatron_env, tiny_qwen2):
     """(engine after one step, parameters before it, requires_grad per parameter)."""
     from megatron_cpu import nll_loss, sample_batch
 
@@ -169,7 +157,7 @@ def test_checkpoint_round_trip_keeps_the_adapter(trained, tiny_qwen2, tmp_path):
         torch.testing.assert_close(_params(fresh)[name], tensor, atol=1e-7, rtol=0, msg=name)
 
 
-def test_base_dist_ckpt_loads_under_fresh_adapters(lora_env, tiny_qwen2, tmp_path):
+def test_base_dist_ckpt_loads_under_fresh_adapters(megatron_env, tiny_qwen2, tmp_path):
     from megatron_cpu import make_engine
     from transformers import AutoModelForCausalLM
 
@@ -190,14 +178,14 @@ def test_base_dist_ckpt_loads_under_fresh_adapters(lora_env, tiny_qwen2, tmp_pat
         assert torch.equal(exported[name], tensor), name
 
 
-def test_value_model_trains_adapters_and_its_head(lora_env, tiny_qwen2):
+def test_value_model_trains_adapters_and_its_head(megatron_env, tiny_qwen2):
     eng = make_lora_engine(tiny_qwen2, cls_name="MegatronValueModelEngine")
     trainable = sorted(n for n, p in eng.chunks[0].named_parameters() if p.requires_grad)
     assert trainable and all(".adapter." in n or ".output_layer." in n for n in trainable)
     assert any(".output_layer." in n for n in trainable)
 
 
-def test_target_and_exclude_modules_map_to_megatron_linears(lora_env, tiny_qwen2):
+def test_target_and_exclude_modules_map_to_megatron_linears(megatron_env, tiny_qwen2):
     eng = make_lora_engine(
         tiny_qwen2,
         model_kw=dict(
@@ -220,7 +208,7 @@ def test_target_and_exclude_modules_map_to_megatron_linears(lora_env, tiny_qwen2
     ]
 
 
-def test_selecting_no_linear_is_a_value_error(lora_env, tiny_qwen2):
+def test_selecting_no_linear_is_a_value_error(megatron_env, tiny_qwen2):
     with pytest.raises(ValueError, match="selects no linear layer"):
         make_lora_engine(
             tiny_qwen2,
@@ -229,21 +217,44 @@ def test_selecting_no_linear_is_a_value_error(lora_env, tiny_qwen2):
         )
 
 
-@pytest.mark.dist
-def test_tp2_lora_equals_hf_peft(tiny_qwen2, tmp_path):
-    """TP=2 with sequence parallelism on 2 gloo ranks (``lora_worker.py``): sharded adapters, gathered streams."""
+@pytest.fixture(scope="module")
+def two_rank_results(tiny_qwen2, tmp_path_factory):
+    """``lora_worker.py`` on 2 gloo ranks: TP=2 with sequence parallelism, then PP=2 (one layer per stage)."""
+    out = tmp_path_factory.mktemp("lora_dist")
     worker = Path(__file__).with_name("lora_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     proc = subprocess.run(
-        [*cmd, str(worker), tiny_qwen2, str(tmp_path)],
+        [*cmd, str(worker), tiny_qwen2, str(out)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = {}
+    for rank in (0, 1):
+        results.update(json.loads((out / f"results_rank{rank}.json").read_text()))
+    return results
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_two_rank_lora_equals_hf_peft(two_rank_results, layout):
+    """Sharded (TP) or staged (PP) adapters: the gathered adapter stream and peft config load into peft and give
+    the engine's log-probs; the merged stream equals ``merge_and_unload``; every rank streams the same."""
+    results = two_rank_results[layout]
+    assert results["adapter_layers"] == [0, 1]  # both pipeline stages' adapters are in the stream
+    assert results["same_streams_on_all_ranks"]
     assert results["adapter_effect"] > 1e-3
     assert results["logprob_maxdiff"] < 1e-5
     assert results["base_logprob_maxdiff"] < 1e-5
     assert results["merged_names_equal"] and results["merged_maxdiff"] < 1e-6
+
+
+@pytest.mark.dist
+def test_pp2_stage_without_adapter_is_refused(two_rank_results):
+    """Adapting only layer 1 leaves the first of two stages nothing to train (Megatron-Core's first grad
+    clipping would hang there): every rank raises the same ValueError instead."""
+    errors = {two_rank_results[f"pp2_idle_stage_error_rank{r}"] for r in (0, 1)}
+    assert len(errors) == 1
+    assert "rank(s) [0]" in errors.pop()

@@ -1,6 +1,8 @@
-"""GRPO through the RL loop on the Megatron engine (CPU, gloo): two ranks with TP=2, and two with PP=2, reproduce
-the one-process TP=1 run step for step (same rollouts and rewards; old and reference log-probs, losses and grad
-norms equal up to float32 reduction order), and both ranks of the model-parallel group hold the same batch.
+"""The RL loop on the Megatron engine (CPU, gloo): two ranks with TP=2, and two with PP=2, reproduce the
+one-process TP=1 GRPO run step for step (same rollouts and rewards; old and reference log-probs, losses and grad
+norms equal up to float32 reduction order), and both ranks of the model-parallel group hold the same batch. PPO
+with a critic (GAE) does the same at TP=2 (actor, reference and critic): the critic's values, the advantages and
+returns made from them, and the critic's loss metrics equal the TP=1 run's.
 
 Sampling is not forced greedy: the rollout's weights are the actor's, which agree across layouts to ~1e-7 after
 an update, so with the same seed the sampled tokens agree unless a draw lands that close to a boundary."""
@@ -21,7 +23,24 @@ LAYOUTS = {
     "tp2": ["actor.engine.tensor_model_parallel_size=2", "ref.engine.tensor_model_parallel_size=2"],
     "pp2": ["actor.engine.pipeline_model_parallel_size=2", "ref.engine.pipeline_model_parallel_size=2"],
 }
-"""Two-rank layouts (one data-parallel rank each) and the overrides that make them."""
+"""Two-rank GRPO layouts (one data-parallel rank each) and the overrides that make them."""
+
+PPO = [
+    "algorithm.adv_estimator=gae",
+    "critic.ppo_mini_batch_size=2",
+    "critic.engine.dtype=float32",
+    "critic.engine.max_token_len_per_gpu=4096",
+    "critic.optim.lr=1e-3",
+]
+"""PPO with a critic (GAE) on top of the GRPO defaults: the same actor and reference, plus a float32 critic
+built from the actor's (tied) model, which the engine unties, with a fresh value head."""
+
+PPO_LAYOUTS = {
+    "ppo_tp2": [*LAYOUTS["tp2"], "critic.engine.tensor_model_parallel_size=2"],
+    "ppo_pp2": [*LAYOUTS["pp2"], "critic.engine.pipeline_model_parallel_size=2"],
+}
+"""Two-rank PPO layouts: every role must use the actor's layout. PP=2 checks that the fresh value head is the
+same at every layout (it is drawn from the engine seed, not from the default generator)."""
 
 CLOSE = {
     "actor/loss": 1e-5,
@@ -33,6 +52,26 @@ CLOSE = {
 }
 """Logged metrics that agree to float32 noise (relative tolerance, absolute below 1); rewards, response lengths
 and token counts agree exactly."""
+
+CRITIC_CLOSE = {
+    "critic/loss": 1e-5,
+    "critic/vf_loss": 1e-5,  # TP=2 measured 2e-6 relative
+    "critic/vpred_mean": 1e-5,
+    "critic/vf_clipfrac": 1e-5,  # a share of tokens: equal unless a prediction lands on the clip boundary
+    "critic/grad_norm": 5e-5,  # TP=2 measured 3e-6 relative
+    "critic/returns/mean": 1e-5,
+    "critic/advantages/mean": 1e-5,
+}
+"""The critic's metrics in a PPO run, as :data:`CLOSE`."""
+
+FIELDS_CLOSE = {
+    "old_log_probs": 1e-5,
+    "ref_log_probs": 1e-5,
+    "values": 1e-5,  # TP=2 measured 3e-6 after one critic update
+    "returns": 1e-5,
+    "advantages": 2e-4,  # whitened: the values' noise over the batch's spread; TP=2 measured 6e-5
+}
+"""Per-token batch fields (absolute tolerance); ``values`` only in PPO runs."""
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +99,10 @@ def _args(assets, run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="module")
-def runs(assets, megatron_env):
-    """{layout: (metrics rows, [rank 0 batches, rank 1 batches])} and "tp1" (this process) the same way; the
-    two-rank runs go in the background while the reference runs here."""
+def _layout_runs(assets, reference: str, layouts: dict[str, list[str]], extra: list[str]) -> dict:
+    """{name: (metrics rows, [rank 0 batches, rank 1 batches])} for each two-rank layout, and ``reference``
+    (TP=1, this process) the same way with one list of batches; the two-rank runs go in the background while
+    the reference runs here. ``extra`` goes to every run."""
     from rl_megatron_worker import CPU_DEFAULTS, recording
 
     from posttrain.trainers.logging import read_metrics
@@ -72,11 +111,12 @@ def runs(assets, megatron_env):
     worker = Path(__file__).with_name("rl_megatron_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {}
-    for name, layout in LAYOUTS.items():
+    for name, layout in layouts.items():
         out = assets["root"] / name
         out.mkdir()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        cmd += [str(worker), "--record", str(out), *_args(assets, out, "trainer.n_gpus_per_node=2", *layout)]
+        cmd += [str(worker), "--record", str(out)]
+        cmd += _args(assets, out, *extra, "trainer.n_gpus_per_node=2", *layout)
         with open(
             out / "log.txt", "w"
         ) as log:  # a file, not a pipe: nobody reads until the reference is done
@@ -87,43 +127,71 @@ def runs(assets, megatron_env):
     try:
         store: list = []
         with recording(store):
-            run([*CPU_DEFAULTS, *_args(assets, assets["root"] / "tp1")], "grpo")
-        results["tp1"] = (read_metrics(assets["root"] / "tp1" / "metrics.jsonl"), [store])
+            run([*CPU_DEFAULTS, *_args(assets, assets["root"] / reference, *extra)], "grpo")
+        results[reference] = (read_metrics(assets["root"] / reference / "metrics.jsonl"), [store])
     finally:
         torch.set_num_threads(threads)
         for name, proc in procs.items():
             proc.wait(timeout=900)
             log = (assets["root"] / name / "log.txt").read_text()
             assert proc.returncode == 0, f"{name}:\n{log[-6000:]}"
-    for name in LAYOUTS:
+    for name in layouts:
         out = assets["root"] / name
         batches = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
         results[name] = (read_metrics(out / "metrics.jsonl"), batches)
     return results
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_both_ranks_of_a_model_parallel_group_hold_the_same_batch(runs, layout):
-    rank0, rank1 = runs[layout][1]
+@pytest.fixture(scope="module")
+def runs(assets, megatron_env):
+    """GRPO: the two-rank :data:`LAYOUTS` and their TP=1 reference "tp1" (see :func:`_layout_runs`)."""
+    return _layout_runs(assets, "tp1", LAYOUTS, [])
+
+
+@pytest.fixture(scope="module")
+def ppo_runs(assets, megatron_env):
+    """PPO with a critic: the two-rank :data:`PPO_LAYOUTS` and their TP=1 reference "ppo_tp1"."""
+    return _layout_runs(assets, "ppo_tp1", PPO_LAYOUTS, PPO)
+
+
+def _results(request, layout: str) -> tuple[dict, str]:
+    """(the runs holding ``layout``, the name of their TP=1 reference)."""
+    if layout in PPO_LAYOUTS:
+        return request.getfixturevalue("ppo_runs"), "ppo_tp1"
+    return request.getfixturevalue("runs"), "tp1"
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, *PPO_LAYOUTS])
+def test_both_ranks_of_a_model_parallel_group_hold_the_same_batch(request, layout):
+    results, _ = _results(request, layout)
+    rank0, rank1 = results[layout][1]
     assert len(rank0) == len(rank1) == 2
     for step0, step1 in zip(rank0, rank1):
+        assert step0.keys() == step1.keys()
         for key in step0:
             assert torch.equal(step0[key], step1[key]), key
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_two_rank_layout_equals_one_process_run(runs, layout):
-    ref_rows, (ref_batches,) = runs["tp1"]
-    rows, (batches, _) = runs[layout]
+@pytest.mark.parametrize("layout", [*LAYOUTS, *PPO_LAYOUTS])
+def test_two_rank_layout_equals_one_process_run(request, layout):
+    results, reference = _results(request, layout)
+    ref_rows, (ref_batches,) = results[reference]
+    rows, (batches, _) = results[layout]
+    ppo = layout in PPO_LAYOUTS
     assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [1, 2]
     for step, (ref, got) in enumerate(zip(ref_batches, batches), start=1):
+        assert ref.keys() == got.keys(), step
+        assert ("values" in ref) == ppo, step
         assert torch.equal(ref["input_ids"], got["input_ids"]), f"step {step}: different rollouts"
         assert torch.equal(ref["score"], got["score"]), step
-        for key in ("old_log_probs", "ref_log_probs"):
-            assert float((ref[key] - got[key]).abs().max()) < 1e-5, (step, key)
+        for key, tol in FIELDS_CLOSE.items():
+            if key in ref:
+                diff = float((ref[key] - got[key]).abs().max())
+                assert diff < tol, (step, key, diff)
+    close = {**CLOSE, **CRITIC_CLOSE} if ppo else CLOSE
     for ref, got in zip(ref_rows, rows):
         for key in ("reward/mean", "response_length/mean", "perf/tokens"):
             assert got[key] == ref[key], (ref["step"], key)
-        for key, tol in CLOSE.items():
+        for key, tol in close.items():
             diff = abs(got[key] - ref[key])
             assert diff < tol * max(1.0, abs(ref[key])), (ref["step"], key, got[key], ref[key])

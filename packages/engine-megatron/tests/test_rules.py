@@ -102,6 +102,11 @@ def test_lora_rules(tmp_path, model_kw, ckpt, error, match):
         _check(tmp_path, ckpt=ckpt, model_kw={"lora_rank": 8, **model_kw})
 
 
+def test_hf_override_config_is_refused_with_the_megatron_field(tmp_path):
+    with pytest.raises(ValueError, match="override_transformer_config"):
+        _check(tmp_path, model_kw={"override_config": {"tie_word_embeddings": False}})
+
+
 def test_missing_model_dir(tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
         rules.check_engine(

@@ -102,8 +102,18 @@ def _set_checked(obj: Any, overrides: dict[str, Any], key: str) -> None:
         setattr(obj, name, value)
 
 
-def make_provider(bridge: Any, cfg: McoreEngineConfig, *, on_cuda: bool, router_replay: bool = False) -> Any:
-    """The bridge's model provider with posttrain's layout, dtype, layer spec and user overrides, finalized."""
+def make_provider(
+    bridge: Any,
+    cfg: McoreEngineConfig,
+    *,
+    on_cuda: bool,
+    router_replay: bool = False,
+    value_model: bool = False,
+) -> Any:
+    """The bridge's model provider with posttrain's layout, dtype, layer spec and user overrides, finalized.
+
+    A value model never ties its output layer to the embeddings (the value head replaces that layer), even
+    when the HF config ties them."""
     provider = bridge.to_megatron_provider(load_weights=False)
     dtype = TORCH_DTYPES[cfg.dtype]
     use_te = _deps.has_transformer_engine()
@@ -141,6 +151,8 @@ def make_provider(bridge: Any, cfg: McoreEngineConfig, *, on_cuda: bool, router_
         provider.gradient_accumulation_fusion = False
     if router_replay:
         provider.moe_enable_routing_replay = True
+    if value_model:
+        provider.share_embeddings_and_output_weights = False
     _set_checked(provider, cfg.override_transformer_config, "override_transformer_config")
     provider.finalize()
     return provider

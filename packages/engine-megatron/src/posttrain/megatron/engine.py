@@ -17,6 +17,7 @@ or the adapter under peft's names.
 from __future__ import annotations
 
 import contextlib
+import functools
 from functools import partial
 from typing import Any
 
@@ -81,7 +82,7 @@ class MegatronEngine(BaseEngine):
 
     def _build_chunks(self, cfg: McoreEngineConfig, on_cuda: bool) -> list[torch.nn.Module]:
         """Model chunks through Megatron-Bridge, or the deprecated mbridge with ``vanilla_mbridge``."""
-        hooks = [add_value_head] if self.is_value_model else []
+        hooks = [functools.partial(add_value_head, seed=cfg.seed)] if self.is_value_model else []
         if self.lora is not None:
             hooks.append(self.lora.apply)  # after the value head, so the head can be left trainable
         path, remote = self.model_config.path, self.model_config.trust_remote_code
@@ -93,7 +94,11 @@ class MegatronEngine(BaseEngine):
             )
         self.bridge = build.make_bridge(path, remote)
         self.provider = build.make_provider(
-            self.bridge, cfg, on_cuda=on_cuda, router_replay=self.router_replay.enabled
+            self.bridge,
+            cfg,
+            on_cuda=on_cuda,
+            router_replay=self.router_replay.enabled,
+            value_model=self.is_value_model,
         )
         return build.build_model(
             self.provider,

@@ -129,13 +129,27 @@ def _has_submodule(module: torch.nn.Module, path: str) -> bool:
     return True
 
 
-def _all_ranks(names: list[str]) -> list[str]:
-    """The union of ``names`` over all ranks (pipeline stages hold different layers)."""
+def _all_ranks(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (pipeline stages hold different layers)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return sorted(set(names))
+        return [obj]
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, names)
-    return sorted({n for part in gathered for n in part})
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _check_every_rank_trains(model: ModelConfig, trains: list[bool]) -> None:
+    """Refuse a selection that leaves a pipeline stage without a trainable parameter: Megatron-Core 0.19's
+    first gradient clipping runs a collective (``has_grad_norm_group``) only on ranks that hold parameters,
+    so the training step would hang."""
+    idle = [rank for rank, t in enumerate(trains) if not t]
+    if idle:
+        raise ValueError(
+            f"model.target_modules={model.target_modules!r} with exclude_modules={model.exclude_modules!r} "
+            f"adapts no linear layer on the pipeline stage(s) of rank(s) {idle}, which would then have "
+            "nothing to train (and Megatron-Core's gradient clipping would hang): select a linear in "
+            "every stage's layers (e.g. target_modules=all-linear), or lower pipeline_model_parallel_size"
+        )
 
 
 def _adapter_wrappers(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -165,20 +179,23 @@ class MegatronLora:
         from megatron.bridge.peft.lora import LoRA
 
         chosen, hf_names = _select(self.model, chunks)
-        self.hf_modules = _all_ranks(hf_names)
+        head = self.value_model and any(getattr(c, "output_layer", None) is not None for c in chunks)
+        per_rank = _all_ranks((hf_names, bool(chosen) or head))
+        self.hf_modules = sorted({n for names, _ in per_rank for n in names})
         if not self.hf_modules:
             raise ValueError(
                 f"model.target_modules={self.model.target_modules!r} with exclude_modules="
                 f"{self.model.exclude_modules!r} selects no linear layer of this model: target some of "
                 f"{list(HF_LINEARS)}, or set lora_rank=0"
             )
+        _check_every_rank_trains(self.model, [trains for _, trains in per_rank])
         self.num_layers = chunks[0].config.num_layers
         self.peft = LoRA(
             target_modules=chosen, dim=self.model.lora_rank, alpha=self.model.lora_alpha, dropout=0.0
         )
         if chosen:
             chunks = self.peft(chunks, training=True)
-        else:  # this pipeline stage holds no selected layer: an empty target list would adapt everything
+        else:  # a value model's last stage without adapters: an empty target list would adapt everything
             self.peft.freeze_model(chunks, training=True)
         adapted = sorted(name for name, _ in _adapter_wrappers(chunks))
         if adapted != sorted(chosen):

@@ -116,6 +116,13 @@ def check_engine(
             "engine.use_remove_padding=false is not implemented by the megatron engine (it always "
             "runs packed THD micro-batches): set engine.use_remove_padding=true"
         )
+    if model.override_config:
+        raise ValueError(
+            f"model.override_config={dict(model.override_config)} is not applied by the megatron engine "
+            "(Megatron-Bridge builds from config.json): set Megatron's fields through "
+            "engine.override_transformer_config (e.g. num_layers, share_embeddings_and_output_weights) "
+            "or edit config.json"
+        )
     if model.lora_rank > 0:
         _check_lora(cfg, ckpt, model)
     check_layout(cfg, _hf_config(model))

@@ -22,11 +22,16 @@ class ValueHead(torch.nn.Module):
         init_std: float,
         dtype: torch.dtype,
         device: torch.device,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
-        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype, device=device))
-        torch.nn.init.normal_(self.weight, std=init_std)
+        # drawn from its own generator: the same head at every TP/PP layout (the default generator's state
+        # depends on how much of the model this rank built first)
+        weight = torch.empty(1, hidden_size).normal_(
+            0.0, init_std, generator=torch.Generator().manual_seed(seed)
+        )
+        self.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype))
         self.weight.sequence_parallel = False
 
     def forward(
@@ -46,8 +51,8 @@ class ValueHead(torch.nn.Module):
         )
 
 
-def add_value_head(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """Pre-wrap hook: swap the output layer of the last-stage chunk for a :class:`ValueHead`.
+def add_value_head(chunks: list[torch.nn.Module], seed: int = 0) -> list[torch.nn.Module]:
+    """Pre-wrap hook: swap the output layer of the last-stage chunk for a :class:`ValueHead` drawn from ``seed``.
 
     The head is registered with Megatron-Bridge as a replicated module, so weight loading (which skips the
     LM head through ``allowed_mismatched_params``) knows how to treat it."""
@@ -59,11 +64,12 @@ def add_value_head(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
             cfg = chunk.config
             if chunk.share_embeddings_and_output_weights:
                 raise ValueError(
-                    "a value model cannot tie its head to the embeddings: set "
-                    "tie_word_embeddings=false in the critic's config (model.override_config)"
+                    "a value model cannot tie its head to the embeddings: remove "
+                    "share_embeddings_and_output_weights=true from the critic's "
+                    "engine.override_transformer_config (the engine unties value models itself)"
                 )
             old = chunk.output_layer.weight
             chunk.output_layer = ValueHead(
-                cfg.hidden_size, cfg.sequence_parallel, cfg.init_method_std, old.dtype, old.device
+                cfg.hidden_size, cfg.sequence_parallel, cfg.init_method_std, old.dtype, old.device, seed
             )
     return chunks
