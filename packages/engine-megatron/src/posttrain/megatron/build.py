@@ -38,6 +38,18 @@ CPU_OFF_FUSIONS = (
 as Megatron's SequentialMLP)."""
 
 
+def parallel_sizes(cfg: McoreEngineConfig) -> dict[str, Any]:
+    """The TP / PP / VPP / CP / EP / ETP sizes of ``cfg`` under Megatron's argument names."""
+    return dict(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
+    )
+
+
 def init_model_parallel(cfg: McoreEngineConfig, seed: int) -> None:
     """Create Megatron's process groups for ``cfg``'s layout once per process (roles share one layout)."""
     from megatron.core import parallel_state as mpu
@@ -49,14 +61,7 @@ def init_model_parallel(cfg: McoreEngineConfig, seed: int) -> None:
             "torch.distributed.init_process_group first)"
         )
     cfg.check_world_size(torch.distributed.get_world_size())
-    layout = dict(
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-        context_parallel_size=cfg.context_parallel_size,
-        expert_model_parallel_size=cfg.expert_model_parallel_size,
-        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
-    )
+    layout = parallel_sizes(cfg)
     if mpu.model_parallel_is_initialized():
         current = (
             mpu.get_tensor_model_parallel_world_size(),
@@ -118,12 +123,7 @@ def make_provider(
     dtype = TORCH_DTYPES[cfg.dtype]
     use_te = _deps.has_transformer_engine()
     for name, value in dict(
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-        context_parallel_size=cfg.context_parallel_size,
-        expert_model_parallel_size=cfg.expert_model_parallel_size,
-        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
+        **parallel_sizes(cfg),
         sequence_parallel=cfg.sequence_parallel,
         variable_seq_lengths=True,
         params_dtype=dtype,
