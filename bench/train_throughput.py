@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--profile", action="store_true", help="engine: print the top CPU and GPU ops of one extra step"
     )
+    p.add_argument(
+        "--trace", default=None, help="engine, with --profile: also write rank 0's chrome trace here (.json.gz)"
+    )
     p.add_argument("--chunk", type=int, default=4096, help="engine: tokens per log-prob head chunk")
     p.add_argument(
         "--reshard-after-forward",
@@ -157,8 +160,9 @@ def timed_loop(
     return (time.perf_counter() - t0) / max(1, len(batches) - warmup), batches[warmup:]
 
 
-def print_profile(step: Any, device: torch.device) -> None:
-    """Run ``step`` once under the torch profiler; rank 0 prints the ops with the most CPU and device time."""
+def print_profile(step: Any, device: torch.device, trace: str | None = None) -> None:
+    """Run ``step`` once under the torch profiler; rank 0 prints the ops with the most CPU and device time
+    (and writes the chrome trace to ``trace``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -166,6 +170,8 @@ def print_profile(step: Any, device: torch.device) -> None:
         step()
         sync(device)
     if dist.get_rank() == 0:
+        if trace:
+            prof.export_chrome_trace(trace)
         keys = ["self_cpu_time_total"] + (["self_cuda_time_total"] if device.type == "cuda" else [])
         for key in keys:
             table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
@@ -251,7 +257,7 @@ def run_engine(
     with eng.train_mode():
         sec, timed = timed_loop(lambda b: eng.train_batch(b, loss_fn), batches, args.warmup, device)
         if args.profile:
-            print_profile(lambda: eng.train_batch(batches[-1], loss_fn), device)
+            print_profile(lambda: eng.train_batch(batches[-1], loss_fn), device, args.trace)
     timed_lengths = [b.seqlens for b in timed]
     result = summarize(
         "engine_packed_varied" + ("_compiled" if args.compile_layers else ""),

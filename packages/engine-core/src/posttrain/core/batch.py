@@ -40,6 +40,9 @@ class PackedBatch:
     """Non-tensor options, e.g. ``calculate_entropy``."""
     seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-sequence (B,) tensors: uid (prompt group), score, ..."""
+    host_cu_seqlens: list[int] | None = field(default=None, repr=False, compare=False)
+    """``cu_seqlens`` as Python ints (filled on construction; :meth:`to` hands it on), so the lengths of a batch
+    on an accelerator are read without a host-device sync. Leave it None; do not edit ``cu_seqlens`` in place."""
 
     def __post_init__(self) -> None:
         total = self.input_ids.numel()
@@ -47,12 +50,15 @@ class PackedBatch:
             raise ValueError(
                 f"PackedBatch.input_ids must be 1-D (packed), got shape {tuple(self.input_ids.shape)}"
             )
-        if self.cu_seqlens.dim() != 1 or self.cu_seqlens.numel() < 1 or int(self.cu_seqlens[0]) != 0:
+        if self.cu_seqlens.dim() != 1 or self.cu_seqlens.numel() < 1:
             raise ValueError("PackedBatch.cu_seqlens must be 1-D and start at 0")
-        if int(self.cu_seqlens[-1]) != total:
-            raise ValueError(
-                f"PackedBatch.cu_seqlens ends at {int(self.cu_seqlens[-1])} but there are {total} tokens"
-            )
+        if self.host_cu_seqlens is None:
+            self.host_cu_seqlens = [int(c) for c in self.cu_seqlens.tolist()]
+        cu = self.host_cu_seqlens
+        if len(cu) != self.cu_seqlens.numel() or cu[0] != 0:
+            raise ValueError("PackedBatch.cu_seqlens must be 1-D and start at 0")
+        if cu[-1] != total:
+            raise ValueError(f"PackedBatch.cu_seqlens ends at {cu[-1]} but there are {total} tokens")
         for name, t in [
             ("position_ids", self.position_ids),
             ("loss_mask", self.loss_mask),
@@ -113,7 +119,8 @@ class PackedBatch:
 
     @property
     def seqlens(self) -> list[int]:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        cu = self.host_cu_seqlens
+        return [b - a for a, b in zip(cu[:-1], cu[1:])]  # type: ignore[index]
 
     @property
     def max_seqlen(self) -> int:
@@ -133,11 +140,12 @@ class PackedBatch:
         return torch.repeat_interleave(
             torch.arange(self.num_seqs, device=self.cu_seqlens.device),
             (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long(),
+            output_size=self.num_tokens,
         )
 
     def select(self, indices: Sequence[int]) -> PackedBatch:
         """A new batch of the sequences ``indices`` in that order."""
-        cu = self.cu_seqlens.tolist()
+        cu = self.host_cu_seqlens
         token_idx = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in indices]).to(self.input_ids.device)
         lens = torch.tensor([cu[i + 1] - cu[i] for i in indices])
         new_cu = torch.zeros(len(indices) + 1, dtype=torch.int32)
@@ -156,15 +164,26 @@ class PackedBatch:
             },
         )
 
-    def to(self, device: torch.device | str) -> PackedBatch:
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        """This batch on ``device``. ``non_blocking``: host tensors are pinned and copied asynchronously, so
+        moving a batch to a GPU does not wait for the work already queued there."""
+        device = torch.device(device)
+        pin = non_blocking and device.type == "cuda"
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if pin and t.device.type == "cpu":
+                t = t.pin_memory()
+            return t.to(device, non_blocking=non_blocking)
+
         return PackedBatch(
-            self.input_ids.to(device),
-            self.position_ids.to(device),
-            self.cu_seqlens.to(device),
-            self.loss_mask.to(device),
-            {k: v.to(device) for k, v in self.fields.items()},
+            move(self.input_ids),
+            move(self.position_ids),
+            move(self.cu_seqlens),
+            move(self.loss_mask),
+            {k: move(v) for k, v in self.fields.items()},
             dict(self.meta),
-            {k: v.to(device) for k, v in self.seq_fields.items()},
+            {k: move(v) for k, v in self.seq_fields.items()},
+            host_cu_seqlens=self.host_cu_seqlens,
         )
 
     def split_tokens(self, packed: torch.Tensor) -> list[torch.Tensor]:

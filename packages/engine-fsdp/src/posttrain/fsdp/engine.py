@@ -33,7 +33,7 @@ from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfi
 from posttrain.core.engine import BaseEngine, PerTensorParams
 
 from . import sharding
-from .inputs import ModelInputs, packed_inputs, padded_inputs, temperatures
+from .inputs import ModelInputs, check_temperatures, packed_inputs, padded_inputs, temperatures
 from .logprobs import HeadRequest, PackedLogProbHead, align_to_tokens, shifted_targets
 from .modeling import (
     build_model,
@@ -267,12 +267,14 @@ class FSDPEngine(BaseEngine):
         )
         steps = self._lockstep_count(len(parts))
         ctx = loss_context(batch, group)
+        check_temperatures(batch)
         micro_batches = [batch.select(p) for p in parts]
+        # every copy queued up front (pinned, asynchronous): nothing in the loop waits for the device
+        on_device = [mb.to(self._device, non_blocking=True) for mb in micro_batches]
         outputs: list[dict[str, torch.Tensor]] = []
         losses: list[torch.Tensor] = []
         metrics: dict[str, list[Any]] = {}
-        for mb in micro_batches:
-            mb = mb.to(self._device)
+        for mb in on_device:
             out = self._forward_micro(mb)
             if loss_fn is not None:
                 loss, mb_metrics = loss_fn(out, mb, ctx)
@@ -287,14 +289,15 @@ class FSDPEngine(BaseEngine):
         if forward_only:
             self._reshard()
         target = batch.input_ids.device
-        model_output = {
-            k: restore_order(parts, micro_batches, [o[k] for o in outputs]).to(target) for k in outputs[0]
+        model_output = {  # queued copies: the one host sync is reading the losses below
+            k: restore_order(parts, micro_batches, [o[k] for o in outputs]).to(target, non_blocking=True)
+            for k in outputs[0]
         }
-        return {
-            "model_output": model_output,
-            "loss": _floats(losses),
-            "metrics": {k: _floats(v) for k, v in metrics.items()},
-        }
+        metrics_out = {k: _floats(v) for k, v in metrics.items()}
+        loss = _floats(losses)
+        if target.type == "cpu" and self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()  # the output copies (done by now if read)
+        return {"model_output": model_output, "loss": loss, "metrics": metrics_out}
 
     def _lockstep_count(self, count: int) -> int:
         """The largest micro-batch count over the data-parallel ranks (FSDP needs equal counts)."""
