@@ -1,136 +1,295 @@
-"""Training throughput of the megatron engine on a Qwen2.5-1.5B-shaped model (random init, bf16).
+"""Training throughput of the megatron engine next to the FSDP engine, on one and two GPUs, in one command.
 
-Run under torchrun on 1 or 2 GPUs::
+One launch per GPU count (``--gpus 1,2``, the default), all on the same data and the same model directory:
 
-    torchrun --nproc-per-node 1 bench/megatron_throughput.py --layout tp1
-    torchrun --nproc-per-node 2 bench/megatron_throughput.py --layout tp2
-    torchrun --nproc-per-node 2 bench/megatron_throughput.py --layout fsdp
+- ``matmul_ceiling``: bf16 (fp32 with ``--tiny``) dense matmul FLOP/s, measured once, in the first launch; the
+  later launches reuse it, so every MFU has the same denominator.
+- 1 GPU: ``megatron_tp1`` (TP=1), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on).
+- 2 GPUs: ``megatron_tp2_sp`` (TP=2 + sequence parallel), ``megatron_fsdp_dp2`` (Megatron-FSDP, DP=2), then
+  ``fsdp_engine`` on both GPUs.
 
-Each step trains on ``--seqs`` sequences of ``--seq-len`` tokens per data-parallel rank (packed THD, split into
-micro-batches of ``--micro-tokens``), with the engine's token-mean NLL. Real-token MFU counts
-6 * params * tokens + 12 * layers * hidden * seq_len * tokens FLOPs against ``--peak-tflops`` per GPU (782 =
-the measured bf16 matmul ceiling of an H200). Without Transformer Engine on the machine, the script registers
-the test suite's TE stand-in (Megatron-Bridge imports TE unconditionally) and the local layer spec runs with
-variable-length flash attention.
+The data is ``bench/train_throughput.py``'s: GPU g draws sequences of 64..4096 tokens (uniform) until about
+``--tokens`` (16384) tokens per step, from the generator seeded ``1000 + g``. The FSDP engine run is that
+script's own ``run_engine``. A Megatron data-parallel rank that spans k GPUs (TP=2: both) trains on the draws
+of those k GPUs together, split into micro-batches of at most ``--tokens`` tokens (``use_dynamic_bsz``), so
+every run pushes the same tokens per GPU and the 2-GPU runs train on exactly the same sequences. The Megatron
+engines run the distributed optimizer and, without Transformer Engine, the local layer spec with
+variable-length attention (the test suite's TE stand-in is registered, as in the tests).
+
+Reported per run, over timed steps after warm-up: real-token tokens/s, TFLOP/s per GPU and MFU = model FLOPs /
+time / (ceiling x GPUs) with FLOPs = 6 N tokens + 12 layers hidden sum(len^2) (``train_throughput.model_flops``),
+peak memory, and each Megatron run's MFU over the FSDP engine's at the same GPU count (``vs_fsdp``). A run that
+fails is recorded with its error and the others still run. ``--tiny``: the 2-layer model, short sequences,
+fp32, gloo on CPU when no GPU is present, no torch.compile; Megatron-FSDP needs CUDA and is skipped there.
+
+    uv run python bench/megatron_throughput.py --tiny                       # CPU smoke run, 1 then 2 processes
+    python3 bench/megatron_throughput.py --out megatron.json                 # 2 x H200, about 5-7 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import subprocess
 import sys
-import time
+import tempfile
+import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import train_throughput as tt  # bench/ is sys.path[0] when this file runs as a script (or under torchrun)
 
-QWEN25_15B = dict(
-    vocab_size=151936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    tie_word_embeddings=True,
-    rope_theta=1000000.0,
-)
-
-
-def _args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--layout", choices=["tp1", "tp2", "fsdp"], required=True)
-    p.add_argument("--seqs", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--micro-tokens", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--peak-tflops", type=float, default=782.0)
-    p.add_argument("--model-dir", default="/tmp/qwen25_15b_shape")
-    return p.parse_args()
+REPO = Path(__file__).resolve().parents[1]
+LAYOUTS = {
+    "megatron_tp1": {},
+    "megatron_tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "megatron_fsdp_dp2": {"use_megatron_fsdp": True},
+}
+"""Megatron engine config per run."""
+RUNS = {1: ["megatron_tp1", "fsdp_engine"], 2: ["megatron_tp2_sp", "megatron_fsdp_dp2", "fsdp_engine"]}
+"""Runs of each launch, by GPU (process) count."""
 
 
-def _make_model(path: str) -> None:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", default="1,2", help="launches by GPU count: 1, 2 or 1,2 (processes with --tiny)")
+    p.add_argument("--runs", default=None, help="comma list of run names to keep (default: all)")
+    p.add_argument("--tiny", action="store_true", help="2-layer model, short sequences, fp32: a smoke run")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 6; 2 with --tiny)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; 1 with --tiny)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per GPU and step (default 16384)")
+    p.add_argument(
+        "--model-dir", default=None, help="HF model dir, made once (default /tmp/qwen25_15b_shape)"
+    )
+    p.add_argument("--out", default=None, help="write all results as JSON here")
+    p.add_argument("--ceiling-flops", type=float, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)  # set by the launcher
+    args = p.parse_args(argv)
+    args.steps = args.steps or (2 if args.tiny else 6)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
+    args.tokens = args.tokens or (256 if args.tiny else 16384)
+    return args
+
+
+def use_repo_sources() -> None:
+    """Import posttrain and the Megatron test environment from this checkout."""
+    for src in (
+        "engine-core/src",
+        "engine-fsdp/src",
+        "engine-megatron/src",
+        "ckpt/src",
+        "engine-megatron/tests",
+    ):
+        sys.path.insert(0, str(REPO / "packages" / src))
+
+
+# ---------------------------------------------------------------------------------------------- model and data
+def make_model(path: str, cfg: dict[str, Any], device: torch.device, tiny: bool) -> None:
+    """A random-init model with weights (Megatron-Bridge loads them), written once and reused by every launch."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     if (Path(path) / "config.json").is_file():
         return
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_15B), dtype=torch.bfloat16)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            Qwen2Config(**cfg), dtype=torch.float32 if tiny else torch.bfloat16
+        )
     model.save_pretrained(path)
 
 
-def main() -> None:
-    args = _args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "engine-megatron" / "tests"))
-    from megatron_cpu import nll_loss, prepare_environment
+def count_params(cfg: dict[str, Any]) -> int:
+    """N of the FLOP formula: the HF model's parameters, a tied embedding counted once (what the FSDP run counts)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**cfg))
+    return sum(p.numel() for p in model.parameters())
+
+
+def gpu_sequences(args: argparse.Namespace, cfg: dict[str, Any], gpu: int) -> list[list[torch.Tensor]]:
+    """Per step, the sequences ``train_throughput.run_engine`` trains on at rank ``gpu`` (same seed, same draws)."""
+    gen = torch.Generator().manual_seed(1000 + gpu)
+    lo, hi = (8, 64) if args.tiny else (64, 4096)
+    lengths = [tt.draw_lengths(gen, lo, hi, args.tokens) for _ in range(args.warmup + args.steps)]
+    return [[torch.randint(0, cfg["vocab_size"], (n,), generator=gen) for n in lens] for lens in lengths]
+
+
+def loss_fn(out: dict[str, torch.Tensor], mb: Any, ctx: Any) -> tuple[torch.Tensor, dict]:
+    """``train_throughput.run_engine``'s loss: token-mean -log_prob with the global normalisation."""
+    lp = out["log_probs"]
+    return -(lp * mb.loss_mask.to(lp.device)).sum() / ctx.global_num_tokens * ctx.dp_size, {}
+
+
+# ---------------------------------------------------------------------------------------------- the runs
+def run_megatron(
+    name: str,
+    args: argparse.Namespace,
+    model_dir: str,
+    cfg: dict[str, Any],
+    device: torch.device,
+    ceiling: float,
+) -> dict[str, Any]:
     from posttrain.core.batch import PackedBatch
     from posttrain.core.config import CheckpointConfig, McoreEngineConfig, ModelConfig, OptimizerConfig
     from posttrain.megatron.engine import MegatronLanguageModelEngine
 
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    torch.distributed.init_process_group("nccl")
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    if rank == 0:
-        _make_model(args.model_dir)
-    torch.distributed.barrier()
-    prepare_environment()
-    layout = {
-        "tp1": {},
-        "tp2": dict(tensor_model_parallel_size=2, sequence_parallel=True),
-        "fsdp": dict(use_megatron_fsdp=True),
-    }[args.layout]
-    cfg = McoreEngineConfig(
-        dtype="bfloat16",
+    engine_cfg = McoreEngineConfig(
+        dtype="float32" if args.tiny else "bfloat16",
         use_distributed_optimizer=True,
         use_dynamic_bsz=True,
-        max_token_len_per_gpu=args.micro_tokens,
-        **layout,
+        max_token_len_per_gpu=args.tokens,
+        **LAYOUTS[name],
     )
-    eng = MegatronLanguageModelEngine(
-        ModelConfig(path=args.model_dir), cfg, OptimizerConfig(lr=1e-5, weight_decay=0.0), CheckpointConfig()
-    )
+    optim = OptimizerConfig(lr=1e-5, weight_decay=0.0)
+    eng = MegatronLanguageModelEngine(ModelConfig(path=model_dir), engine_cfg, optim, CheckpointConfig())
     eng.initialize()
-    dp = eng.get_data_parallel_size()
-    g = torch.Generator().manual_seed(eng.get_data_parallel_rank())
-    seqs = [
-        torch.randint(0, QWEN25_15B["vocab_size"], (args.seq_len,), generator=g) for _ in range(args.seqs)
-    ]
-    batch = PackedBatch.from_sequences(seqs)
-    times = []
+    per_dp = dist.get_world_size() // eng.get_data_parallel_size()  # GPUs of one data-parallel rank
+    gpus = range(eng.get_data_parallel_rank() * per_dp, (eng.get_data_parallel_rank() + 1) * per_dp)
+    draws = [gpu_sequences(args, cfg, g) for g in gpus]
+    batches = [PackedBatch.from_sequences([s for d in draws for s in d[i]]) for i in range(len(draws[0]))]
     with eng.train_mode():
-        for step in range(args.warmup + args.steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = eng.train_batch(batch, nll_loss)
-            torch.cuda.synchronize()
-            if step >= args.warmup:
-                times.append(time.perf_counter() - t0)
-    n_params = 1_543_714_304  # Qwen2.5-1.5B shape, tied embeddings (embedding 233.4M + 28 x 46.8M + norm)
-    tokens = args.seqs * args.seq_len * dp
-    flops = (
-        6 * n_params * tokens
-        + 12 * QWEN25_15B["num_hidden_layers"] * QWEN25_15B["hidden_size"] * args.seq_len * tokens
+        sec, timed = tt.timed_loop(lambda b: eng.train_batch(b, loss_fn), batches, args.warmup, device)
+    # one rank per data-parallel rank counts its tokens (the others of its model-parallel group hold copies)
+    timed_lengths = [b.seqlens if eng.is_mp_src_rank_with_outputs() else [] for b in timed]
+    result = tt.summarize(
+        name, sec, timed_lengths, sum(map(sum, timed_lengths)), count_params(cfg), cfg, ceiling, device
     )
-    step_s = sum(times) / len(times)
-    result = dict(
-        layout=args.layout,
-        gpus=world,
-        dp=dp,
-        tokens_per_step=tokens,
-        step_ms=round(step_s * 1e3, 1),
-        tokens_per_s=round(tokens / step_s),
-        mfu=round(flops / step_s / (args.peak_tflops * 1e12 * world), 3),
-        peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1),
-        last_loss=round(sum(out.get("loss", [float("nan")])), 4) if out else None,
+    return result | {"dp": eng.get_data_parallel_size()}
+
+
+def run_fsdp(
+    args: argparse.Namespace, model_dir: str, cfg: dict[str, Any], device: torch.device, ceiling: float
+):
+    """``train_throughput.run_engine`` with ``--compile-layers`` (no torch.compile with ``--tiny``)."""
+    argv = ["--tokens", str(args.tokens), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    argv += ["--tiny", "--no-compile"] if args.tiny else ["--compile-layers"]
+    return tt.run_engine(tt.parse_args(argv), model_dir, cfg, device, ceiling) | {"run": "fsdp_engine"}
+
+
+def run(
+    name: str, args: argparse.Namespace, cfg: dict[str, Any], device: torch.device, ceiling: float
+) -> dict:
+    """One run's result; an error (on every rank: a deterministic one) becomes the result."""
+    if name == "megatron_fsdp_dp2" and device.type != "cuda":
+        return {"run": name, "gpus": dist.get_world_size(), "skipped": "Megatron-FSDP needs CUDA"}
+    try:
+        if name == "fsdp_engine":
+            return run_fsdp(args, args.model_dir, cfg, device, ceiling)
+        return run_megatron(name, args, args.model_dir, cfg, device, ceiling)
+    except Exception as exc:  # reported as a result: the other runs still count
+        traceback.print_exc()
+        return {
+            "run": name,
+            "gpus": dist.get_world_size(),
+            "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+        }
+    finally:
+        if name in LAYOUTS:  # the next Megatron run sets up its own parallel state
+            from megatron.core import parallel_state as mpu
+
+            mpu.destroy_model_parallel()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------- launch
+def worker(args: argparse.Namespace) -> None:
+    from megatron_cpu import prepare_environment
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    prepare_environment()  # the TE stand-in; on CPU also Megatron-Core's torch.cuda calls redirected
+    cfg = tt.TINY if args.tiny else tt.FULL
+    if dist.get_rank() == 0:
+        make_model(args.model_dir, cfg, device, args.tiny)
+    dist.barrier()
+    ceiling = args.ceiling_flops
+    if ceiling is None:
+        box = [tt.matmul_ceiling(device, torch.float32 if args.tiny else torch.bfloat16, args.tiny)]
+        dist.broadcast_object_list(box)  # rank 0's number for every rank
+        ceiling = box[0]
+    results = [
+        {"run": "matmul_ceiling", "gpus": 1, "tflops_per_gpu": round(ceiling / 1e12, 3), "flops": ceiling}
+    ]
+    names = [n for n in RUNS[dist.get_world_size()] if args.runs is None or n in args.runs.split(",")]
+    for name in names:
+        results.append(run(name, args, cfg, device, ceiling))
+        if dist.get_rank() == 0:  # after every run, so a later failure or timeout keeps the rest
+            Path(args.result_file).write_text(json.dumps(results))
+            print("RESULT " + json.dumps(results[-1]), flush=True)
+    dist.destroy_process_group()
+
+
+def torchrun(n: int, argv: list[str]) -> list[dict[str, Any]]:
+    """Run this script on ``n`` processes; its results (a failed launch as a result too)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_file = f.name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run([*cmd, __file__, *argv, "--result-file", result_file], env=env)
+    got = json.loads(Path(result_file).read_text() or "[]")
+    return got + (
+        [{"run": "launch_failed", "gpus": n, "returncode": proc.returncode}] if proc.returncode else []
     )
-    if rank == 0:
-        print("RESULT " + json.dumps(result), flush=True)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """Markdown table of the runs, with each Megatron run's MFU over the FSDP engine's at the same GPU count."""
+    fsdp = {r["gpus"]: r["mfu"] for r in results if r["run"] == "fsdp_engine" and "mfu" in r}
+    lines = ["| run | GPUs | tokens/s | TFLOP/s/GPU | MFU | vs_fsdp | peak GiB | s/step |", "|---" * 8 + "|"]
+    for r in results:
+        if "mfu" not in r:
+            continue
+        vs = round(r["mfu"] / fsdp[r["gpus"]], 2) if r["gpus"] in fsdp and r["run"] != "fsdp_engine" else ""
+        r["vs_fsdp"] = vs or None
+        cells = [r["run"], r["gpus"], r["real_tokens_per_s"], r["tflops_per_gpu"], r["mfu"], vs]
+        lines.append("| " + " | ".join(map(str, [*cells, r["peak_mem_gib"], r["sec_per_step"]])) + " |")
+    return "\n".join(lines)
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> None:
+    """One torchrun launch per GPU count; the first measures the matmul ceiling, the later ones reuse it."""
+    counts = [int(c) for c in args.gpus.split(",")]
+    if not args.tiny and torch.cuda.device_count() < max(counts):
+        raise SystemExit(
+            f"--gpus {args.gpus} needs {max(counts)} GPUs, this machine has {torch.cuda.device_count()}"
+        )
+    model_dir = args.model_dir or (
+        tempfile.mkdtemp(prefix="bench_model_") if args.tiny else "/tmp/qwen25_15b_shape"
+    )
+    results: list[dict[str, Any]] = []
+    for n in counts:
+        ceiling = next((r["flops"] for r in results if r["run"] == "matmul_ceiling"), None)
+        got = torchrun(
+            n, [*argv, "--model-dir", model_dir, *(["--ceiling-flops", repr(ceiling)] if ceiling else [])]
+        )
+        results += [r for r in got if not (r["run"] == "matmul_ceiling" and ceiling)]
+        if args.out:  # after every launch, so a timeout in a later one keeps these
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    print(table(results))
+    for r in results:
+        print(json.dumps(r))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    use_repo_sources()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.result_file:
+        worker(args)
+    else:
+        launch(args, argv)
 
 
 if __name__ == "__main__":

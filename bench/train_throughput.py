@@ -80,7 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile", action="store_true", help="engine: print the top CPU and GPU ops of one extra step"
     )
     p.add_argument(
-        "--trace", default=None, help="engine, with --profile: also write rank 0's chrome trace here (.json.gz)"
+        "--trace",
+        default=None,
+        help="engine, with --profile: also write rank 0's chrome trace here (.json.gz)",
     )
     p.add_argument("--chunk", type=int, default=4096, help="engine: tokens per log-prob head chunk")
     p.add_argument(

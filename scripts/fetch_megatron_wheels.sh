@@ -12,6 +12,7 @@ specs=(
   "megatron-bridge==0.6.2"
   "megatron-fsdp==0.6.1"
   "omegaconf==2.4.0"
+  "mbridge==0.15.1"  # engine.vanilla_mbridge=true (deprecated); pure python
   "$@"
 )
 "$python" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -2,7 +2,7 @@
 # The GPU checks of every package, for the lent GPU machine (or any CUDA box with torch, transformers, peft):
 #   bash scripts/fetch_megatron_wheels.sh              # once, here: wheels into .whl/
 #   uv build --all-packages --wheel --out-dir .whl     # here: posttrain's own wheels (entry points for the registry)
-#   bash scripts/gpu_checks.sh tests|megatron|train|sync|ckpt   # there, with .whl carried; results under $OUT (or ./gpu-out)
+#   bash scripts/gpu_checks.sh tests|megatron|train|megathru|sync|ckpt   # there, with .whl carried; results under $OUT (or ./gpu-out)
 # Each part is short enough for one 10-minute call. Results are JSON/log files; BENCHMARKS.md records them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,10 +25,14 @@ case "${1:-tests}" in
       | tail -25 | tee "$out/gpu_megatron.log" ;;
   train)
     timeout 560 python3 bench/train_throughput.py --gpus 1,2 --compile-layers --out "$out/train.json" 2>&1 | tee "$out/train.log" | tail -40 ;;
+  megathru)
+    # the megatron engine (TP=1, TP=2 + SP, Megatron-FSDP DP=2) next to the FSDP engine, 1 and 2 GPUs, same data
+    timeout 580 python3 bench/megatron_throughput.py --gpus 1,2 --out "$out/megathru.json" 2>&1 \
+      | tee "$out/megathru.log" | tail -30 ;;
   sync)
     timeout 200 python3 bench/weight_sync.py --bucket-mb 2048 --json "$out/ws1.json" 2>&1 | tee "$out/ws1.log" | tail -20
     timeout 200 python3 bench/weight_sync.py --gpus 2 --bucket-mb 2048 --json "$out/ws2.json" 2>&1 | tee "$out/ws2.log" | tail -20 ;;
   ckpt)
     timeout 500 python3 bench/ckpt_throughput.py --dir /tmp/ckpt-bench --json "$out/ckpt.json" 2>&1 | tee "$out/ckpt.log" | tail -30 ;;
-  *) echo "usage: gpu_checks.sh tests|megatron|train|sync|ckpt" >&2; exit 2 ;;
+  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|ckpt" >&2; exit 2 ;;
 esac

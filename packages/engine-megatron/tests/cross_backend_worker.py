@@ -7,7 +7,10 @@ Usage: ``torchrun --nproc-per-node 2 cross_backend_worker.py HF_DIR FSDP_ROLE_DI
 engine's role directory (saved after two steps), trains step 3 (at DP=2 each rank takes half the sequences) and
 saves a portable checkpoint to ``OUT_DIR/<layout>/actor``. Rank 0 writes ``OUT_DIR/<layout>.pt``: the step's
 loss and grad norm and the exported parameters. Then a TP=2 bf16 engine loads the FSDP checkpoint and saves it
-again to ``OUT_DIR/tp2_bf16/actor`` at once (the tests compare the two bit for bit). :func:`optim` and :func:`batch` are shared with the tests.
+again to ``OUT_DIR/tp2_bf16/actor`` at once, and a DP=2 bf16 engine (distributed optimizer) does the same with
+``checkpoint.async_save`` through a background writer: the save must return before the manifest exists, which
+appears once the write job ran (the tests compare all of them with the FSDP checkpoint bit for bit).
+:func:`optim` and :func:`batch` are shared with the tests.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ LAYOUTS = {
 """Layouts that load the FSDP checkpoint, train step 3 and save."""
 ROUND_TRIP = {"tp2_bf16": {"tensor_model_parallel_size": 2, "dtype": "bfloat16"}}
 """Layouts that load the FSDP checkpoint and save it again at once (a bit-exact round trip)."""
+ASYNC_ROUND_TRIP = {"dp2_bf16_async": {"use_distributed_optimizer": True, "dtype": "bfloat16"}}
+"""The same round trip with an async portable save."""
 
 
 def optim():
@@ -56,6 +61,31 @@ def _round_trip(name: str, hf_path: str, fsdp_role: str, out_dir: str) -> None:
     eng = make_engine(hf_path, optim=optim(), ckpt=CheckpointConfig(portable=True), **ROUND_TRIP[name])
     eng.load_checkpoint(fsdp_role)
     eng.save_checkpoint(os.path.join(out_dir, name, "actor"), global_step=2)
+
+
+def _async_round_trip(name: str, hf_path: str, fsdp_role: str, out_dir: str) -> None:
+    """:func:`_round_trip` with an async save; the writer thread is held until the save has returned."""
+    import threading
+
+    from megatron_cpu import make_engine
+
+    from posttrain.ckpt import AsyncWriter
+    from posttrain.core.config import CheckpointConfig
+
+    ckpt = CheckpointConfig(portable=True, async_save=True)
+    eng = make_engine(hf_path, optim=optim(), ckpt=ckpt, **ASYNC_ROUND_TRIP[name])
+    eng.load_checkpoint(fsdp_role)
+    writer = AsyncWriter(process_group=torch.distributed.new_group(backend="gloo"))
+    gate = threading.Event()
+    writer.submit(gate.wait)
+    role = os.path.join(out_dir, name, "actor")
+    eng.save_checkpoint(role, global_step=2, writer=writer)
+    torch.distributed.barrier()
+    assert not os.path.exists(os.path.join(role, "manifest.json")), "the async save wrote before returning"
+    torch.distributed.barrier()
+    gate.set()
+    writer.close()
+    assert os.path.isfile(os.path.join(role, "manifest.json")), "the background write left no manifest"
 
 
 def _resume(name: str, hf_path: str, fsdp_role: str, out_dir: str) -> None:
@@ -101,6 +131,9 @@ def main() -> None:
         mpu.destroy_model_parallel()
     for name in ROUND_TRIP:
         _round_trip(name, hf_path, fsdp_role, out_dir)
+        mpu.destroy_model_parallel()
+    for name in ASYNC_ROUND_TRIP:
+        _async_round_trip(name, hf_path, fsdp_role, out_dir)
         mpu.destroy_model_parallel()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -6,7 +6,8 @@ runs FSDP2 over the one-rank gloo group of the Megatron fixture. Resume goes thr
 layout (HF names, flattened AdamW state): FSDP -> Megatron with its default config, Megatron -> FSDP with
 ``checkpoint.portable=true``. Each resumed step must equal the original engine continuing; FSDP -> Megatron ->
 FSDP without a step in between must give the same tensors bit for bit (fp32 and bf16 Megatron). Two gloo ranks
-(``cross_backend_worker.py``) do the same at TP=2, PP=2 and DP=2 with the distributed optimizer.
+(``cross_backend_worker.py``) do the same at TP=2, PP=2 and DP=2 with the distributed optimizer, the last also
+with an async portable save.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cross_backend_worker import LAYOUTS, ROUND_TRIP, batch, optim
+from cross_backend_worker import ASYNC_ROUND_TRIP, LAYOUTS, ROUND_TRIP, batch, optim
 
 pytestmark = pytest.mark.slow
 
@@ -172,7 +173,7 @@ def _two_rank_resume(hf_path: str, tmp_path: Path) -> None:
         _assert_same_step(_step(back, 3), want4)
         _assert_same_params(_params(back), want4_params)
     want = _dcp_tensors(role)
-    for name in ROUND_TRIP:  # fp32 main weights and Adam state survive TP=2 bf16 unchanged
+    for name in [*ROUND_TRIP, *ASYNC_ROUND_TRIP]:  # fp32 main weights and Adam state survive bf16 unchanged
         got = _dcp_tensors(out / name / "actor")
         assert sorted(got) == sorted(want), name
         assert all(torch.equal(got[k], v) for k, v in want.items()), name

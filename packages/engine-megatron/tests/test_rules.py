@@ -56,6 +56,16 @@ def _check(tmp_path, hf=DENSE, ckpt=None, on_cuda=True, model_kw=None, **engine_
             DENSE,
             "use_megatron_fsdp=true with pipeline",
         ),
+        (
+            dict(context_parallel_size=2, use_megatron_fsdp=True),
+            DENSE,
+            "context_parallel_size=2 with engine.use_megatron_fsdp=true",
+        ),
+        (
+            dict(context_parallel_size=2, router_replay={"mode": "R2"}),
+            MOE,
+            "context_parallel_size=2 with engine.router_replay.mode=R2",
+        ),
     ],
 )
 def test_layout_rules(tmp_path, engine_kw, hf, match):
@@ -76,6 +86,8 @@ def test_valid_layouts_pass(tmp_path):
         forward_only=True,
     )
     _check(tmp_path, hf=MOE, expert_model_parallel_size=4)
+    # context parallelism runs in the local attention: no Transformer Engine needed
+    _check(tmp_path, context_parallel_size=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
 
 
 def test_megatron_fsdp_needs_cuda(tmp_path):
@@ -114,14 +126,14 @@ def test_missing_model_dir(tmp_path):
         )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mbridge") is not None, reason="mbridge is installed here")
-def test_vanilla_mbridge_warns_deprecated_then_names_the_install(tmp_path):
+@pytest.mark.skipif(importlib.util.find_spec("mbridge") is None, reason="mbridge is not installed here")
+def test_vanilla_mbridge_refuses_portable_checkpoints(tmp_path):
     with (
         pytest.warns(FutureWarning, match="deprecated"),  # engine-core's config warning
         pytest.warns(DeprecationWarning, match="vanilla_mbridge=false to use NVIDIA Megatron-Bridge"),
-        pytest.raises(ImportError, match="pip install mbridge"),
+        pytest.raises(ValueError, match="checkpoint.portable=true with engine.vanilla_mbridge=true"),
     ):
-        _check(tmp_path, vanilla_mbridge=True)
+        _check(tmp_path, ckpt=CheckpointConfig(portable=True), vanilla_mbridge=True)
 
 
 def test_sequence_parallel_off_at_tp1_warns():

@@ -1,7 +1,7 @@
 """Device-to-host snapshot of a state dict, the only part of an async save that blocks training.
 
 Each tensor (or each DTensor's local shard) is copied into a host buffer that is kept between saves, so only
-the first async save pays for allocating (and, for CUDA sources, pinning) host memory; later saves are one
+the first async save pays for allocating (and, for CUDA sources, page-locking: :mod:`posttrain.ckpt.pinned`) host memory; later saves are one
 ``copy_(non_blocking=True)`` per tensor and one synchronisation. DTensors keep their spec (mesh, placements,
 global shape) around the host shard, so DCP still writes each rank's shard with its global offsets.
 
@@ -19,6 +19,15 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from .pinned import host_empty
+
+
+def _pin_device(t: torch.Tensor) -> int | None:
+    """The CUDA device index of ``t`` (its host buffer is page-locked), or None."""
+    if t.device.type != "cuda":
+        return None
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 def snapshot_to_host(state: Any, buffers: dict[str, Any], prefix: str = "") -> Any:
@@ -55,7 +64,7 @@ def _host_buffer(src: torch.Tensor, buffers: dict[str, Any], path: str) -> torch
         and buf.dtype == src.dtype
     ):
         return buf
-    buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.device.type == "cuda")
+    buf = host_empty(src.shape, src.dtype, _pin_device(src))
     buffers[path] = buf
     return buf
 
@@ -69,7 +78,7 @@ def _copy_dtensor(src: DTensor, buffers: dict[str, Any], path: str) -> DTensor:
         and buf.dtype == src.dtype
         and buf._spec == src._spec
     ):
-        host = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.device.type == "cuda")
+        host = host_empty(local.shape, local.dtype, _pin_device(local))
         buf = DTensor(host, src._spec, requires_grad=False)
         buffers[path] = buf
     buf._local_tensor.copy_(local.detach(), non_blocking=local.device.type == "cuda")
@@ -86,8 +95,8 @@ class BufferSpec:
     """Shape of the tensor, or of the DTensor's local shard."""
     dtype: torch.dtype
     """Element type."""
-    pin: bool
-    """Pinned host memory (the source is on a CUDA device)."""
+    pin_device: int | None
+    """The CUDA device of the source, whose buffer is page-locked; None for a host source."""
     dtensor_spec: Any = None
     """The DTensor's spec (mesh, placements, global shape) or None for a plain tensor."""
 
@@ -96,9 +105,9 @@ def buffer_plan(state: Any, prefix: str = "") -> list[BufferSpec]:
     """The host buffers :func:`snapshot_to_host` of ``state`` under ``prefix`` uses (no copy, no allocation)."""
     if isinstance(state, DTensor):
         local = state._local_tensor
-        return [BufferSpec(prefix, local.shape, local.dtype, local.device.type == "cuda", state._spec)]
+        return [BufferSpec(prefix, local.shape, local.dtype, _pin_device(local), state._spec)]
     if isinstance(state, torch.Tensor):
-        return [BufferSpec(prefix, state.shape, state.dtype, state.device.type == "cuda")]
+        return [BufferSpec(prefix, state.shape, state.dtype, _pin_device(state))]
     if isinstance(state, dict):
         return [b for k, v in state.items() for b in buffer_plan(v, f"{prefix}.{k}")]
     if isinstance(state, (list, tuple)):
@@ -107,12 +116,13 @@ def buffer_plan(state: Any, prefix: str = "") -> list[BufferSpec]:
 
 
 def allocate_buffers(plan: list[BufferSpec]) -> dict[str, Any]:
-    """Host buffers for ``plan``, keyed by path; unpinned ones are written once so their pages are mapped."""
+    """Host buffers for ``plan``, keyed by path; every page is written once, so the first copy into them does not
+    page-fault (:func:`posttrain.ckpt.pinned.host_empty` does it for the pinned ones)."""
     out: dict[str, Any] = {}
     for spec in plan:
-        host = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=spec.pin)
-        if not spec.pin:
-            host.zero_()  # pinning maps the pages; plain memory would page-fault during the first copy
+        host = host_empty(spec.shape, spec.dtype, spec.pin_device)
+        if spec.pin_device is None:
+            host.zero_()
         out[spec.path] = (
             host if spec.dtensor_spec is None else DTensor(host, spec.dtensor_spec, requires_grad=False)
         )

@@ -43,6 +43,6 @@ def import_vanilla_mbridge() -> ModuleType:
     except ModuleNotFoundError as exc:
         raise ImportError(
             "engine.vanilla_mbridge=true needs the deprecated `mbridge` package, which is not "
-            "installed: `pip install mbridge`, or set engine.vanilla_mbridge=false to use "
-            "Megatron-Bridge"
+            "installed: `pip install 'posttrain-engine-megatron[mbridge]'` (mbridge 0.15.1), or set "
+            "engine.vanilla_mbridge=false to use Megatron-Bridge"
         ) from exc

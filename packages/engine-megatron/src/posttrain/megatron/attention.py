@@ -1,31 +1,53 @@
 """Variable-length (THD) core attention for Megatron-Core's local layer spec, and the layer spec choice.
 
-Megatron-Core's local ``DotProductAttention`` refuses packed sequences: only Transformer Engine's attention
-reads ``PackedSeqParams``. :class:`VarlenDotProductAttention` keeps the local module's parameters and scaling
-and adds the packed path: query/key/value arrive as ``(T, heads, head_dim)`` for the whole packed stream and
-each sequence ``cu_seqlens[i]:cu_seqlens[i+1]`` attends causally to itself only. On CUDA with bf16/fp16 it
-calls ``torch.nn.attention.varlen.varlen_attn`` (one flash kernel over all sequences, causal through
-``window_size=(-1, 0)``); otherwise it runs ``scaled_dot_product_attention(is_causal=True)`` per sequence.
-Transformer Engine's fused attention does the same in one kernel and also covers context parallelism.
+Megatron-Core's local ``DotProductAttention`` refuses packed sequences and context parallelism: only Transformer
+Engine's attention reads ``PackedSeqParams``. :class:`VarlenDotProductAttention` keeps the local module's
+parameters and scaling and adds the packed path: query/key/value arrive as ``(T, heads, head_dim)`` for the whole
+packed stream and each sequence ``cu_seqlens[i]:cu_seqlens[i+1]`` attends causally to itself only (one
+``torch.nn.attention.varlen.varlen_attn`` flash call on CUDA in bf16/fp16, SDPA per sequence elsewhere; see
+:func:`.context_parallel.varlen_causal_attention`). Under context parallelism (``context_parallel_size > 1``)
+the stream holds this rank's two chunks of every sequence; keys and values are all-gathered over the CP group
+and each query chunk attends to the key prefix of its sequence up to its own end (:mod:`.context_parallel`).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import copy
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from .context_parallel import gather_keys_values, varlen_causal_attention
 
-def _has_varlen() -> bool:
-    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+CP_COMM_TYPES = (None, "all_gather", "allgather")
+"""``cp_comm_type`` values the local attention implements (None: its default, all-gather)."""
 
 
 class VarlenDotProductAttention(DotProductAttention):
-    """Local core attention that also accepts packed THD input (``packed_seq_params.qkv_format == 'thd'``)."""
+    """Local core attention that also accepts packed THD input (``packed_seq_params.qkv_format == 'thd'``) and
+    context parallelism on it (all-gather of keys and values over the CP group)."""
+
+    def __init__(
+        self, config: Any, *args: Any, cp_comm_type: Any = None, pg_collection: Any = None, **kw: Any
+    ):
+        cp = config.context_parallel_size
+        if cp > 1 and cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(
+                f"cp_comm_type={cp_comm_type!r}: the local attention implements context parallelism by "
+                "all-gathering keys and values only; drop cp_comm_type from "
+                "engine.override_transformer_config or set it to 'all_gather'"
+            )
+        local = copy.copy(config)  # the parent refuses CP > 1 (only TE's attention had it)
+        local.context_parallel_size = 1
+        super().__init__(local, *args, cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kw)
+        self.config = config
+        self.cp_group = None
+        if cp > 1:
+            from megatron.core import parallel_state as mpu
+
+            self.cp_group = getattr(pg_collection, "cp", None) or mpu.get_context_parallel_group()
 
     def forward(
         self,
@@ -37,7 +59,7 @@ class VarlenDotProductAttention(DotProductAttention):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if packed_seq_params is None:
+        if packed_seq_params is None and self.cp_group is None:
             return super().forward(
                 query,
                 key,
@@ -46,36 +68,31 @@ class VarlenDotProductAttention(DotProductAttention):
                 attn_mask_type=attn_mask_type,
                 attention_bias=attention_bias,
             )
-        if packed_seq_params.qkv_format != "thd":
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            fmt = None if packed_seq_params is None else packed_seq_params.qkv_format
             raise ValueError(
-                f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: the local varlen "
-                "attention handles only thd"
+                f"packed_seq_params.qkv_format={fmt!r}: the local varlen attention handles only thd "
+                "(and context parallelism only on packed thd streams)"
             )
+        scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+        dropout = self.attention_dropout.p if self.training else 0.0
+        cu_q = cu_k = packed_seq_params.cu_seqlens_q
+        max_q = max_k = int(packed_seq_params.max_seqlen_q)
+        if self.cp_group is not None:
+            plan = getattr(packed_seq_params, "cp_plan", None)
+            if plan is None:
+                raise ValueError(
+                    "context_parallel_size > 1 needs packed_seq_params built by "
+                    "posttrain.megatron.context_parallel.split_micro_batch (a CpPackedSeqParams with cp_plan)"
+                )
+            key, value = gather_keys_values(key, value, plan, self.cp_group)
+            cu_q, cu_k = plan.cu_seqlens_q, plan.cu_seqlens_k
+            max_q, max_k = plan.max_seqlen_q, plan.max_seqlen_k
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         if groups > 1:
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
-        cu = packed_seq_params.cu_seqlens_q
-        scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
-        dropout = self.attention_dropout.p if self.training else 0.0
-        if (
-            query.is_cuda
-            and query.dtype in (torch.bfloat16, torch.float16)
-            and dropout == 0.0
-            and _has_varlen()
-        ):
-            from torch.nn.attention.varlen import varlen_attn
-
-            max_len = int(packed_seq_params.max_seqlen_q)
-            out = varlen_attn(query, key, value, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0))
-        else:
-            out = torch.empty_like(query)
-            bounds = cu.tolist()
-            for start, end in zip(bounds[:-1], bounds[1:]):
-                q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
-                out[start:end] = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, dropout_p=dropout, scale=scale
-                ).transpose(0, 1)
+        out = varlen_causal_attention(query, key, value, cu_q, cu_k, max_q, max_k, scale, dropout)
         return out.reshape(out.size(0), -1)
 
 

@@ -218,7 +218,23 @@ def build_optimizer(chunks: list[torch.nn.Module], optim: OptimizerConfig, cfg: 
     if dtype == torch.float16:
         mcfg.loss_scale = None
         mcfg.initial_loss_scale = 2.0**16
-    return get_megatron_optimizer(mcfg, chunks)
+    optimizer = get_megatron_optimizer(mcfg, chunks)
+    _settle_grad_norm_groups(optimizer)
+    return optimizer
+
+
+def _settle_grad_norm_groups(optimizer: Any) -> None:
+    """Run, on every rank now, the collective Megatron-Core's first gradient clipping would run only on ranks
+    that hold trainable parameters.
+
+    ``clip_grad_norm`` asks ``has_grad_norm_group(g)`` for each separately clipped group (an all-reduce over the
+    grad-stats group, cached after the first call) only when the rank has parameters, so a pipeline stage
+    with nothing to train (LoRA adapting only some layers) would leave the others waiting in that all-reduce.
+    Asking here, on every rank, fills the cache everywhere."""
+    from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
+
+    for group in SEPARATE_GRAD_NORM_GROUPS:
+        optimizer.has_grad_norm_group(group)
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -10,8 +10,9 @@ Layout of one role directory::
 The model and optimizer go through ``megatron.core.dist_checkpointing`` with the sharded state dicts of the
 model chunks and of Megatron's optimizer, so a checkpoint written at one TP/PP/DP layout loads at another; with
 ``checkpoint.async_save`` the dist_ckpt files are written on the step manager's background writer
-(:mod:`.async_save`). Under Megatron-FSDP ``dist_ckpt/`` holds the fsdp_dtensor format instead (torch DCP over
-DTensors, reshardable over DP: :mod:`.fsdp_dtensor`).
+(:mod:`.async_save`; a portable checkpoint's files through :mod:`.portable` on the same writer). Under
+Megatron-FSDP ``dist_ckpt/`` holds the fsdp_dtensor format instead (torch DCP over DTensors, reshardable over
+DP: :mod:`.fsdp_dtensor`).
 The HF weights go through Megatron-Bridge's ``save_hf_weights`` with ``checkpoint.mbridge_config`` keyword
 arguments (only those its signature accepts).
 """
@@ -215,7 +216,9 @@ def save(
     call returns after the planning and the host snapshot, and the dist_ckpt files are written on its thread.
     """
     if engine.checkpoint_config.portable:  # HF-keyed, the FSDP engine's layout (portable.py)
-        portable.save(engine, local_path, global_step)
+        _check_async(engine, writer)
+        background = writer if engine.checkpoint_config.async_save else None
+        engine._pending_save = portable.save(engine, local_path, global_step, background)
         return _prune(Path(local_path), max_ckpt_to_keep or engine.checkpoint_config.max_ckpt_to_keep)
     from megatron.core import dist_checkpointing
 

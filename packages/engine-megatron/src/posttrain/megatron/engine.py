@@ -7,8 +7,12 @@ through Megatron's pipeline schedule (no pipelining, 1F1B, or interleaved 1F1B w
 one THD stream. The last pipeline stage turns the TP-sharded logits into per-token log-probs (and entropy) and
 calls the loss function; the schedule divides each micro-batch loss by the number of micro-batches, so the
 loss handed back to it is multiplied by that number and the caller's global token normalisation
-(:class:`posttrain.core.batch.LossContext`) is what decides the gradient scale. Outputs come back, in the
-caller's order, only on ranks where :meth:`is_mp_src_rank_with_outputs` (TP rank 0 of the last stage).
+(:class:`posttrain.core.batch.LossContext`) is what decides the gradient scale. With context parallelism each
+CP rank runs its load-balanced chunks of every sequence (:mod:`.context_parallel`); the per-token outputs are
+gathered over CP into packed order, so each CP rank calls the loss function on the whole micro-batch. The
+schedule multiplies that loss by the CP size and Megatron DDP averages gradients over data x context parallel
+ranks, which together leave the gradient of the CP=1 loss. Outputs come back, in the caller's order, only on
+ranks where :meth:`is_mp_src_rank_with_outputs` (TP and CP rank 0 of the last stage).
 With ``model.lora_rank > 0`` the chunks carry Megatron-Bridge's LoRA (:mod:`.lora`): only the adapters train,
 :meth:`disable_adapter` runs the base model, and :meth:`get_per_tensor_param` streams merged weights, the base,
 or the adapter under peft's names.
@@ -35,8 +39,9 @@ from posttrain.core.config import McoreEngineConfig
 from posttrain.core.engine import BaseEngine, PerTensorParams
 
 from . import build, checkpoint, offload, rules, vanilla
+from .context_parallel import CpLayout
 from .lora import MegatronLora, rollout_stream
-from .packing import pack_micro_batch, token_outputs
+from .packing import PackedInput, pack_micro_batch, token_outputs
 from .router_replay import RouterReplay
 from .value_head import add_value_head
 
@@ -242,7 +247,7 @@ class MegatronEngine(BaseEngine):
         calc_entropy: bool,
     ) -> tuple[torch.Tensor, Any]:
         mb = next(data_iterator)
-        packed = pack_micro_batch(mb, self._pad_multiple(), self._device)
+        packed = pack_micro_batch(mb, self._pad_multiple(), self._device, self._cp_group())
         self.router_replay.before_micro(mb.meta.get("routed_experts"), packed.input_ids.shape[1])
         output = model(
             input_ids=packed.input_ids,
@@ -256,7 +261,7 @@ class MegatronEngine(BaseEngine):
         return output, partial(
             self._loss_func,
             mb=mb,
-            num_tokens=packed.num_tokens,
+            packed=packed,
             loss_fn=loss_fn,
             ctx=ctx,
             n_micro=n_micro,
@@ -269,14 +274,14 @@ class MegatronEngine(BaseEngine):
         output: torch.Tensor,
         *,
         mb: PackedBatch,
-        num_tokens: int,
+        packed: PackedInput,
         loss_fn: LossFn | None,
         ctx: Any,
         n_micro: int,
         collected: list,
         calc_entropy: bool,
     ) -> tuple[torch.Tensor, dict]:
-        outs = self._model_outputs(output[0, :num_tokens], mb, calc_entropy)
+        outs = self._model_outputs(packed.output_rows(output), mb, calc_entropy, packed.cp)
         if "recorded_experts" in mb.meta:
             outs["routed_experts"] = mb.meta["recorded_experts"]
         if loss_fn is None:
@@ -289,17 +294,23 @@ class MegatronEngine(BaseEngine):
         return loss * n_micro, {}
 
     def _model_outputs(
-        self, logits: torch.Tensor, mb: PackedBatch, calc_entropy: bool
+        self, logits: torch.Tensor, mb: PackedBatch, calc_entropy: bool, cp: CpLayout | None
     ) -> dict[str, torch.Tensor]:
         from megatron.core import parallel_state as mpu
 
         tp_rank = mpu.get_tensor_model_parallel_rank()
         vocab_start = tp_rank * logits.size(-1)
-        return token_outputs(logits, mb, vocab_start, mpu.get_tensor_model_parallel_group(), calc_entropy)
+        return token_outputs(logits, mb, vocab_start, mpu.get_tensor_model_parallel_group(), calc_entropy, cp)
 
     def _pad_multiple(self) -> int:
         cfg = self.engine_config
         return cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+
+    def _cp_group(self) -> Any:
+        """Megatron's context-parallel group when CP > 1, else None."""
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_context_parallel_group() if self.engine_config.context_parallel_size > 1 else None
 
     # ------------------------------------------------------------------ optimizer
     def optimizer_zero_grad(self) -> None:
@@ -429,6 +440,7 @@ class MegatronValueModelEngine(MegatronEngine):
     is_value_model = True
 
     def _model_outputs(
-        self, logits: torch.Tensor, mb: PackedBatch, calc_entropy: bool
+        self, logits: torch.Tensor, mb: PackedBatch, calc_entropy: bool, cp: CpLayout | None
     ) -> dict[str, torch.Tensor]:
-        return {"values": logits[:, 0].float()}
+        values = logits[:, 0].float()
+        return {"values": values if cp is None else cp.to_packed(values)}

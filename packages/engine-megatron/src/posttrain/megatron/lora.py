@@ -24,7 +24,9 @@ Megatron fuses layers: a fused linear is adapted when any of its HF
 parts is selected, so ``target_modules=[q_proj]`` also adapts k and v, and excluding ``k_proj`` alone
 excludes nothing. A fused linear has one A shared by its parts and one B that splits into the parts' Bs; the
 bridge's adapter export repeats A for each part, so the exported peft adapter computes exactly what the
-engine computes (it is a peft adapter whose q/k/v, or gate/up, As happen to be equal).
+engine computes (it is a peft adapter whose q/k/v, or gate/up, As happen to be equal). A selection may leave a
+pipeline stage without adapters (``target_modules`` naming late layers only): that stage trains nothing, and
+:func:`posttrain.megatron.build.build_optimizer` keeps its gradient-clipping collectives in step with the others.
 
 Checkpoints: a LoRA linear's sharded state keeps the base layer's own keys and adds ``<linear>.adapter.*``, so
 native ``dist_ckpt`` saves hold the adapters and a base-only ``dist_ckpt`` loads with fresh adapters
@@ -138,20 +140,6 @@ def _all_ranks(obj: Any) -> list[Any]:
     return gathered
 
 
-def _check_every_rank_trains(model: ModelConfig, trains: list[bool]) -> None:
-    """Refuse a selection that leaves a pipeline stage without a trainable parameter: Megatron-Core 0.19's
-    first gradient clipping runs a collective (``has_grad_norm_group``) only on ranks that hold parameters,
-    so the training step would hang."""
-    idle = [rank for rank, t in enumerate(trains) if not t]
-    if idle:
-        raise ValueError(
-            f"model.target_modules={model.target_modules!r} with exclude_modules={model.exclude_modules!r} "
-            f"adapts no linear layer on the pipeline stage(s) of rank(s) {idle}, which would then have "
-            "nothing to train (and Megatron-Core's gradient clipping would hang): select a linear in "
-            "every stage's layers (e.g. target_modules=all-linear), or lower pipeline_model_parallel_size"
-        )
-
-
 def _adapter_wrappers(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Module]]:
     from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
 
@@ -179,23 +167,21 @@ class MegatronLora:
         from megatron.bridge.peft.lora import LoRA
 
         chosen, hf_names = _select(self.model, chunks)
-        head = self.value_model and any(getattr(c, "output_layer", None) is not None for c in chunks)
-        per_rank = _all_ranks((hf_names, bool(chosen) or head))
-        self.hf_modules = sorted({n for names, _ in per_rank for n in names})
+        self.hf_modules = sorted({n for names in _all_ranks(hf_names) for n in names})
         if not self.hf_modules:
             raise ValueError(
                 f"model.target_modules={self.model.target_modules!r} with exclude_modules="
                 f"{self.model.exclude_modules!r} selects no linear layer of this model: target some of "
                 f"{list(HF_LINEARS)}, or set lora_rank=0"
             )
-        _check_every_rank_trains(self.model, [trains for _, trains in per_rank])
         self.num_layers = chunks[0].config.num_layers
         self.peft = LoRA(
             target_modules=chosen, dim=self.model.lora_rank, alpha=self.model.lora_alpha, dropout=0.0
         )
         if chosen:
             chunks = self.peft(chunks, training=True)
-        else:  # a value model's last stage without adapters: an empty target list would adapt everything
+        else:  # a stage without adapters trains nothing (or only a value head): an empty target list
+            # would adapt everything. Its optimizer is empty; build.build_optimizer keeps its collectives in step.
             self.peft.freeze_model(chunks, training=True)
         adapted = sorted(name for name, _ in _adapter_wrappers(chunks))
         if adapted != sorted(chosen):

@@ -3,7 +3,9 @@
 A micro-batch's sequences are fed as one ``(1, T)`` stream with ``PackedSeqParams(qkv_format='thd')``: RoPE
 restarts at each ``cu_seqlens`` boundary and attention stays inside each sequence. Under sequence parallelism
 the stream is split over TP ranks, so ``T`` is padded to a multiple of the TP size with one extra padding
-sequence whose outputs are dropped.
+sequence whose outputs are dropped. Under context parallelism each CP rank gets its load-balanced chunks of
+every sequence instead (:mod:`.context_parallel`); next-token targets are formed on whole sequences before the
+split, and the per-row results are gathered back to the packed order.
 
 Logits come out sharded over the vocabulary (``V / tp`` columns per TP rank). With ``m`` the global max and
 ``Z = sum_v exp(l_v - m)`` (an all-reduce), ``log p(y) = l_y - m - log Z`` where ``l_y`` is contributed by the rank
@@ -19,6 +21,8 @@ import torch
 
 from posttrain.core.batch import PackedBatch
 
+from .context_parallel import CpLayout, split_micro_batch
+
 
 @dataclass
 class PackedInput:
@@ -31,13 +35,28 @@ class PackedInput:
     packed_seq_params: object
     """Megatron ``PackedSeqParams`` (thd) over the padded stream."""
     num_tokens: int
-    """Real tokens (outputs beyond this index are padding)."""
+    """Real tokens of the micro-batch (without CP, outputs beyond this index are padding)."""
+    cp: CpLayout | None = None
+    """Under context parallelism, where the rows of this rank's stream sit in the micro-batch."""
+
+    def output_rows(self, output: torch.Tensor) -> torch.Tensor:
+        """The rows of a ``(1, T_pad, ...)`` model output that carry results: the real tokens without CP, this
+        rank's whole stream under CP (:meth:`CpLayout.to_packed` drops its padding later)."""
+        return output[0] if self.cp is not None else output[0, : self.num_tokens]
 
 
-def pack_micro_batch(mb: PackedBatch, pad_multiple: int, device: torch.device) -> PackedInput:
-    """``mb`` as one THD stream padded to a multiple of ``pad_multiple`` tokens."""
+def pack_micro_batch(
+    mb: PackedBatch, pad_multiple: int, device: torch.device, cp_group: object = None
+) -> PackedInput:
+    """``mb`` as one THD stream padded to a multiple of ``pad_multiple`` tokens; with a ``cp_group`` of more than
+    one rank, this CP rank's part of it (``pad_multiple`` is then the sequence-parallel TP size or 1)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    if cp_group is not None and cp_group.size() > 1:
+        ids, pos, params, layout = split_micro_batch(
+            mb.input_ids, mb.cu_seqlens, pad_multiple, cp_group, device
+        )
+        return PackedInput(ids, pos, params, mb.input_ids.numel(), layout)
     ids, pos, cu = mb.input_ids, mb.position_ids, mb.cu_seqlens.to(torch.int32)
     total = ids.numel()
     pad = (-total) % pad_multiple
@@ -82,18 +101,33 @@ def vocab_parallel_logprobs(
 
 
 def token_outputs(
-    logits: torch.Tensor, mb: PackedBatch, vocab_start: int, tp_group: object, with_entropy: bool
+    logits: torch.Tensor,
+    mb: PackedBatch,
+    vocab_start: int,
+    tp_group: object,
+    with_entropy: bool,
+    cp: CpLayout | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token ``log_probs`` (and ``entropy``) aligned with the tokens they describe, from (T, V/tp) logits.
 
     Row ``t`` of ``logits`` predicts token ``t+1``, so it is divided by ``temperature[t+1]``, scored against
-    ``input_ids[t+1]`` and the results shift one place right; each sequence's first token gets 0."""
+    ``input_ids[t+1]`` and the results shift one place right; each sequence's first token gets 0. Under CP the
+    logits are this rank's rows: targets and temperatures are shifted on the whole micro-batch, laid out as
+    those rows, and the results are gathered back to the packed order before the shift."""
     ids = mb.input_ids
     targets = torch.roll(ids, -1)
+    temp = None
     if "temperature" in mb.fields:
         temp = torch.roll(mb.fields["temperature"].to(logits.device).float(), -1)
+    if cp is not None:
+        targets = cp.to_rows(targets)
+        temp = None if temp is None else cp.to_rows(temp, fill=1.0)
+    if temp is not None:
         logits = logits.float() / temp[:, None]
     lp, ent = vocab_parallel_logprobs(logits, targets, vocab_start, tp_group, with_entropy)
+    if cp is not None:
+        lp = cp.to_packed(lp)
+        ent = None if ent is None else cp.to_packed(ent)
     starts = mb.cu_seqlens[:-1].long().to(logits.device)
     out = {"log_probs": torch.roll(lp, 1).index_fill(0, starts, 0.0)}
     if ent is not None:

@@ -24,8 +24,13 @@ embeddings only at PP = 1; bridge mappings must only move values (concatenate, i
 for Qwen2/Llama-style models (a zero-centred-norm mapping, which shifts values, is refused). The Megatron RNG
 tracker is not saved (dropout is off in posttrain's engines). Weight decay follows the engine that resumes:
 Megatron exempts biases and norms, torch's AdamW does not. Loading reads every needed full tensor on every rank
-(IO grows with the rank count); saving holds each rank's share of the full tensors in host memory and writes
-synchronously, also with ``checkpoint.async_save``.
+(IO grows with the rank count); saving holds each rank's share of the full tensors in host memory.
+
+With ``checkpoint.async_save`` the save blocks for the conversion and the device-to-host copy of this rank's
+share (the snapshot, into the step manager's writer's reused host buffers; the conversion's collectives run on
+the training thread), and the files (DCP, extra, ``huggingface/``, the manifest last) are written as one job
+on :class:`posttrain.ckpt.AsyncWriter`'s thread over its gloo group. The engine waits for that job before its
+next save or load, and the step manager's commit is queued behind it.
 """
 
 from __future__ import annotations
@@ -35,13 +40,15 @@ import importlib.metadata
 import time
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from posttrain.ckpt import read_role_manifest
+from posttrain.ckpt import AsyncWriter, read_role_manifest
+from posttrain.ckpt import dist as ckpt_dist
 from posttrain.ckpt.extra import capture_extra, load_extra, save_extra
 from posttrain.ckpt.hf import write_hf_metadata, write_safetensors
 from posttrain.ckpt.layout import (
@@ -54,6 +61,7 @@ from posttrain.ckpt.layout import (
     read_json,
     write_json,
 )
+from posttrain.ckpt.snapshot import snapshot_to_host
 
 from . import build
 
@@ -242,36 +250,48 @@ def _fp32_target(param: torch.Tensor) -> Iterator[None]:
 
 
 def _export(tasks: list[Any], local: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full fp32 tensor) for every task; ``local(param)`` gives the TP-local tensor (collective)."""
+    """(HF name, full fp32 tensor on the model's device) for every task; ``local(param)`` gives the TP-local
+    tensor (collective)."""
     for task in tasks:
         weights = local(task.param_weight) if task.param_weight is not None else None
         for name, tensor in task.mapping.megatron_to_hf(weights, task.megatron_module).items():
-            yield name, tensor.detach().float().cpu()
+            yield name, tensor.detach().float()
+
+
+def _to_host(tensor: torch.Tensor, buffers: dict[str, Any] | None, path: str) -> torch.Tensor:
+    """Host copy of ``tensor``: ``.cpu()`` for a sync save (written before save returns, so it may alias a CPU
+    parameter), a copy into the async writer's reused host buffer ``buffers[path]`` otherwise."""
+    return tensor.cpu() if buffers is None else snapshot_to_host(tensor, buffers, path)
 
 
 # ---------------------------------------------------------------------------------------- save
-def _collect(engine: Any, contents: list[str], rank: int, world: int) -> tuple[dict, dict | None]:
-    """This rank's share of the DCP state, and the full model on rank 0 when ``hf_model`` is saved."""
+def _collect(
+    engine: Any, contents: list[str], rank: int, world: int, buffers: dict[str, Any] | None, key: str
+) -> tuple[dict, dict | None]:
+    """This rank's share of the DCP state on the host, and the full model on rank 0 when ``hf_model`` is saved.
+
+    ``buffers``: the async writer's host buffers (keys under ``key``), None for a sync save."""
     tasks = _tasks(engine)
     slots = _Slots(engine.optimizer) if engine.optimizer is not None else None
-    with_optim = "optimizer" in contents
     model: dict[str, torch.Tensor] = {}
     full: dict[str, torch.Tensor] | None = {} if "hf_model" in contents and rank == 0 else None
     owners: dict[str, int] = {}
     getter = (lambda p: slots.get(p, "param")) if slots is not None else (lambda p: p.detach())
     for i, (name, tensor) in enumerate(_export(tasks, getter)):
         owners[name] = i % world
-        if owners[name] == rank:
-            model[name] = tensor
-        if full is not None:
-            full[name] = tensor
+        if owners[name] == rank or full is not None:
+            host = _to_host(tensor, buffers, f"{key}/portable.model.{name}")
+            if owners[name] == rank:
+                model[name] = host
+            if full is not None:
+                full[name] = host
     state: dict[str, Any] = {"model": model}
-    if with_optim:
+    if "optimizer" in contents:
         optim: dict[str, Any] = {}
         for kind in MOMENTS:
             for name, tensor in _export(tasks, lambda p, k=kind: slots.get(p, k)):
                 if owners[name] == rank:
-                    optim[f"state.{name}.{kind}"] = tensor
+                    optim[f"state.{name}.{kind}"] = _to_host(tensor, buffers, f"{key}/portable.{kind}.{name}")
         step = slots.step()
         group, _ = _template(engine.optimizer_config, engine._lr_step)
         for name in model:
@@ -309,8 +329,10 @@ def _manifest(engine: Any, contents: list[str], global_step: int, world: int, ti
     }
 
 
-def save(engine: Any, local_path: str, global_step: int) -> None:
-    """Write ``checkpoint.save_contents`` of ``engine`` into the role directory ``local_path`` (collective)."""
+def save(engine: Any, local_path: str, global_step: int, writer: AsyncWriter | None = None) -> Future | None:
+    """Write ``checkpoint.save_contents`` of ``engine`` into the role directory ``local_path`` (collective).
+
+    With ``writer`` this returns after the host snapshot with the future of the background write job."""
     contents = list(engine.checkpoint_config.save_contents)
     if "optimizer" in contents and engine.optimizer is None:
         raise ValueError(
@@ -321,27 +343,52 @@ def save(engine: Any, local_path: str, global_step: int) -> None:
     role = Path(local_path)
     rank, world = _rank_world()
     role.mkdir(parents=True, exist_ok=True)
-    full = None
+    buffers = writer.ready_buffers() if writer is not None else None
+    state, full = None, None
     if "model" in contents:
-        state, full = _collect(engine, contents, rank, world)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(role / DIST_CKPT)))
+        state, full = _collect(engine, contents, rank, world, buffers, role.name)
+    extra = None
     if "extra" in contents:
         _, sched = _template(engine.optimizer_config, engine._lr_step)
         extra = capture_extra(None, {"global_step": global_step, "skipped_steps": engine.skipped_steps})
-        save_extra(role / DIST_CKPT / EXTRA_DIR, rank, extra | {"lr_scheduler": sched})
+        extra["lr_scheduler"] = sched
     tied = bool(build.unwrap(engine.chunks[0]).share_embeddings_and_output_weights)
     manifest = _manifest(engine, contents, global_step, world, tied)
+    sources = (engine.model_config.path, engine.model_config.tokenizer_dir)
+    if writer is None:
+        _write(role, state, extra, full, manifest, sources, None)
+        return None
+    return writer.submit(_write, role, state, extra, full, manifest, sources, writer.process_group)
+
+
+def _write(
+    role: Path,
+    state: dict | None,
+    extra: dict | None,
+    full: dict | None,
+    manifest: dict,
+    sources: tuple[str, str | None],
+    group: Any,
+) -> None:
+    """Write the host state of :func:`save` into ``role``, the manifest last (collective over ``group``: the
+    default group for a sync save, the async writer's gloo group on its thread)."""
+    rank = ckpt_dist.get_rank()
+    if state is not None:
+        with ckpt_dist.single_process_dcp() as no_dist:
+            writer = dcp.FileSystemWriter(str(role / DIST_CKPT))
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+    if extra is not None:
+        save_extra(role / DIST_CKPT / EXTRA_DIR, rank, extra)
     if rank == 0:
-        write_hf_metadata(role / HF_DIR, None, engine.model_config.path, engine.model_config.tokenizer_dir)
+        write_hf_metadata(role / HF_DIR, None, *sources)
         if full is not None:
+            tied = bool(manifest["tied_aliases"])
             manifest["hf_files"] = write_safetensors(role / HF_DIR, full, tie_word_embeddings=tied)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    ckpt_dist.barrier(group)
     if rank == 0:
         manifest["written_unix"] = time.time()
         write_json(role / ROLE_MANIFEST, manifest)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    ckpt_dist.barrier(group)
 
 
 # ---------------------------------------------------------------------------------------- load

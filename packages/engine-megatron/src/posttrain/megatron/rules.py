@@ -1,7 +1,7 @@
 """Checks of a megatron engine config against the model, the checkpoint config and the machine.
 
 The per-field rules live in ``McoreEngineConfig.__post_init__`` (engine-core); the ones here need more than
-one config, or the HF model config, or to know whether CUDA and Transformer Engine are there.
+one config, or the HF model config, or to know whether CUDA is there.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from posttrain.core.config import (
     check_checkpoint_for_engine,
 )
 
-from . import _deps, lora, vanilla
+from . import lora, vanilla
 
 
 def _hf_config(model: ModelConfig) -> dict:
@@ -83,6 +83,23 @@ def check_layout(cfg: McoreEngineConfig, hf: dict) -> None:
         )
 
 
+def check_context_parallel(cfg: McoreEngineConfig) -> None:
+    """What context parallelism (CP > 1) is not combined with."""
+    cp = cfg.context_parallel_size
+    if cfg.use_megatron_fsdp:
+        raise ValueError(
+            f"engine.context_parallel_size={cp} with engine.use_megatron_fsdp=true is untested (Megatron-FSDP "
+            "would shard over data x context parallel ranks): set context_parallel_size=1 or "
+            "use_megatron_fsdp=false"
+        )
+    if cfg.router_replay.mode != "disabled":
+        raise ValueError(
+            f"engine.context_parallel_size={cp} with engine.router_replay.mode={cfg.router_replay.mode} is not "
+            "implemented (the recorded experts are in packed token order, not per CP chunk): set "
+            "context_parallel_size=1 or router_replay.mode=disabled"
+        )
+
+
 def check_engine(
     cfg: McoreEngineConfig, ckpt: CheckpointConfig, model: ModelConfig, *, on_cuda: bool, role: str = "actor"
 ) -> None:
@@ -90,6 +107,12 @@ def check_engine(
     check_checkpoint_for_engine(cfg, ckpt, role)
     if cfg.vanilla_mbridge:
         vanilla.check(cfg)
+        if ckpt.portable:
+            raise ValueError(
+                "checkpoint.portable=true with engine.vanilla_mbridge=true: the portable (HF-keyed) save "
+                "uses Megatron-Bridge's conversion tasks, which the legacy mbridge lacks; set "
+                "engine.vanilla_mbridge=false or checkpoint.portable=false"
+            )
     if cfg.use_megatron_fsdp and not on_cuda:
         raise ValueError(
             "engine.use_megatron_fsdp=true needs CUDA (Megatron-FSDP allocates CUDA streams): "
@@ -100,12 +123,8 @@ def check_engine(
             "engine.use_megatron_fsdp=true with pipeline_model_parallel_size > 1 is not supported "
             "by Megatron-FSDP: set pipeline_model_parallel_size=1"
         )
-    if cfg.context_parallel_size > 1 and not _deps.has_transformer_engine():
-        raise ValueError(
-            f"engine.context_parallel_size={cfg.context_parallel_size} needs Transformer Engine's "
-            "attention (the local layer spec has no context parallelism): install transformer_engine "
-            "or set context_parallel_size=1"
-        )
+    if cfg.context_parallel_size > 1:
+        check_context_parallel(cfg)
     if cfg.use_dist_checkpointing and not cfg.dist_checkpointing_path:
         raise ValueError(
             "engine.use_dist_checkpointing=true needs engine.dist_checkpointing_path (a dist_ckpt "

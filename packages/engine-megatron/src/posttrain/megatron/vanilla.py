@@ -5,20 +5,30 @@ engine makes.
 offers the Megatron-Bridge methods the engine and its checkpoints call (``load_hf_weights``,
 ``get_conversion_tasks``, ``export_hf_weights``, ``save_hf_weights``) over mbridge's ``load_weights``,
 ``export_weights`` and ``save_weights``. mbridge builds its own TransformerConfig from the HF config; posttrain
-passes the layout-independent settings it also sets on Megatron-Bridge's provider (dropout off, fusions off
-without CUDA, the user's ``override_transformer_config``) through ``set_extra_args``. Differences from the
-Megatron-Bridge path: mbridge always uses Transformer Engine's layer spec (so Transformer Engine is required),
-Megatron-FSDP and router replay are not offered (rejected by :func:`check`), and the ``posttrain convert`` commands stay on
-Megatron-Bridge. Tested here only up to the missing-package error and the deprecation warning: mbridge is not
-installed in posttrain's environments.
+passes the settings it also sets on Megatron-Bridge's provider (dropout off, ``sequence_parallel``, fusions off
+without CUDA, the user's ``override_transformer_config``) through ``set_extra_args``.
+
+Written against mbridge 0.15.1 (the extra ``posttrain-engine-megatron[mbridge]``), with three adaptations:
+
+- mbridge always asks for Transformer Engine's layer spec. Without Transformer Engine the bridge builds the
+  engine's local layers instead (:func:`posttrain.megatron.attention.layer_spec`, the same spec as the
+  Megatron-Bridge path) and maps their separate norms (``input_layernorm``, ``pre_mlp_layernorm``) to HF's
+  ``input_layernorm`` and ``post_attention_layernorm``; mbridge's own mapping knows only Transformer Engine's
+  fused ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``.
+- transformers 5 keeps ``rope_theta`` in ``config.rope_parameters``; mbridge reads ``config.rope_theta``, so
+  the bridge copies it there (only for ``rope_type='default'``: mbridge applies no RoPE scaling).
+- Megatron-FSDP, router replay and LoRA are not offered (:func:`check`, ``rules.py``), and the
+  ``posttrain convert`` commands stay on Megatron-Bridge.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from posttrain.core.config import McoreEngineConfig
 
@@ -29,6 +39,14 @@ DEPRECATION = (
     "set engine.vanilla_mbridge=false to use NVIDIA Megatron-Bridge (the maintained successor)"
 )
 """The DeprecationWarning every vanilla build emits."""
+
+LOCAL_NORMS = {
+    "_OTHER_MAPPING": {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]},
+    "_MLP_MAPPING": {
+        "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]
+    },
+}
+"""mbridge name-mapping tables -> the entries the local layer spec adds (Megatron suffix -> HF names)."""
 
 
 def check(cfg: McoreEngineConfig) -> None:
@@ -48,6 +66,93 @@ def check(cfg: McoreEngineConfig) -> None:
         )
 
 
+def extra_args(cfg: McoreEngineConfig, *, on_cuda: bool, use_te: bool) -> dict[str, Any]:
+    """TransformerConfig fields posttrain sets on top of mbridge's own (the user's overrides last)."""
+    extra: dict[str, Any] = {
+        "attention_dropout": 0.0,
+        "hidden_dropout": 0.0,
+        "moe_router_load_balancing_type": "none",
+        "sequence_parallel": cfg.sequence_parallel,  # mbridge's default is tp_size > 1
+        "fp16": cfg.dtype == "float16",
+        "use_cpu_initialization": not on_cuda,
+    }
+    if not (on_cuda and use_te):
+        extra.update({name: False for name in build.CPU_OFF_FUSIONS})
+    extra.update(cfg.override_transformer_config)
+    return extra
+
+
+def _copy_rope_theta(hf_config: Any) -> None:
+    """Give a transformers-5 config the ``rope_theta`` attribute mbridge 0.15.1 reads."""
+    if getattr(hf_config, "rope_theta", None) is not None:
+        return
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
+        raise ValueError(
+            f"engine.vanilla_mbridge=true with rope_parameters={rope}: mbridge applies plain RoPE only "
+            "(rope_type='default' with a rope_theta); set engine.vanilla_mbridge=false"
+        )
+    hf_config.rope_theta = rope["rope_theta"]
+
+
+def _use_local_layers(bridge: Any) -> None:
+    """Build the engine's local (non-Transformer-Engine) layers and map their separate norms."""
+    from .attention import layer_spec
+
+    bridge._get_transformer_layer_spec = lambda vp_stage=None: layer_spec(bridge.config, False, vp_stage)
+    bridge.has_vp_stage = True  # read by mbridge's provider; set by the spec method this replaces
+    for table, entries in LOCAL_NORMS.items():
+        setattr(bridge, table, {**getattr(bridge, table), **entries})  # instance copies: classes stay as is
+
+
+def instantiate(provide: Callable[..., Any], vpp: int | None) -> list[torch.nn.Module]:
+    """mbridge's model provider called for this rank's pipeline (and virtual pipeline) stages.
+
+    mbridge 0.15.1's own ``get_model`` reads ``ModelType.encoder_and_decoder``, which Megatron-Core 0.19 no longer
+    has; this and :func:`wrap` do what it did, as Megatron-Bridge's ``get_model`` does."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.pipeline_parallel.utils import (
+        is_pp_first_stage,
+        is_pp_last_stage,
+        is_vp_first_stage,
+        is_vp_last_stage,
+    )
+
+    pp = mpu.get_pipeline_model_parallel_group()
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        chunk = provide(
+            pre_process=is_vp_first_stage(vp_stage, vpp) and is_pp_first_stage(pp),
+            post_process=is_vp_last_stage(vp_stage, vpp) and is_pp_last_stage(pp),
+            vp_stage=vp_stage if vpp else None,
+        )
+        for param in chunk.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        chunks.append(chunk)
+    return chunks
+
+
+def wrap(
+    chunks: list[torch.nn.Module], config: Any, cfg: McoreEngineConfig, *, wrap_with_ddp: bool, on_cuda: bool
+) -> list[torch.nn.Module]:
+    """Move to the GPU, wrap in Float16Module (bf16/fp16) and, to train, in Megatron DDP."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    if on_cuda:
+        chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
+    if config.fp16 or config.bf16:
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
+    if not wrap_with_ddp:
+        return chunks
+    ddp = build.make_ddp_config(cfg)
+    return [
+        DistributedDataParallel(config=config, ddp_config=ddp, module=chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+
+
 class VanillaBridge:
     """An ``mbridge`` Bridge for one HF directory, with the Megatron-Bridge method names the engine calls."""
 
@@ -58,25 +163,18 @@ class VanillaBridge:
         self.bridge = mbridge.AutoBridge.from_pretrained(
             model_path, trust_remote_code=trust_remote_code, dtype=build.TORCH_DTYPES[cfg.dtype]
         )
-        extra: dict[str, Any] = {"attention_dropout": 0.0, "hidden_dropout": 0.0}
-        extra["moe_router_load_balancing_type"] = "none"
-        if not on_cuda:
-            extra.update({name: False for name in build.CPU_OFF_FUSIONS})
-        extra.update(cfg.override_transformer_config)
-        self.bridge.set_extra_args(**extra)
+        _copy_rope_theta(self.bridge.hf_config)
+        use_te = _deps.has_transformer_engine()
+        self.bridge.set_extra_args(**extra_args(cfg, on_cuda=on_cuda, use_te=use_te))
+        if not use_te:
+            _use_local_layers(self.bridge)
 
     def build_model(self, *, wrap_with_ddp: bool, on_cuda: bool, value_head: Any = None) -> list:
         """This rank's model chunks (one per virtual pipeline stage), wrapped in Megatron DDP when training."""
-        callbacks = [] if value_head is None else [lambda model, **_: value_head([model])]
-        ddp = dataclasses.asdict(build.make_ddp_config(self.cfg)) if wrap_with_ddp else None
-        return self.bridge.get_model(
-            wrap_with_ddp=wrap_with_ddp,
-            fp16=self.cfg.dtype == "float16",
-            bf16=self.cfg.dtype == "bfloat16",
-            use_cpu_initialization=not on_cuda,
-            ddp_config=ddp,
-            post_model_creation_callbacks=callbacks,
-        )
+        chunks = instantiate(self.bridge._model_provider([]), self.cfg.virtual_pipeline_model_parallel_size)
+        if value_head is not None:
+            chunks = value_head(chunks)
+        return wrap(chunks, self.bridge.config, self.cfg, wrap_with_ddp=wrap_with_ddp, on_cuda=on_cuda)
 
     def load_hf_weights(self, chunks: list, allowed_mismatched_params: Any = None) -> None:
         """HF safetensors into the chunks (mbridge skips the LM head of a value model by itself)."""
@@ -87,9 +185,10 @@ class VanillaBridge:
         return None
 
     def export_hf_weights(self, chunks: list, cpu: bool = False, show_progress: bool = False, **_: Any):
-        """``(hf_name, full tensor)`` pairs, like Megatron-Bridge's ``export_hf_weights``."""
+        """``(hf_name, full tensor)`` pairs, detached, like Megatron-Bridge's ``export_hf_weights`` (mbridge yields
+        views of the parameters that still carry autograd history)."""
         for name, tensor in self.bridge.export_weights(chunks):
-            yield name, tensor.cpu() if cpu else tensor
+            yield name, tensor.detach().cpu() if cpu else tensor.detach()
 
     def save_hf_weights(
         self, chunks: list, path: str | Path, show_progress: bool = False, memory_efficient: bool = False
