@@ -65,16 +65,16 @@ def main() -> None:
         return nll_loss(out, micro, ctx)
 
     with eng.train_mode():
-        batch.meta["routed_experts"] = routed
+        batch.fields["routed_experts"] = routed
         eng.forward_backward_batch(batch, capture)
         replayed = torch.cat(captured)
         captured.clear()
         eng.optimizer_zero_grad()
-        batch.meta["routed_experts"] = (routed + 1) % TINY_QWEN3_MOE["num_experts"]
+        batch.fields["routed_experts"] = (routed + 1) % TINY_QWEN3_MOE["num_experts"]
         eng.forward_backward_batch(batch, capture)
         shifted = torch.cat(captured)
         eng.optimizer_zero_grad()
-        batch.meta["routed_experts"] = routed
+        batch.fields["routed_experts"] = routed
         losses = [sum(eng.train_batch(batch, nll_loss)["loss"]) for _ in range(3)]
     order_lp = first["log_probs"].cpu()
     res["replay_logprob_maxdiff"] = float((replayed - order_lp).abs().max())  # one micro-batch of 2 seqs

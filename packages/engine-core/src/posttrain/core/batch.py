@@ -35,7 +35,9 @@ class PackedBatch:
     loss_mask: torch.Tensor
     """(T,) float32: 1 where the token is a training target."""
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Extra per-token (T,) tensors: temperature, old_log_probs, ref_log_probs, advantages, returns, values..."""
+    """Extra per-token tensors, first dimension T: (T,) temperature, old_log_probs, ref_log_probs, advantages,
+    returns, values...; (T, layers, k) int routed_experts (MoE router replay). :meth:`select` and :meth:`to`
+    carry every field along its first dimension."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Non-tensor options, e.g. ``calculate_entropy``."""
     seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -92,6 +92,10 @@ class RolloutConfig:
     """Responses per prompt when validating."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the backend's engine constructor."""
+    return_routed_experts: bool = False
+    """MoE models: record the top-k experts every MoE layer chose for every token the rollout fed to the model
+    (``RolloutSample.routed_experts``), for rollout router replay (``actor.engine.router_replay.mode=R3``).
+    Implemented by the ``hf`` rollout."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -136,6 +140,10 @@ class RolloutSample:
     """(len(response_ids),) float32 log-probs of the sampled tokens under the sampling distribution."""
     finish_reason: str = "length"
     """``stop`` or ``length``."""
+    routed_experts: torch.Tensor | None = None
+    """With ``RolloutConfig.return_routed_experts``: (len(prompt_ids) + len(response_ids), MoE layers, k) int32
+    expert ids the rollout's routers chose for each token, aligned with ``prompt_ids + response_ids``. The last
+    token was sampled but never fed to the model: its row is -1. None otherwise."""
 
 
 @dataclass

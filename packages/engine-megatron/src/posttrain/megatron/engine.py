@@ -71,6 +71,7 @@ class MegatronEngine(BaseEngine):
             else None
         )
         self.chunks = self._build_chunks(cfg, on_cuda)
+        self.router_replay.attach(self.chunks)
         self._load_initial_weights()
         self.optimizer = None
         self._lr_step = 0
@@ -188,7 +189,7 @@ class MegatronEngine(BaseEngine):
         if loss_fn is None and not forward_only:
             raise ValueError("forward_backward_batch(forward_only=False) needs a loss_fn")
         parts = self._micro_batches(batch, forward_only)
-        micro = [self._select(batch, p) for p in parts]
+        micro = [batch.select(p).to(self._device) for p in parts]
         ctx = loss_context(batch, self.get_data_parallel_group())
         collected: list[tuple[dict[str, torch.Tensor], dict[str, Any], float | None]] = []
         step = partial(
@@ -225,16 +226,6 @@ class MegatronEngine(BaseEngine):
         losses = [c[2] for c in collected if c[2] is not None]
         return {"model_output": model_output, "loss": losses, "metrics": metrics}
 
-    def _select(self, batch: PackedBatch, indices: list[int]) -> PackedBatch:
-        """Micro-batch ``indices`` on the device, with its slice of ``meta['routed_experts']`` if any."""
-        mb = batch.select(indices).to(self._device)
-        routed = batch.meta.get("routed_experts")
-        if routed is not None:
-            cu = batch.cu_seqlens.tolist()
-            rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in indices])
-            mb.meta["routed_experts"] = torch.as_tensor(routed)[rows]
-        return mb
-
     def _forward_step(
         self,
         data_iterator: Any,
@@ -248,7 +239,7 @@ class MegatronEngine(BaseEngine):
     ) -> tuple[torch.Tensor, Any]:
         mb = next(data_iterator)
         packed = pack_micro_batch(mb, self._pad_multiple(), self._device, self._cp_group())
-        self.router_replay.before_micro(mb.meta.get("routed_experts"), packed.input_ids.shape[1])
+        self.router_replay.before_micro(mb, packed.input_ids.shape[1])
         output = model(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,

@@ -6,18 +6,23 @@ Generation is a decode loop over the HF model's own forward with a ``DynamicCach
 RNG) and the reported log-probs are exactly those of :mod:`posttrain.rollout_hf.sampling`. Prompts are
 repeated ``n`` times (prompt 0's samples first), left-padded into one batch with an attention mask and
 positions that start at 0 on each prompt's first real token, prefilled once, then decoded one token per step
-until every row has produced a stop token (eos always counts) or ``max_new_tokens`` tokens.
+until every row has produced a stop token (eos always counts) or ``max_new_tokens`` tokens. With
+``rollout.return_routed_experts`` (MoE models) each sample also carries the experts every MoE layer chose for
+its tokens (:mod:`posttrain.rollout_hf.routing`).
 
 Weights arrive through engine-core's bucketed protocol even though trainer and rollout share a process:
 ``BucketSender -> InProcessTransport -> BucketReceiver`` checksums every tensor, and the receiver copies each
-one into the HF parameter or buffer of the same name under ``no_grad``. An unknown name, a shape mismatch, or a
-sync that leaves a parameter untouched (tied weights count once) raises ``WeightSyncError``, and until a sync
-completes the rollout refuses to generate. A LoRA actor may stream merged weights, or (verl's ``base_sync_done``
-protocol) the base weights once and then only its adapters, which :mod:`posttrain.rollout_hf.lora` merges.
+one into the HF parameter or buffer of the same name under ``no_grad`` (a per-expert MoE name into its slice
+of transformers' fused expert parameter, :mod:`posttrain.rollout_hf.experts`). An unknown name, a shape
+mismatch, or a sync that leaves a parameter untouched (tied weights count once) raises ``WeightSyncError``,
+and until a sync completes the rollout refuses to generate. A LoRA actor may stream merged weights, or
+(verl's ``base_sync_done`` protocol) the base weights once and then only its adapters, which
+:mod:`posttrain.rollout_hf.lora` merges.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -33,7 +38,9 @@ from posttrain.core.weight_sync import (
     WeightSyncError,
 )
 
+from .experts import expert_slot
 from .lora import AdapterMerger, check_peft_config
+from .routing import RoutingRecorder
 from .sampling import select_tokens
 
 _DTYPES = {
@@ -92,6 +99,8 @@ class HFRollout(BaseRollout):
         self._weights_valid = True
         self._asleep = False
         self._synced: set[int] = set()
+        self._pieces: dict[int, int] = {}
+        """Tensors received per parameter in this sync (a fused expert parameter takes one per expert)."""
         self._adapters = AdapterMerger()
 
     # ------------------------------------------------------------------ generation
@@ -121,8 +130,11 @@ class HFRollout(BaseRollout):
             generator = torch.Generator(device=self.device)
             generator.manual_seed(sampling.seed)
         rows = [list(p) for p in prompts for _ in range(sampling.n)]
-        with torch.no_grad():
-            tokens, log_probs, lengths, stopped = self._decode(rows, sampling, generator)
+        routing = None
+        if self.config.return_routed_experts:
+            routing = RoutingRecorder(self.model, len(rows), sampling.max_new_tokens)
+        with torch.no_grad(), routing or contextlib.nullcontext():
+            tokens, log_probs, lengths, stopped = self._decode(rows, sampling, generator, routing)
         return [
             RolloutSample(
                 prompt_index=i // sampling.n,
@@ -130,6 +142,7 @@ class HFRollout(BaseRollout):
                 response_ids=tokens[i, : lengths[i]].tolist(),
                 log_probs=log_probs[i, : lengths[i]].float().cpu(),
                 finish_reason="stop" if stopped[i] else "length",
+                routed_experts=routing.sample(i, len(rows[i]), lengths[i]) if routing else None,
             )
             for i in range(len(rows))
         ]
@@ -144,10 +157,14 @@ class HFRollout(BaseRollout):
         return ids.to(self.device), mask.to(self.device)
 
     def _decode(
-        self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator
+        self,
+        rows: list[list[int]],
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        routing: RoutingRecorder | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
         """Prefill, then one token per step for the rows still running; finished rows leave the batch and
-        its KV cache."""
+        its KV cache. ``routing`` files the experts each forward chose."""
         from transformers import DynamicCache
 
         step_ids, mask = self._left_pad(rows)
@@ -169,6 +186,8 @@ class HFRollout(BaseRollout):
                 use_cache=True,
                 logits_to_keep=1,
             )
+            if routing is not None:
+                routing.record(step, active, tuple(step_ids.shape))
             token, logp = select_tokens(out.logits[:, -1, :], sampling, generator)
             out_tokens[active, step], out_logps[active, step] = token, logp
             hit_stop = torch.isin(token, stop_ids)
@@ -194,19 +213,29 @@ class HFRollout(BaseRollout):
         targets = self._named_tensors()
         with torch.no_grad():
             for name, tensor in tensors:
-                if name not in targets:
-                    raise WeightSyncError(
-                        f"weight sync sent {name!r}, which the HF rollout model does not have "
-                        f"(it has e.g. {sorted(targets)[:3]}): trainer and rollout models differ"
-                    )
-                target = targets[name]
+                whole, target, pieces = self._resolve(name, targets)
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise WeightSyncError(
                         f"weight sync sent {name!r} with shape {tuple(tensor.shape)}, the rollout "
                         f"model has {tuple(target.shape)}"
                     )
                 target.copy_(tensor)
-                self._synced.add(id(target))
+                self._pieces[id(whole)] = self._pieces.get(id(whole), 0) + 1
+                if self._pieces[id(whole)] == pieces:
+                    self._synced.add(id(whole))
+
+    def _resolve(self, name: str, targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(parameter, the view of it that ``name`` fills, tensors that fill the parameter): the parameter of
+        that name, or for a per-expert name its slice of the fused experts (:mod:`.experts`)."""
+        if name in targets:
+            return targets[name], targets[name], 1
+        slot = expert_slot(name, targets)
+        if slot is None:
+            raise WeightSyncError(
+                f"weight sync sent {name!r}, which the HF rollout model does not have "
+                f"(it has e.g. {sorted(targets)[:3]}): trainer and rollout models differ"
+            )
+        return slot
 
     def _check_complete(self) -> None:
         """Raise unless every parameter (tied ones count once) received a tensor in this sync."""
@@ -246,6 +275,7 @@ class HFRollout(BaseRollout):
         )
         self._weights_valid = False
         self._synced = set()
+        self._pieces = {}
         report = sender.send(weights)
         loaded = receiver.finish()
         if loaded != report.num_tensors:

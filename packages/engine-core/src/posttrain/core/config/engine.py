@@ -35,11 +35,14 @@ class RouterReplayConfig:
 
     mode: str = "disabled"
     """``disabled``; ``R2`` records routing in the log-prob pass and replays it in the update; ``R3`` replays
-    the routing recorded by the rollout engine."""
+    the routing recorded by the rollout engine (needs ``rollout.return_routed_experts=true``) in the log-prob
+    pass and the update. The routing travels as ``batch.fields["routed_experts"]`` (T, MoE layers, k).
+    Implemented by the megatron engine (see docs/rl.md)."""
     record_file: str | None = None
-    """Optional file to dump recorded routing decisions to (for debugging)."""
+    """Optional file to dump recorded routing decisions to (for debugging). Not read by any engine yet."""
     replay_file: str | None = None
-    """Optional file of routing decisions to replay instead of the in-memory record."""
+    """Optional file of routing decisions to replay instead of the in-memory record. Not read by any engine
+    yet."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("disabled", "R2", "R3"):

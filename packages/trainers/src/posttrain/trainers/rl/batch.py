@@ -2,7 +2,8 @@
 
 Each sample becomes one sequence ``prompt + response``; ``loss_mask`` is 1 on response tokens only. Per-token
 fields: ``temperature`` (the sampling temperature, so training log-probs use the same distribution) and
-``rollout_log_probs``. Per-sequence fields: ``uid`` (the prompt's group: the n samples of one prompt share it),
+``rollout_log_probs``, and ``routed_experts`` (T, MoE layers, k) when the rollout recorded its MoE routing (see
+:mod:`.router_replay`). Per-sequence fields: ``uid`` (the prompt's group: the n samples of one prompt share it),
 ``score`` (the reward) and ``response_length``. Mini-batches follow verl's semantics: ``ppo_mini_batch_size``
 counts prompts over all data-parallel ranks, so one mini-batch on one rank holds
 ``ppo_mini_batch_size * n / dp_size`` sequences, whole prompt groups kept together.
@@ -16,6 +17,8 @@ import torch
 
 from posttrain.core.batch import PackedBatch
 from posttrain.core.rollout import RolloutSample
+
+from .router_replay import rollout_routing
 
 
 def build_batch(
@@ -32,6 +35,9 @@ def build_batch(
             torch.cat([torch.zeros(n_prompt), torch.as_tensor(s.log_probs, dtype=torch.float32)])
         )
     batch = PackedBatch.from_sequences(seqs, masks, {"temperature": temps, "rollout_log_probs": rollout_lp})
+    routed = rollout_routing(samples)
+    if routed is not None:
+        batch.fields["routed_experts"] = routed
     batch.seq_fields["uid"] = torch.as_tensor(list(uids), dtype=torch.long)
     batch.seq_fields["score"] = torch.as_tensor(list(scores), dtype=torch.float32)
     batch.seq_fields["response_length"] = torch.tensor(

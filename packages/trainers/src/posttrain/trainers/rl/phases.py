@@ -27,6 +27,7 @@ from ..algorithms import (
 from ..algorithms.packed import masked_mean
 from ..distributed import Replicas
 from .batch import mini_batches, token_level_scores
+from .router_replay import store_old_routing
 
 
 def forward_outputs(
@@ -36,8 +37,9 @@ def forward_outputs(
     keys: tuple[str, ...],
     adapter_off: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """``model_output[key]`` (T,) of a forward-only pass for each of ``keys`` the engine returned, on the CPU,
-    in batch order, on every rank (broadcast from the model-parallel source rank)."""
+    """``model_output[key]`` (T, ...) of a forward-only pass for each of ``keys`` the engine returned, on the
+    CPU, in batch order, on every rank (broadcast from the model-parallel source rank); floating outputs as
+    float32, integer ones (``routed_experts``) unchanged."""
     ctx = engine.disable_adapter() if adapter_off else contextlib.nullcontext()
     with engine.eval_mode(), ctx, torch.no_grad():
         out = engine.infer_batch(batch)
@@ -46,18 +48,28 @@ def forward_outputs(
         if "model_output" not in out:
             raise RuntimeError(f"{type(engine).__name__} returned no model_output on its source rank")
         model_output = out["model_output"]
-        outputs = {k: model_output[k].detach().float().cpu() for k in keys if k in model_output}
+        outputs = {k: _host(model_output[k]) for k in keys if k in model_output}
     return replicas.broadcast(outputs)
 
 
-def compute_old_log_probs(actor: BaseEngine, batch: PackedBatch, replicas: Replicas) -> dict[str, float]:
-    """Actor log-probs (and entropy) before the update -> ``fields['old_log_probs']``."""
+def _host(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu()
+    return t.float() if t.is_floating_point() else t
+
+
+def compute_old_log_probs(
+    actor: BaseEngine, batch: PackedBatch, replicas: Replicas, replay_mode: str = "disabled"
+) -> dict[str, float]:
+    """Actor log-probs (and entropy) before the update -> ``fields['old_log_probs']``; with router replay
+    ``R2`` the experts this pass chose -> ``fields['routed_experts']`` (the update replays them)."""
     batch.meta["calculate_entropy"] = True
     try:
-        out = forward_outputs(actor, batch, replicas, ("log_probs", "entropy"))
+        out = forward_outputs(actor, batch, replicas, ("log_probs", "entropy", "routed_experts"))
     finally:
         batch.meta["calculate_entropy"] = False
     batch.fields["old_log_probs"] = out["log_probs"] * batch.loss_mask
+    if replay_mode == "R2":
+        store_old_routing(batch, out)
     metrics = {}
     if "entropy" in out:
         metrics["actor/entropy"] = float(masked_mean(out["entropy"], batch.loss_mask))

@@ -12,6 +12,9 @@ Where this departs from verl: there is no Ray and no separate rollout server; th
 process (verl's HYBRID mode), and advantages are computed on each rank for its own prompt groups (all n samples
 of a prompt are generated on one rank, so group statistics need no communication).
 
+MoE router replay (``actor.engine.router_replay.mode`` R2 or R3, megatron engine) makes the updates use the
+experts recorded by the old-log-prob pass (R2) or by the rollout (R3); see :mod:`.router_replay`.
+
 Model-parallel engine layouts (Megatron TP/PP/CP > 1) put several ranks on one data-parallel rank (a replica
 group, :class:`~posttrain.trainers.distributed.Replicas`); the engine returns outputs and loss metrics on one of
 them. That source rank generates and scores the group's rollouts and broadcasts them, so every rank of the group
@@ -41,7 +44,7 @@ from ..loop import StepLoop
 from ..resume import resume_point
 from ..rewards import RewardManager, reward_metrics
 from ..sft import load_tokenizer
-from . import phases
+from . import phases, router_replay
 from .batch import build_batch
 from .dataset import PromptDataset
 
@@ -84,6 +87,7 @@ class RLTrainer(StepLoop):
         self.total_steps = steps
         self.use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.use_critic = cfg.algorithm.adv_estimator == "gae"
+        self.replay_mode = router_replay.replay_mode(cfg)
         self._build_engines()
         self.dp_size = self.actor.get_data_parallel_size()
         self.dp_rank = self.actor.get_data_parallel_rank()
@@ -261,9 +265,11 @@ class RLTrainer(StepLoop):
             samples, scores, sources = self.generate(prompts, step=self.global_step)
         uids = [self.dp_rank * len(local) + s.prompt_index for s in samples]
         batch = build_batch(samples, scores, uids, cfg.rollout.temperature)
+        if self.replay_mode == "R3":
+            router_replay.require_rollout_routing(batch, cfg.rollout.name)
         metrics: dict[str, float] = {"train/epoch": epoch}
         with timer("old_log_prob"):
-            metrics.update(phases.compute_old_log_probs(self.actor, batch, self.replicas))
+            metrics.update(phases.compute_old_log_probs(self.actor, batch, self.replicas, self.replay_mode))
         if self.use_ref:
             with timer("ref"):
                 phases.compute_ref_log_probs(

@@ -1,0 +1,55 @@
+"""Router replay in the RL loop without an engine: which configs may use it, and how the rollout's routing
+reaches the packed batch and its mini-batches. The end-to-end runs (Megatron actor, R2 and R3) are in
+``packages/engine-megatron/tests/test_rl_router_replay.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.core.rollout import RolloutSample
+from posttrain.trainers.config import load_config
+from posttrain.trainers.rl.batch import build_batch, mini_batches
+from posttrain.trainers.rl.router_replay import replay_mode
+
+
+def test_replay_mode_names_the_fix():
+    assert replay_mode(load_config([])) == "disabled"
+    with pytest.raises(ValueError, match="strategy=fsdp2: only the megatron engine"):
+        replay_mode(load_config(["actor.engine.router_replay.mode=R2"]))
+    r3 = ["model_engine=megatron", "actor.engine.router_replay.mode=R3"]
+    with pytest.raises(ValueError, match="set rollout.return_routed_experts=true"):
+        replay_mode(load_config(r3))
+    assert replay_mode(load_config([*r3, "rollout.return_routed_experts=true"])) == "R3"
+    assert replay_mode(load_config(["model_engine=megatron", "actor.engine.router_replay.mode=R2"])) == "R2"
+
+
+def _sample(index: int, prompt_len: int, response_len: int, routed: bool) -> RolloutSample:
+    n = prompt_len + response_len
+    return RolloutSample(
+        prompt_index=index,
+        prompt_ids=list(range(prompt_len)),
+        response_ids=list(range(response_len)),
+        log_probs=torch.zeros(response_len),
+        routed_experts=torch.arange(n * 2 * 2, dtype=torch.int32).view(n, 2, 2) + 1000 * index
+        if routed
+        else None,
+    )
+
+
+def test_rollout_routing_follows_its_tokens_into_mini_batches():
+    samples = [_sample(i, 3 + i, 2 + i, routed=True) for i in range(4)]
+    batch = build_batch(samples, [0.0] * 4, [0, 0, 1, 1], temperature=1.0)
+    assert batch.fields["routed_experts"].shape == (batch.num_tokens, 2, 2)
+    gen = torch.Generator().manual_seed(0)
+    for mb in mini_batches(batch, num_prompts_per_mini=1, n=2, dp_size=1, generator=gen):
+        for seq in mb.split_tokens(mb.fields["routed_experts"]):
+            index = int(seq[0, 0, 0]) // 1000
+            assert torch.equal(seq, samples[index].routed_experts)
+
+
+def test_partly_routed_rollout_is_refused():
+    samples = [_sample(0, 3, 2, routed=True), _sample(1, 3, 2, routed=False)]
+    with pytest.raises(ValueError, match="return_routed_experts=true"):
+        build_batch(samples, [0.0, 0.0], [0, 1], temperature=1.0)
+    assert "routed_experts" not in build_batch(samples[1:], [0.0], [0], 1.0).fields
