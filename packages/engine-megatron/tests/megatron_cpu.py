@@ -104,7 +104,8 @@ def _is_cuda(device) -> bool:
 class CpuDeviceMode(torch.overrides.TorchFunctionMode):
     """Rewrite ``device='cuda'`` (and ``.cuda()``) in torch calls to the CPU: Megatron-Core allocates scratch
     tensors (loss scale, token counters, overflow flags) with a hard-coded CUDA device, and its grad clipping
-    asserts ``grad.type() == 'torch.cuda.FloatTensor'``, so CPU tensors report CUDA type names."""
+    asserts ``grad.type() == 'torch.cuda.FloatTensor'``, so CPU tensors report CUDA type names. The MoE all-to-all
+    gets its split sizes as lists (on CPU they stay tensors, which c10d does not take)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -117,6 +118,12 @@ class CpuDeviceMode(torch.overrides.TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
+        if func is torch.distributed.all_to_all_single:
+            # the MoE dispatcher turns its split sizes into numpy only when they were on a GPU
+            args = tuple(a.tolist() if torch.is_tensor(a) and i in (2, 3) else a for i, a in enumerate(args))
+            for key in ("output_split_sizes", "input_split_sizes"):
+                if torch.is_tensor(kwargs.get(key)):
+                    kwargs[key] = kwargs[key].tolist()
         return func(*args, **kwargs)
 
 
