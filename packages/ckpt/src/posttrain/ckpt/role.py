@@ -140,7 +140,7 @@ def save_role(
     if full is not None and rank == 0 and manifest["peft_config"] and is_lora_state(full):
         full = merge_lora(full, manifest["peft_config"])  # hf_model: the merged model, loadable as is
     if writer is None:
-        _write_role(role_dir, sharded, extra, full, info, manifest, rank, None)
+        write_role_files(role_dir, sharded, extra, full, info, manifest, rank, None)
         return
     key = role_dir.name
     extra = copy.deepcopy(extra)
@@ -148,7 +148,9 @@ def save_role(
     sharded = snapshot_to_host(sharded, buffers, f"{key}/sharded")
     if full is not None and rank == 0:
         full = snapshot_to_host(full, buffers, f"{key}/full")
-    writer.submit(_write_role, role_dir, sharded, extra, full, info, manifest, rank, writer.process_group)
+    writer.submit(
+        write_role_files, role_dir, sharded, extra, full, info, manifest, rank, writer.process_group
+    )
 
 
 def prepare_role(role: str, state: RoleState, contents: list[str], writer: AsyncWriter) -> Future:
@@ -169,16 +171,22 @@ def prepare_role(role: str, state: RoleState, contents: list[str], writer: Async
     return writer.prepare(sharded, f"{role}/sharded")
 
 
-def _write_role(
+def write_role_files(
     role_dir: Path,
-    sharded: dict[str, Any],
+    sharded: dict[str, Any] | None,
     extra: dict[str, Any] | None,
     full: dict[str, torch.Tensor] | None,
     info: RoleInfo,
     manifest: dict[str, Any],
     rank: int,
     group: dist.ProcessGroup | None,
+    tie_word_embeddings: bool | None = None,
 ) -> None:
+    """Write a role's files from host (or device) state: the DCP ``sharded`` state, this rank's ``extra``, and on
+    rank 0 the ``huggingface/`` metadata and ``full`` weights as safetensors (without ``lm_head`` when
+    ``tie_word_embeddings``; None reads it from ``info.hf_config``), then the manifest last. Collective over
+    ``group`` (the default group for a sync save, the async writer's gloo group on its thread). Engines with
+    their own state collection (the Megatron portable save) write through this too."""
     role_dir.mkdir(parents=True, exist_ok=True)
     if sharded:
         writer = dcp.FileSystemWriter(str(role_dir / DIST_CKPT), thread_count=info.dcp_thread_count)
@@ -189,7 +197,9 @@ def _write_role(
     if rank == 0:
         write_hf_metadata(role_dir / HF_DIR, info.hf_config, info.model_dir, info.tokenizer_dir)
         if full is not None:
-            tie = bool(getattr(info.hf_config, "tie_word_embeddings", False))
+            tie = tie_word_embeddings
+            if tie is None:
+                tie = bool(getattr(info.hf_config, "tie_word_embeddings", False))
             manifest["hf_files"] = write_safetensors(role_dir / HF_DIR, full, tie_word_embeddings=tie)
     ckpt_dist.barrier(group)
     if rank == 0:

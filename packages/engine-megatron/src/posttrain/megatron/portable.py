@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -47,20 +46,17 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from posttrain.ckpt import AsyncWriter, read_role_manifest
-from posttrain.ckpt import dist as ckpt_dist
-from posttrain.ckpt.extra import capture_extra, load_extra, save_extra
-from posttrain.ckpt.hf import write_hf_metadata, write_safetensors
+from posttrain.ckpt import AsyncWriter, RoleInfo, read_role_manifest
+from posttrain.ckpt.extra import capture_extra, load_extra
 from posttrain.ckpt.layout import (
     DIST_CKPT,
     EXTRA_DIR,
     FORMAT,
     FORMAT_VERSION,
-    HF_DIR,
     ROLE_MANIFEST,
     read_json,
-    write_json,
 )
+from posttrain.ckpt.role import write_role_files
 from posttrain.ckpt.snapshot import snapshot_to_host
 
 from . import build
@@ -354,41 +350,12 @@ def save(engine: Any, local_path: str, global_step: int, writer: AsyncWriter | N
         extra["lr_scheduler"] = sched
     tied = bool(build.unwrap(engine.chunks[0]).share_embeddings_and_output_weights)
     manifest = _manifest(engine, contents, global_step, world, tied)
-    sources = (engine.model_config.path, engine.model_config.tokenizer_dir)
+    info = RoleInfo(model_dir=engine.model_config.path, tokenizer_dir=engine.model_config.tokenizer_dir)
+    args = (role, state, extra, full, info, manifest, rank)
     if writer is None:
-        _write(role, state, extra, full, manifest, sources, None)
+        write_role_files(*args, None, tie_word_embeddings=tied)
         return None
-    return writer.submit(_write, role, state, extra, full, manifest, sources, writer.process_group)
-
-
-def _write(
-    role: Path,
-    state: dict | None,
-    extra: dict | None,
-    full: dict | None,
-    manifest: dict,
-    sources: tuple[str, str | None],
-    group: Any,
-) -> None:
-    """Write the host state of :func:`save` into ``role``, the manifest last (collective over ``group``: the
-    default group for a sync save, the async writer's gloo group on its thread)."""
-    rank = ckpt_dist.get_rank()
-    if state is not None:
-        with ckpt_dist.single_process_dcp() as no_dist:
-            writer = dcp.FileSystemWriter(str(role / DIST_CKPT))
-            dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
-    if extra is not None:
-        save_extra(role / DIST_CKPT / EXTRA_DIR, rank, extra)
-    if rank == 0:
-        write_hf_metadata(role / HF_DIR, None, *sources)
-        if full is not None:
-            tied = bool(manifest["tied_aliases"])
-            manifest["hf_files"] = write_safetensors(role / HF_DIR, full, tie_word_embeddings=tied)
-    ckpt_dist.barrier(group)
-    if rank == 0:
-        manifest["written_unix"] = time.time()
-        write_json(role / ROLE_MANIFEST, manifest)
-    ckpt_dist.barrier(group)
+    return writer.submit(write_role_files, *args, writer.process_group, tie_word_embeddings=tied)
 
 
 # ---------------------------------------------------------------------------------------- load
