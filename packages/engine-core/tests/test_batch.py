@@ -1,5 +1,7 @@
 """The packed-batch contract: packing, selection, token-budget partitions and order restoration."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,3 +92,14 @@ def test_seq_fields_follow_selection():
         PackedBatch(
             b.input_ids, b.position_ids, b.cu_seqlens, b.loss_mask, seq_fields={"score": torch.zeros(2)}
         )
+
+
+def test_host_lengths_follow_the_tensor_on_cpu_and_travel_with_to():
+    b = PackedBatch.from_sequences([[1, 2, 3], [4, 5]])
+    moved = b.to("cpu", non_blocking=True)
+    assert moved.seqlens == [3, 2] and moved.host_cu_seqlens == [0, 3, 5]
+    # a stale host list (e.g. from dataclasses.replace) is re-read from a CPU tensor, never trusted
+    swapped = dataclasses.replace(b, cu_seqlens=torch.tensor([0, 1, 5], dtype=torch.int32))
+    assert swapped.seqlens == [1, 4]
+    with pytest.raises(ValueError, match="ends at 4"):
+        dataclasses.replace(b, cu_seqlens=torch.tensor([0, 1, 4], dtype=torch.int32))

@@ -43,8 +43,9 @@ class PackedBatch:
     seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-sequence (B,) tensors: uid (prompt group), score, ..."""
     host_cu_seqlens: list[int] | None = field(default=None, repr=False, compare=False)
-    """``cu_seqlens`` as Python ints (filled on construction; :meth:`to` hands it on), so the lengths of a batch
-    on an accelerator are read without a host-device sync. Leave it None; do not edit ``cu_seqlens`` in place."""
+    """``cu_seqlens`` as Python ints (read from the tensor on construction; :meth:`to` hands it to the batch on an
+    accelerator, whose lengths are then read without a host-device sync). Leave it None; do not edit
+    ``cu_seqlens`` of a device batch in place."""
 
     def __post_init__(self) -> None:
         total = self.input_ids.numel()
@@ -54,7 +55,7 @@ class PackedBatch:
             )
         if self.cu_seqlens.dim() != 1 or self.cu_seqlens.numel() < 1:
             raise ValueError("PackedBatch.cu_seqlens must be 1-D and start at 0")
-        if self.host_cu_seqlens is None:
+        if self.host_cu_seqlens is None or self.cu_seqlens.device.type == "cpu":  # trusted on devices only
             self.host_cu_seqlens = [int(c) for c in self.cu_seqlens.tolist()]
         cu = self.host_cu_seqlens
         if len(cu) != self.cu_seqlens.numel() or cu[0] != 0:
