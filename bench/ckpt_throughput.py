@@ -21,10 +21,12 @@ Targets (issue 4): save >= 70% of the raw write rate; async blocking <= 1 s, the
 
 The disk's rate drifts between runs (raw writes of 0.92 and 1.52 GB/s on two fresh GPU machines), so
 ``--repeats N`` alternates N (raw write, sync save) pairs and reports the ratio of the medians next to each
-pair's ratio; ``--ratio-only`` stops there (no load, no async saves).
+pair's ratio; ``--ratio-only`` stops there (no load, no async saves). ``--unstaged`` adds, to each round, DCP's
+own save of the same state (its writer threads copy device tensors with ``.cpu()``): the sync save before
+:mod:`posttrain.ckpt.staging`, as a same-run baseline.
 
     python bench/ckpt_throughput.py [--dir /tmp/ckpt_bench] [--threads 8] [--json out.json] [--no-prepare]
-    python bench/ckpt_throughput.py --repeats 3 --ratio-only   # the save / raw-write ratio only
+    python bench/ckpt_throughput.py --repeats 3 --ratio-only [--unstaged]   # the save / raw-write ratio only
     python bench/ckpt_throughput.py --tiny          # CPU smoke run, seconds
 """
 
@@ -173,6 +175,56 @@ def prepare(amgr: CheckpointManager, state: RoleState, device: torch.device) -> 
     return res | {f"probe_prepare_{k}": v for k, v in during.items()}, future.result()
 
 
+def unstaged_save(state: RoleState, target: Path, threads: int) -> None:
+    """The baseline ``--unstaged`` times: DCP's own save of the same model + optimizer state (tied tensors once),
+    whose writer threads copy each device tensor with ``.cpu()`` (the sync save before the staging pool)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(state.model, state.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    seen: set[int] = set()
+    msd = {k: v for k, v in msd.items() if not (v.data_ptr() in seen or seen.add(v.data_ptr()))}
+    dcp.save(
+        {"model": msd, "optimizer": osd},
+        storage_writer=dcp.FileSystemWriter(str(target), thread_count=threads),
+        no_dist=True,
+    )
+
+
+def save_pairs(args: argparse.Namespace, state: RoleState, root: Path, nbytes: int) -> dict[str, Any]:
+    """``args.repeats`` alternating (raw write, sync save[, unstaged save]) rounds; medians and per-round ratios."""
+    raw, saved, unstaged, res = [], [], [], {}
+    for i in range(args.repeats):  # alternating: disk drift hits both sides alike
+        write_s, read_s = raw_write_read(state_tensors(state.model, state.optimizer), root / "raw.bin", read=i == 0)
+        raw.append(nbytes / 1e9 / write_s)
+        res.setdefault("raw_read_gbps", nbytes / 1e9 / read_s)
+        shutil.rmtree(root / "sync", ignore_errors=True)
+        mgr = CheckpointManager(root / "sync", CheckpointConfig(save_contents=CONTENTS, max_ckpt_to_keep=1))
+        sync_device()
+        t0 = time.perf_counter()
+        save(mgr, state, 1, args.threads)
+        saved.append(nbytes / 1e9 / (time.perf_counter() - t0))
+        line = f"round {i}: raw write {raw[-1]:.3f} GB/s, save {saved[-1]:.3f} GB/s"
+        if args.unstaged:
+            t0 = time.perf_counter()
+            unstaged_save(state, root / "unstaged", args.threads)
+            unstaged.append(nbytes / 1e9 / (time.perf_counter() - t0))
+            shutil.rmtree(root / "unstaged")
+            line += f", unstaged DCP save {unstaged[-1]:.3f} GB/s"
+        print(line, flush=True)
+    res |= {"raw_write_gbps": statistics.median(raw), "save_gbps": statistics.median(saved)}
+    res["save_s"] = nbytes / 1e9 / res["save_gbps"]
+    res["save_vs_raw_write"] = res["save_gbps"] / res["raw_write_gbps"]
+    if args.repeats > 1:
+        res["pairs_raw_write_gbps"] = [round(r, 3) for r in raw]
+        res["pairs_save_vs_raw"] = [round(b / a, 3) for a, b in zip(raw, saved)]
+    if unstaged:
+        res["unstaged_save_gbps"] = statistics.median(unstaged)
+        res["unstaged_vs_raw_write"] = res["unstaged_save_gbps"] / res["raw_write_gbps"]
+        res["pairs_unstaged_vs_raw"] = [round(b / a, 3) for a, b in zip(raw, unstaged)]
+    return res
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     model, opt, sched = build("tiny" if args.tiny else "1.5b", device)
@@ -182,25 +234,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     res: dict[str, Any] = {"state_gb": nbytes / 1e9, "device": device.type}
-    raw, saved = [], []
-    for i in range(args.repeats):  # alternating pairs: disk drift hits both sides alike
-        write_s, read_s = raw_write_read(state_tensors(model, opt), root / "raw.bin", read=i == 0)
-        raw.append(nbytes / 1e9 / write_s)
-        res.setdefault("raw_read_gbps", nbytes / 1e9 / read_s)
-        if i:
-            shutil.rmtree(root / "sync")
-        mgr = CheckpointManager(root / "sync", CheckpointConfig(save_contents=CONTENTS, max_ckpt_to_keep=1))
-        sync_device()
-        t0 = time.perf_counter()
-        save(mgr, state, 1, args.threads)
-        saved.append(nbytes / 1e9 / (time.perf_counter() - t0))
-        print(f"pair {i}: raw write {raw[-1]:.3f} GB/s, save {saved[-1]:.3f} GB/s", flush=True)
-    res |= {"raw_write_gbps": statistics.median(raw), "save_gbps": statistics.median(saved)}
-    res["save_s"] = nbytes / 1e9 / res["save_gbps"]
-    res["save_vs_raw_write"] = res["save_gbps"] / res["raw_write_gbps"]
-    if args.repeats > 1:
-        res["pairs_raw_write_gbps"] = [round(r, 3) for r in raw]
-        res["pairs_save_vs_raw"] = [round(b / a, 3) for a, b in zip(raw, saved)]
+    res |= save_pairs(args, state, root, nbytes)
     res["ckpt_files_gb"] = sum(p.stat().st_size for p in (root / "sync").rglob("*") if p.is_file()) / 1e9
     if args.ratio_only:
         shutil.rmtree(root, ignore_errors=True)
@@ -247,6 +281,9 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=1, help="alternating (raw write, save) pairs")
     parser.add_argument("--ratio-only", action="store_true", help="stop after the save / raw-write pairs")
+    parser.add_argument(
+        "--unstaged", action="store_true", help="also time DCP's own save (no staging pool) in each round"
+    )
     args = parser.parse_args()
     res = run(args)
     for k, v in res.items():
