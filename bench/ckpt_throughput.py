@@ -181,7 +181,9 @@ def unstaged_save(state: RoleState, target: Path, threads: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    msd, osd = get_state_dict(state.model, state.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    msd, osd = get_state_dict(
+        state.model, state.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
     seen: set[int] = set()
     msd = {k: v for k, v in msd.items() if not (v.data_ptr() in seen or seen.add(v.data_ptr()))}
     dcp.save(
@@ -195,7 +197,9 @@ def save_pairs(args: argparse.Namespace, state: RoleState, root: Path, nbytes: i
     """``args.repeats`` alternating (raw write, sync save[, unstaged save]) rounds; medians and per-round ratios."""
     raw, saved, unstaged, res = [], [], [], {}
     for i in range(args.repeats):  # alternating: disk drift hits both sides alike
-        write_s, read_s = raw_write_read(state_tensors(state.model, state.optimizer), root / "raw.bin", read=i == 0)
+        write_s, read_s = raw_write_read(
+            state_tensors(state.model, state.optimizer), root / "raw.bin", read=i == 0
+        )
         raw.append(nbytes / 1e9 / write_s)
         res.setdefault("raw_read_gbps", nbytes / 1e9 / read_s)
         shutil.rmtree(root / "sync", ignore_errors=True)

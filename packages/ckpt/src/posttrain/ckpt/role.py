@@ -39,7 +39,7 @@ from .hf import write_hf_metadata, write_safetensors
 from .layout import DIST_CKPT, EXTRA_DIR, FORMAT, FORMAT_VERSION, HF_DIR, ROLE_MANIFEST, read_json, write_json
 from .lora import is_lora_state, merge_lora, peft_config_of
 from .snapshot import snapshot_to_host
-from .staging import StagingPool, StagingSavePlanner, staging_device
+from .staging import HostStaging, StagingSavePlanner, staging_device
 from .tied import drop_aliases, fill_aliases, tied_aliases
 from .writer import AsyncWriter
 
@@ -191,10 +191,16 @@ def write_role_files(
     role_dir.mkdir(parents=True, exist_ok=True)
     if sharded:
         writer = dcp.FileSystemWriter(str(role_dir / DIST_CKPT), thread_count=info.dcp_thread_count)
-        device = staging_device(sharded)  # device tensors go through reused page-locked buffers
-        planner = None if device is None else StagingSavePlanner(StagingPool(device))
-        with ckpt_dist.single_process_dcp() as no_dist:
-            dcp.save(sharded, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
+        device = staging_device(sharded)  # device tensors are written from page-locked host copies
+        staging = HostStaging(device)
+        planner = None if device is None else StagingSavePlanner(staging)
+        try:
+            with ckpt_dist.single_process_dcp() as no_dist:
+                dcp.save(
+                    sharded, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist
+                )
+        finally:
+            staging.release()
     if extra is not None:
         save_extra(role_dir / DIST_CKPT / EXTRA_DIR, rank, extra)
     if rank == 0:
