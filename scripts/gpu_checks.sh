@@ -33,6 +33,6 @@ case "${1:-tests}" in
     timeout 200 python3 bench/weight_sync.py --bucket-mb 2048 --json "$out/ws1.json" 2>&1 | tee "$out/ws1.log" | tail -20
     timeout 200 python3 bench/weight_sync.py --gpus 2 --bucket-mb 2048 --json "$out/ws2.json" 2>&1 | tee "$out/ws2.log" | tail -20 ;;
   ckpt)
-    timeout 500 python3 bench/ckpt_throughput.py --dir /tmp/ckpt-bench --json "$out/ckpt.json" 2>&1 | tee "$out/ckpt.log" | tail -30 ;;
+    timeout 500 python3 bench/ckpt_throughput.py --dir /tmp/ckpt-bench --repeats 3 --unstaged --json "$out/ckpt.json" 2>&1 | tee "$out/ckpt.log" | tail -30 ;;
   *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|ckpt" >&2; exit 2 ;;
 esac
