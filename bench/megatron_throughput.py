@@ -66,6 +66,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--model-dir", default=None, help="HF model dir, made once (default /tmp/qwen25_15b_shape)"
     )
     p.add_argument("--out", default=None, help="write all results as JSON here")
+    p.add_argument(
+        "--profile", action="store_true", help="Megatron runs: print the top CPU and GPU ops of one extra step"
+    )
     p.add_argument("--ceiling-flops", type=float, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)  # set by the launcher
     args = p.parse_args(argv)
@@ -154,6 +157,8 @@ def run_megatron(
     batches = [PackedBatch.from_sequences([s for d in draws for s in d[i]]) for i in range(len(draws[0]))]
     with eng.train_mode():
         sec, timed = tt.timed_loop(lambda b: eng.train_batch(b, loss_fn), batches, args.warmup, device)
+        if args.profile:
+            tt.print_profile(lambda: eng.train_batch(batches[-1], loss_fn), device)
     # one rank per data-parallel rank counts its tokens (the others of its model-parallel group hold copies)
     timed_lengths = [b.seqlens if eng.is_mp_src_rank_with_outputs() else [] for b in timed]
     result = tt.summarize(
