@@ -113,6 +113,8 @@ def main() -> None:
     ref = reference_step(hf_path, batch, lr=1e-3, clip=1.0)
     results: dict[str, float] = {}
     extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    # 5-token head chunks: the vocab-parallel all-reduces run per chunk and again in the backward recompute
+    extra = {"entropy_from_logits_chunk_size": 5, **extra}
     eng = make_engine(hf_path, tensor_model_parallel_size=2, sequence_parallel=True, **extra)
     _check("tp2", eng, hf_path, batch, ref, results, out_dir=out_dir)
     _save_async(eng, os.path.join(out_dir, "tp2_ckpt_async"))

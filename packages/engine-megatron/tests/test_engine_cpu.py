@@ -17,7 +17,13 @@ def _hf(path):
 def test_log_probs_and_entropy_equal_hf_on_packed_data(megatron_env, tiny_qwen2, packed_batch):
     from megatron_cpu import make_engine
 
-    eng = make_engine(tiny_qwen2, use_dynamic_bsz=True, max_token_len_per_gpu=16, forward_only=True)
+    eng = make_engine(  # 3-token head chunks: every micro-batch spans several
+        tiny_qwen2,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=16,
+        forward_only=True,
+        entropy_from_logits_chunk_size=3,
+    )
     temperature = 0.7
     packed_batch.fields["temperature"] = torch.full((packed_batch.num_tokens,), temperature)
     packed_batch.meta["calculate_entropy"] = True
@@ -51,7 +57,7 @@ def test_first_step_loss_grad_norm_and_update_equal_hf_reference(megatron_env, t
     from megatron_cpu import make_engine, nll_loss, reference_step
 
     ref_loss, ref_norm, ref_params = reference_step(tiny_qwen2, packed_batch, lr=1e-3, clip=1.0)
-    eng = make_engine(tiny_qwen2)
+    eng = make_engine(tiny_qwen2, entropy_from_logits_chunk_size=4)  # head chunks recomputed in backward
     with eng.train_mode():
         out = eng.train_batch(packed_batch, nll_loss)
     assert len(out["loss"]) == 2  # 4 sequences, 2 per micro-batch
@@ -63,6 +69,30 @@ def test_first_step_loss_grad_norm_and_update_equal_hf_reference(megatron_env, t
         # Adam's first step is ~lr * sign(grad): grads within fp32 noise of 0 may move differently, so
         # the tolerance is 1% of the step (a wrong update is off by ~lr = 1e-3).
         torch.testing.assert_close(exported[name].cpu(), tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def test_chunked_head_with_entropy_trains_like_one_chunk(megatron_env, tiny_qwen2, packed_batch):
+    """Loss = NLL - 0.1 entropy at temperature 0.8: 3-token head chunks (recomputed in backward) give the loss,
+    grad norm and update of one chunk holding every token."""
+    from megatron_cpu import make_engine, nll_loss
+
+    def loss_fn(out, mb, ctx):
+        nll, _ = nll_loss(out, mb, ctx)
+        ent = (out["entropy"] * mb.loss_mask.to(nll.device)).sum() / ctx.global_num_tokens * ctx.dp_size
+        return nll - 0.1 * ent, {}
+
+    packed_batch.meta["calculate_entropy"] = True
+    packed_batch.fields["temperature"] = torch.full((packed_batch.num_tokens,), 0.8)
+    runs = []
+    for chunk in (3, 4096):
+        eng = make_engine(tiny_qwen2, entropy_from_logits_chunk_size=chunk)
+        with eng.train_mode():
+            out = eng.train_batch(packed_batch, loss_fn)
+        runs.append((sum(out["loss"]), out["metrics"]["grad_norm"], dict(eng.get_per_tensor_param()[0])))
+    (loss_a, norm_a, params_a), (loss_b, norm_b, params_b) = runs
+    assert loss_a == pytest.approx(loss_b, abs=1e-6) and norm_a == pytest.approx(norm_b, rel=1e-5)
+    for name, tensor in params_b.items():
+        torch.testing.assert_close(params_a[name], tensor, atol=1e-6, rtol=0, msg=name)
 
 
 def test_checkpoint_restores_model_and_optimizer(megatron_env, tiny_qwen2, packed_batch, tmp_path):

@@ -291,7 +291,11 @@ class MegatronEngine(BaseEngine):
 
         tp_rank = mpu.get_tensor_model_parallel_rank()
         vocab_start = tp_rank * logits.size(-1)
-        return token_outputs(logits, mb, vocab_start, mpu.get_tensor_model_parallel_group(), calc_entropy, cp)
+        group, chunk = (
+            mpu.get_tensor_model_parallel_group(),
+            self.engine_config.entropy_from_logits_chunk_size,
+        )
+        return token_outputs(logits, mb, vocab_start, group, calc_entropy, cp, chunk)
 
     def _pad_multiple(self) -> int:
         cfg = self.engine_config

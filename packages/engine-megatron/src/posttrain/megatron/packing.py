@@ -11,6 +11,11 @@ Logits come out sharded over the vocabulary (``V / tp`` columns per TP rank). Wi
 ``Z = sum_v exp(l_v - m)`` (an all-reduce), ``log p(y) = l_y - m - log Z`` where ``l_y`` is contributed by the rank
 owning ``y``, and ``H = log Z - sum_v p_v (l_v - m)``. The all-reduces are Megatron's
 ``reduce_from_tensor_model_parallel_region`` (sum forward, identity backward), so gradients are exact.
+
+The fp32 part runs ``chunk_size`` rows at a time (``engine.entropy_from_logits_chunk_size``), under activation
+checkpointing when gradients are on: autograd keeps only the logits in the compute dtype and recomputes each
+chunk's softmax (and its all-reduces, in the same order on every TP rank) in backward, so the fp32 working set
+is one chunk, not several full ``(T, V/tp)`` copies. Rows are independent, so the chunk size changes no result.
 """
 
 from __future__ import annotations
@@ -100,6 +105,52 @@ def vocab_parallel_logprobs(
     return log_probs, entropy
 
 
+def _chunk_outputs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temp: torch.Tensor | None,
+    vocab_start: int,
+    tp_group: object,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`vocab_parallel_logprobs` of one chunk of rows, the temperature applied in float32."""
+    logits = logits.float()
+    if temp is not None:
+        logits = logits / temp[:, None]
+    return vocab_parallel_logprobs(logits, targets, vocab_start, tp_group, with_entropy)
+
+
+def chunked_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temp: torch.Tensor | None,
+    vocab_start: int,
+    tp_group: object,
+    with_entropy: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(targets), entropy or None) per row, ``chunk_size`` rows at a time, each chunk recomputed in backward
+    when gradients are on (every TP rank must pass the same number of rows, as the all-reduces require)."""
+    from torch.utils.checkpoint import checkpoint
+
+    lps, ents = [], []
+    for start in range(0, logits.size(0), chunk_size):
+        rows = slice(start, start + chunk_size)
+        args = (logits[rows], targets[rows], None if temp is None else temp[rows], vocab_start, tp_group)
+        if torch.is_grad_enabled() and logits.requires_grad:
+            lp, ent = checkpoint(
+                _chunk_outputs, *args, with_entropy, use_reentrant=False, preserve_rng_state=False
+            )
+        else:
+            lp, ent = _chunk_outputs(*args, with_entropy)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:  # no rows
+        empty = logits.new_zeros(0, dtype=torch.float32)
+        return empty, empty if with_entropy else None
+    return torch.cat(lps), torch.cat(ents) if with_entropy else None
+
+
 def token_outputs(
     logits: torch.Tensor,
     mb: PackedBatch,
@@ -107,8 +158,10 @@ def token_outputs(
     tp_group: object,
     with_entropy: bool,
     cp: CpLayout | None = None,
+    chunk_size: int = 2048,
 ) -> dict[str, torch.Tensor]:
-    """Per-token ``log_probs`` (and ``entropy``) aligned with the tokens they describe, from (T, V/tp) logits.
+    """Per-token ``log_probs`` (and ``entropy``) aligned with the tokens they describe, from (T, V/tp) logits,
+    computed ``chunk_size`` rows at a time (:func:`chunked_logprobs`).
 
     Row ``t`` of ``logits`` predicts token ``t+1``, so it is divided by ``temperature[t+1]``, scored against
     ``input_ids[t+1]`` and the results shift one place right; each sequence's first token gets 0. Under CP the
@@ -122,9 +175,8 @@ def token_outputs(
     if cp is not None:
         targets = cp.to_rows(targets)
         temp = None if temp is None else cp.to_rows(temp, fill=1.0)
-    if temp is not None:
-        logits = logits.float() / temp[:, None]
-    lp, ent = vocab_parallel_logprobs(logits, targets, vocab_start, tp_group, with_entropy)
+    targets = targets.to(logits.device)
+    lp, ent = chunked_logprobs(logits, targets, temp, vocab_start, tp_group, with_entropy, chunk_size)
     if cp is not None:
         lp = cp.to_packed(lp)
         ent = None if ent is None else cp.to_packed(ent)

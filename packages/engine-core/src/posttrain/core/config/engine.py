@@ -242,11 +242,12 @@ class McoreEngineConfig(EngineConfig):
     max_seqlen_per_dp_cp_rank: int | None = None
     """Token cap per DP x CP rank under dynamic CP."""
     entropy_from_logits_with_chunking: bool = False
-    """Compute entropy over vocabulary chunks."""
+    """verl compatibility; this engine computes log-probs and entropy in chunks of
+    ``entropy_from_logits_chunk_size`` tokens, each recomputed in backward, with or without it."""
     entropy_from_logits_chunk_size: int = 2048
-    """Tokens per entropy chunk."""
+    """Tokens per chunk of the vocab-parallel log-prob/entropy head (bounds its fp32 working set)."""
     pad_bshd_to_minibatch_max: bool = True
-    """In BSHD (padded) mode pad each micro-batch to the mini-batch maximum."""
+    """verl compatibility; this engine always packs micro-batches (THD), so there is no BSHD padding to do."""
     pad_to_length: bool = False
     """Pad packed micro-batches to a multiple of ``pad_to_length_bucket`` tokens."""
     pad_to_length_bucket: int = 512
@@ -296,6 +297,7 @@ class McoreEngineConfig(EngineConfig):
             "expert_model_parallel_size",
             "pipeline_model_parallel_size",
             "context_parallel_size",
+            "entropy_from_logits_chunk_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name}={getattr(self, name)} must be >= 1")
