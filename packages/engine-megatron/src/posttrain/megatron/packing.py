@@ -7,15 +7,8 @@ sequence whose outputs are dropped. Under context parallelism each CP rank gets 
 every sequence instead (:mod:`.context_parallel`); next-token targets are formed on whole sequences before the
 split, and the per-row results are gathered back to the packed order.
 
-Logits come out sharded over the vocabulary (``V / tp`` columns per TP rank). With ``m`` the global max and
-``Z = sum_v exp(l_v - m)`` (an all-reduce), ``log p(y) = l_y - m - log Z`` where ``l_y`` is contributed by the rank
-owning ``y``, and ``H = log Z - sum_v p_v (l_v - m)``. The all-reduces are Megatron's
-``reduce_from_tensor_model_parallel_region`` (sum forward, identity backward), so gradients are exact.
-
-The fp32 part runs ``chunk_size`` rows at a time (``engine.entropy_from_logits_chunk_size``), under activation
-checkpointing when gradients are on: autograd keeps only the logits in the compute dtype and recomputes each
-chunk's softmax (and its all-reduces, in the same order on every TP rank) in backward, so the fp32 working set
-is one chunk, not several full ``(T, V/tp)`` copies. Rows are independent, so the chunk size changes no result.
+Logits come out sharded over the vocabulary (``V / tp`` columns per TP rank); :mod:`.head` turns them into
+log-probs and entropy, ``engine.entropy_from_logits_chunk_size`` rows at a time, with a hand-written backward.
 """
 
 from __future__ import annotations
@@ -27,6 +20,7 @@ import torch
 from posttrain.core.batch import PackedBatch
 
 from .context_parallel import CpLayout, split_micro_batch
+from .head import vocab_parallel_logprobs
 
 
 @dataclass
@@ -77,80 +71,6 @@ def pack_micro_batch(
     return PackedInput(ids.to(device)[None], pos.to(device)[None], params, total)
 
 
-def _tp_sum(x: torch.Tensor) -> torch.Tensor:
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    return reduce_from_tensor_model_parallel_region(x)
-
-
-def vocab_parallel_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, tp_group: object, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p(targets), entropy or None) per row of TP-sharded ``logits`` (N, V/tp) in float32."""
-    logits = logits.float()
-    with torch.no_grad():
-        row_max = logits.max(dim=-1).values
-        if torch.distributed.get_world_size(tp_group) > 1:
-            torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
-    shifted = logits - row_max[:, None]
-    log_z = torch.log(_tp_sum(shifted.exp().sum(dim=-1)))
-    local = targets - vocab_start
-    owned = (local >= 0) & (local < logits.size(-1))
-    picked = shifted.gather(-1, local.clamp(0, logits.size(-1) - 1)[:, None]).squeeze(-1) * owned
-    log_probs = _tp_sum(picked) - log_z
-    entropy = None
-    if with_entropy:
-        probs = torch.exp(shifted - log_z[:, None])
-        entropy = log_z - _tp_sum((probs * shifted).sum(dim=-1))
-    return log_probs, entropy
-
-
-def _chunk_outputs(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    temp: torch.Tensor | None,
-    vocab_start: int,
-    tp_group: object,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`vocab_parallel_logprobs` of one chunk of rows, the temperature applied in float32."""
-    logits = logits.float()
-    if temp is not None:
-        logits = logits / temp[:, None]
-    return vocab_parallel_logprobs(logits, targets, vocab_start, tp_group, with_entropy)
-
-
-def chunked_logprobs(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    temp: torch.Tensor | None,
-    vocab_start: int,
-    tp_group: object,
-    with_entropy: bool,
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p(targets), entropy or None) per row, ``chunk_size`` rows at a time, each chunk recomputed in backward
-    when gradients are on (every TP rank must pass the same number of rows, as the all-reduces require)."""
-    from torch.utils.checkpoint import checkpoint
-
-    lps, ents = [], []
-    for start in range(0, logits.size(0), chunk_size):
-        rows = slice(start, start + chunk_size)
-        args = (logits[rows], targets[rows], None if temp is None else temp[rows], vocab_start, tp_group)
-        if torch.is_grad_enabled() and logits.requires_grad:
-            lp, ent = checkpoint(
-                _chunk_outputs, *args, with_entropy, use_reentrant=False, preserve_rng_state=False
-            )
-        else:
-            lp, ent = _chunk_outputs(*args, with_entropy)
-        lps.append(lp)
-        ents.append(ent)
-    if not lps:  # no rows
-        empty = logits.new_zeros(0, dtype=torch.float32)
-        return empty, empty if with_entropy else None
-    return torch.cat(lps), torch.cat(ents) if with_entropy else None
-
-
 def token_outputs(
     logits: torch.Tensor,
     mb: PackedBatch,
@@ -161,7 +81,7 @@ def token_outputs(
     chunk_size: int = 2048,
 ) -> dict[str, torch.Tensor]:
     """Per-token ``log_probs`` (and ``entropy``) aligned with the tokens they describe, from (T, V/tp) logits,
-    computed ``chunk_size`` rows at a time (:func:`chunked_logprobs`).
+    computed ``chunk_size`` rows at a time (:func:`.head.vocab_parallel_logprobs`).
 
     Row ``t`` of ``logits`` predicts token ``t+1``, so it is divided by ``temperature[t+1]``, scored against
     ``input_ids[t+1]`` and the results shift one place right; each sequence's first token gets 0. Under CP the
@@ -175,8 +95,7 @@ def token_outputs(
     if cp is not None:
         targets = cp.to_rows(targets)
         temp = None if temp is None else cp.to_rows(temp, fill=1.0)
-    targets = targets.to(logits.device)
-    lp, ent = chunked_logprobs(logits, targets, temp, vocab_start, tp_group, with_entropy, chunk_size)
+    lp, ent = vocab_parallel_logprobs(logits, targets, vocab_start, tp_group, with_entropy, temp, chunk_size)
     if cp is not None:
         lp = cp.to_packed(lp)
         ent = None if ent is None else cp.to_packed(ent)

@@ -1,0 +1,125 @@
+"""Log-probs and entropy of vocab-parallel (TP-sharded) logits, in row chunks, with a hand-written backward.
+
+Each TP rank holds ``V / tp`` columns of the logits ``l`` (rows: tokens). With ``x = l / tau`` (the row's sampling
+temperature), ``m`` the row's global max (an all-reduce), ``s = x - m`` and ``Z = sum_v exp(s_v)`` (an
+all-reduce)::
+
+    log p(y) = s_y - log Z                  (s_y contributed by the rank that owns column y)
+    H        = log Z - sum_v p_v s_v        (p = exp(s - log Z))
+
+Backward needs no collective: with ``E = sum_v p_v s_v = log Z - H`` (saved per row),
+``d log p(y) / d s_v = [v = y] - p_v`` and ``dH / d s_v = -p_v (s_v - E)``, and each rank fills the gradient of
+its own columns; ``d / d l = (d / d s) / tau``. Forward and backward both walk ``chunk_size`` rows at a time in
+float32, so the fp32 working set is one chunk; autograd keeps the logits in their own dtype (bf16 on GPU) and
+three floats per row, and backward recomputes ``p`` once per chunk. This is cheaper than autograd through the
+same formulas (which saves several fp32 ``(T, V/tp)`` tensors) and than activation checkpointing of each chunk
+(which runs the forward twice): measured on the GPU machine, BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _all_reduce(x: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _scaled(logits: torch.Tensor, temp: torch.Tensor | None) -> torch.Tensor:
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
+    return x if temp is None else x / temp[:, None]
+
+
+def _owned(targets: torch.Tensor, vocab_start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(column of each target in this shard, clamped; whether this shard owns it)."""
+    local = targets - vocab_start
+    owned = (local >= 0) & (local < width)
+    return local.clamp(0, width - 1), owned
+
+
+def _chunk_forward(
+    x: torch.Tensor, targets: torch.Tensor, vocab_start: int, group: Any, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(log p(targets), row max, log Z, entropy or None) of one fp32 chunk ``x``."""
+    row_max = _all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX, group)
+    s = x - row_max[:, None]
+    log_z = torch.log(_all_reduce(s.exp().sum(dim=-1), dist.ReduceOp.SUM, group))
+    col, owned = _owned(targets, vocab_start, x.size(-1))
+    picked = _all_reduce(s.gather(-1, col[:, None]).squeeze(-1) * owned, dist.ReduceOp.SUM, group)
+    entropy = None
+    if with_entropy:
+        p_dot_s = (torch.exp(s - log_z[:, None]) * s).sum(dim=-1)
+        entropy = log_z - _all_reduce(p_dot_s, dist.ReduceOp.SUM, group)
+    return picked - log_z, row_max, log_z, entropy
+
+
+class _VocabParallelHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, temp, vocab_start, group, with_entropy, chunk_size):  # noqa: ANN001
+        lps, maxes, log_zs, ents = [], [], [], []
+        for start in range(0, logits.size(0), chunk_size):
+            rows = slice(start, start + chunk_size)
+            x = _scaled(logits[rows], None if temp is None else temp[rows])
+            lp, row_max, log_z, ent = _chunk_forward(x, targets[rows], vocab_start, group, with_entropy)
+            lps.append(lp)
+            maxes.append(row_max)
+            log_zs.append(log_z)
+            ents.append(ent if with_entropy else lp.new_zeros(0))
+        empty = logits.new_zeros(0, dtype=torch.promote_types(logits.dtype, torch.float32))
+        lp, ent = (torch.cat(lps), torch.cat(ents)) if lps else (empty, empty)
+        row_max, log_z = (torch.cat(maxes), torch.cat(log_zs)) if lps else (empty, empty)
+        ctx.save_for_backward(logits, targets, temp, row_max, log_z, ent)
+        ctx.vocab_start, ctx.with_entropy, ctx.chunk_size = vocab_start, with_entropy, chunk_size
+        ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):  # noqa: ANN001
+        logits, targets, temp, row_max, log_z, ent = ctx.saved_tensors
+        if g_ent is not None and not ctx.with_entropy:
+            g_ent = None
+        grad = torch.zeros_like(logits)
+        if g_lp is None and g_ent is None:
+            return grad, None, None, None, None, None, None
+        for start in range(0, logits.size(0), ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            tau = None if temp is None else temp[rows]
+            s = _scaled(logits[rows], tau) - row_max[rows, None]
+            p = torch.exp(s - log_z[rows, None])
+            g = torch.zeros_like(s)
+            if g_ent is not None:  # dH/ds = -p (s - E), E = log Z - H
+                g -= g_ent[rows, None] * p * (s - (log_z[rows] - ent[rows])[:, None])
+            if g_lp is not None:  # d log p(y)/ds = onehot(y) - p
+                g -= g_lp[rows, None] * p
+                col, owned = _owned(targets[rows], ctx.vocab_start, s.size(-1))
+                g.scatter_add_(-1, col[:, None], (g_lp[rows] * owned)[:, None])
+            grad[rows] = g if tau is None else g / tau[:, None]
+        return grad, None, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    tp_group: Any,
+    with_entropy: bool,
+    temperature: torch.Tensor | None = None,
+    chunk_size: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(targets), entropy or None) in float32 (float64 for float64 logits) per row of this rank's ``(N, V/tp)`` logits, whose first column
+    is vocabulary id ``vocab_start``; rows divided by ``temperature`` (N,) first. Collective over ``tp_group``
+    (None or one rank: no communication); every rank of it passes the same rows."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1 (engine.entropy_from_logits_chunk_size)")
+    temp = None if temperature is None else temperature.to(logits.device, torch.float32)
+    lp, ent = _VocabParallelHead.apply(
+        logits, targets.to(logits.device), temp, vocab_start, tp_group, with_entropy, chunk_size
+    )
+    return lp, ent if with_entropy else None
