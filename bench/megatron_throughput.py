@@ -4,8 +4,7 @@ One launch per GPU count (``--gpus 1,2``, the default), all on the same data and
 
 - ``matmul_ceiling``: bf16 (fp32 with ``--tiny``) dense matmul FLOP/s, measured once, in the first launch; the
   later launches reuse it, so every MFU has the same denominator.
-- 1 GPU: ``megatron_tp1`` (TP=1), ``megatron_tp1_one_chunk`` (the same with the log-prob head in one chunk
-  of every token: the head before it was chunked), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on).
+- 1 GPU: ``megatron_tp1`` (TP=1), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on).
 - 2 GPUs: ``megatron_tp2_sp`` (TP=2 + sequence parallel), ``megatron_fsdp_dp2`` (Megatron-FSDP, DP=2), then
   ``fsdp_engine`` on both GPUs.
 
@@ -47,7 +46,6 @@ import train_throughput as tt  # bench/ is sys.path[0] when this file runs as a 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {
     "megatron_tp1": {},
-    "megatron_tp1_one_chunk": {"entropy_from_logits_chunk_size": 1 << 30},
     "megatron_tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "megatron_fsdp_dp2": {"use_megatron_fsdp": True},
 }
