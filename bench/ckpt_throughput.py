@@ -184,8 +184,10 @@ def unstaged_save(state: RoleState, target: Path, threads: int) -> None:
     msd, osd = get_state_dict(
         state.model, state.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
     )
-    seen: set[int] = set()
-    msd = {k: v for k, v in msd.items() if not (v.data_ptr() in seen or seen.add(v.data_ptr()))}
+    once: dict[int, tuple[str, torch.Tensor]] = {}  # a tied tensor under its first name only
+    for name, tensor in msd.items():
+        once.setdefault(tensor.data_ptr(), (name, tensor))
+    msd = dict(once.values())
     dcp.save(
         {"model": msd, "optimizer": osd},
         storage_writer=dcp.FileSystemWriter(str(target), thread_count=threads),

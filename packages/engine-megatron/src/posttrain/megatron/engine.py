@@ -291,10 +291,8 @@ class MegatronEngine(BaseEngine):
 
         tp_rank = mpu.get_tensor_model_parallel_rank()
         vocab_start = tp_rank * logits.size(-1)
-        group, chunk = (
-            mpu.get_tensor_model_parallel_group(),
-            self.engine_config.entropy_from_logits_chunk_size,
-        )
+        group = mpu.get_tensor_model_parallel_group()
+        chunk = self.engine_config.entropy_from_logits_chunk_size
         return token_outputs(logits, mb, vocab_start, group, calc_entropy, cp, chunk)
 
     def _pad_multiple(self) -> int:
