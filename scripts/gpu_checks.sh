@@ -2,7 +2,8 @@
 # The GPU checks of every package, for the lent GPU machine (or any CUDA box with torch, transformers, peft):
 #   bash scripts/fetch_megatron_wheels.sh              # once, here: wheels into .whl/
 #   uv build --all-packages --wheel --out-dir .whl     # here: posttrain's own wheels (entry points for the registry)
-#   bash scripts/gpu_checks.sh tests|megatron|train|megathru|sync|ckpt   # there, with .whl carried; results under $OUT (or ./gpu-out)
+#   bash scripts/gpu_checks.sh tests|megatron|train|megathru|sync|ckpt|vllm|vllmsync   # there, with .whl carried;
+#   results under $OUT (or ./gpu-out). vllm and vllmsync need the vLLM parts unpacked in /tmp/stash first.
 # Each part is short enough for one 10-minute call. Results are JSON/log files; BENCHMARKS.md records them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,5 +35,18 @@ case "${1:-tests}" in
     timeout 200 python3 bench/weight_sync.py --gpus 2 --bucket-mb 2048 --json "$out/ws2.json" 2>&1 | tee "$out/ws2.log" | tail -20 ;;
   ckpt)
     timeout 500 python3 bench/ckpt_throughput.py --dir /tmp/ckpt-bench --repeats 3 --unstaged --json "$out/ckpt.json" 2>&1 | tee "$out/ckpt.log" | tail -30 ;;
-  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|ckpt" >&2; exit 2 ;;
+  vllm)
+    # rollout-vllm against real vLLM (the parts in /tmp/stash, see docs/vllm-rollout.md), one pytest per file:
+    # vLLM's CuMem allocator allows one sleep-mode engine per process.
+    eval "$(bash /tmp/stash/unpack.sh)"
+    for t in test_transport test_vllm_gpu test_vllm_inprocess test_vllm_tied test_vllm_processes test_external_launcher; do
+      echo "== $t"; timeout 300 python3 -m pytest -q -s -p no:cacheprovider "packages/rollout-vllm/tests/$t.py" 2>&1 \
+        | grep -E "passed|failed|error|Error|VLLM_GPU_MEMORY|^FAILED|^E " | head -30
+    done 2>&1 | tee "$out/gpu_vllm.log" ;;
+  vllmsync)
+    eval "$(bash /tmp/stash/unpack.sh)"
+    for ex in inprocess multiprocess; do
+      timeout 240 python3 bench/vllm_sync.py --executor $ex --json "$out/vllm_sync_$ex.json" 2>&1 | tail -16
+    done 2>&1 | tee "$out/vllm_sync.log" ;;
+  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|ckpt|vllm|vllmsync" >&2; exit 2 ;;
 esac

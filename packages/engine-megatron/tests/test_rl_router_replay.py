@@ -131,4 +131,4 @@ def test_grpo_updates_replay_routing(megatron_env, assets, mode):
     for mb in first_mini_batch:
         assert torch.equal(mb["new"] * mb["mask"], mb["old"])
     if mode == "R3":
-        assert rows[0]["rollout/logprob_diff_max"] < 1e-4
+        assert rows[0]["rollout/logprob_diff/max"] < 1e-4

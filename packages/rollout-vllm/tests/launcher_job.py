@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from vllm_testing import check_greedy, engine_weights, hf_model, make_engine, train_step  # noqa: E402
+from vllm_testing import ROLLOUT_DTYPE, check_greedy, engine_weights, hf_model, make_engine, train_step  # noqa: E402
 
 
 def main(model_dir: str) -> None:
@@ -26,7 +26,7 @@ def main(model_dir: str) -> None:
     engine = make_engine(model_dir)  # initialises the gloo process group under torchrun
     config = RolloutConfig(
         name="vllm",
-        dtype="float32",
+        dtype=ROLLOUT_DTYPE,
         prompt_length=64,
         response_length=32,
         max_num_seqs=8,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 
 import pytest
@@ -136,3 +137,21 @@ def test_executor_choices_are_checked_before_vllm_starts(tmp_path):
             VLLMRollout(config, str(tmp_path), device="cpu", options=options)
     with pytest.raises(ValueError, match="not a local HF model directory"):
         VLLMRollout(RolloutConfig(), str(tmp_path / "missing"), device="cpu")
+
+
+def test_routed_experts_are_aligned_with_the_tokens():
+    from posttrain.rollout_vllm.rollout import align_routing
+
+    fed = torch.arange(2 * 3 * 2, dtype=torch.int64).reshape(3, 2, 2).numpy()  # 3 tokens fed, 2 layers, top-2
+    out = align_routing(fed, length=4)
+    assert out.dtype == torch.int32 and out.shape == (4, 2, 2)
+    assert torch.equal(out[:3], torch.as_tensor(fed, dtype=torch.int32))
+    assert (out[3] == -1).all(), "the last sampled token was never fed: its row is -1"
+    assert torch.equal(align_routing(fed, length=3)[:2], out[:2]) and (align_routing(fed, 3)[2] == -1).all()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_the_installed_vllm_can_return_routed_experts():
+    from posttrain.rollout_vllm.rollout import routed_experts_supported
+
+    assert routed_experts_supported()

@@ -7,13 +7,13 @@ against, so the tests do not depend on each other's order.
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import needs_vllm
 from vllm_testing import (
+    ROLLOUT_DTYPE,
     check_greedy,
+    check_logprobs,
     engine_weights,
     hf_greedy,
-    hf_logprobs,
     hf_model,
     make_engine,
     random_prompts,
@@ -35,7 +35,7 @@ def rollout(model_dir: str):
 
     config = RolloutConfig(
         name="vllm",
-        dtype="float32",
+        dtype=ROLLOUT_DTYPE,
         prompt_length=96,
         response_length=32,
         max_num_seqs=8,
@@ -58,9 +58,11 @@ def engine(model_dir: str):
 def sync_engine(rollout, engine):
     """Sync the engine's current weights and return the matching HF reference model."""
     stream, peft = engine.get_per_tensor_param()
-    report = rollout.update_weights(stream, peft_config=peft)
+    version = (rollout.weight_version() or 0) + 1
+    report = rollout.update_weights(stream, peft_config=peft, version=version)
     weights, _ = engine_weights(engine)
     assert report.num_tensors == len(weights) and report.num_buckets >= 2
+    assert rollout.weight_version() == version
     return hf_model(rollout.model_config.path, weights)
 
 
@@ -81,9 +83,7 @@ def test_sampled_log_probs_are_those_of_the_tempered_distribution(rollout, engin
     assert [s.prompt_index for s in samples] == [0, 0, 0, 1, 1, 1]
     for s in samples:
         assert len(s.log_probs) == len(s.response_ids) > 0
-        torch.testing.assert_close(
-            s.log_probs, hf_logprobs(model, s.prompt_ids, s.response_ids, 0.7), atol=1e-4, rtol=0
-        )
+        check_logprobs(model, s, 0.7)
 
 
 def test_lora_adapter_syncs_as_adapter(rollout, model_dir):
@@ -119,6 +119,8 @@ def test_corrupted_bucket_fails_loudly_and_blocks_generation(rollout, engine):
         transport.send_payload = send
     with pytest.raises(WeightSyncError, match="no valid weights"):
         rollout.generate(PROMPTS, SamplingConfig(temperature=0.0, max_new_tokens=4))
+    assert rollout.weight_version() is None, "a failed sync must not leave a version the trainer would accept"
+    assert rollout.engine.collective_rpc("ws_version") == [None]
     check_greedy(rollout, sync_engine(rollout, engine), PROMPTS)
 
 

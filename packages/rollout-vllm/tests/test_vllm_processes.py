@@ -1,8 +1,9 @@
-"""Real vLLM with its engine in other processes: weights cross through POSIX shared memory, verified the same way.
+"""Real vLLM with its engine in other processes: weights cross through POSIX shared memory (CPU) or a CUDA IPC
+buffer (GPU), verified the same way.
 
 ``multiprocess`` drives an offline ``LLM`` whose engine core and worker are child processes; ``server`` is the
 ``AsyncLLM`` front used for async rollout. Tensors cannot travel as ``collective_rpc`` arguments there, so these
-tests cover the shared-memory path end to end, including a bucket corrupted in the shared segment.
+tests cover the shared-buffer path end to end, including a bucket corrupted in the shared buffer.
 """
 
 from __future__ import annotations
@@ -11,7 +12,16 @@ import asyncio
 
 import pytest
 from conftest import needs_vllm
-from vllm_testing import check_greedy, engine_weights, hf_logprobs, hf_model, make_engine, train_step
+from vllm_testing import (
+    ON_GPU,
+    ROLLOUT_DTYPE,
+    check_greedy,
+    check_logprobs,
+    engine_weights,
+    hf_model,
+    make_engine,
+    train_step,
+)
 
 from posttrain.core.rollout import RolloutConfig, SamplingConfig
 from posttrain.core.weight_sync import WeightSyncError
@@ -27,7 +37,7 @@ def build(model_dir: str, executor: str):
     config = RolloutConfig(
         name="vllm",
         mode="async" if executor == "server" else "sync",
-        dtype="float32",
+        dtype=ROLLOUT_DTYPE,
         prompt_length=64,
         response_length=32,
         max_num_seqs=8,
@@ -47,10 +57,10 @@ def sync_and_check(rollout, engine, model_dir):
     return model
 
 
-def test_multiprocess_executor_syncs_through_shared_memory(model_dir):
+def test_multiprocess_executor_syncs_through_shared_memory_or_cuda_ipc(model_dir):
     rollout = build(model_dir, "multiprocess")
     try:
-        assert rollout.transport_kind == "shm"
+        assert rollout.transport_kind == ("cuda_ipc" if ON_GPU else "shm")
         engine = make_engine(model_dir)
         train_step(engine, seed=1)
         sync_and_check(rollout, engine, model_dir)
@@ -94,7 +104,6 @@ def test_server_executor_serves_async_requests_and_syncs(model_dir):
         for i, group in enumerate(groups):
             assert len(group) == 2 and all(s.prompt_index == i for s in group)
             for s in group:
-                expected = hf_logprobs(model, s.prompt_ids, s.response_ids, 0.9)
-                assert (s.log_probs - expected).abs().max() < 1e-4
+                check_logprobs(model, s, 0.9)
     finally:
         rollout.release()

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 from conftest import needs_vllm
-from vllm_testing import check_greedy, engine_weights, hf_model, make_engine, save_tiny_model, train_step
+from vllm_testing import (
+    ROLLOUT_DTYPE,
+    check_greedy,
+    engine_weights,
+    hf_model,
+    make_engine,
+    save_tiny_model,
+    train_step,
+)
 
 from posttrain.core.config import ModelConfig
 from posttrain.core.rollout import RolloutConfig
@@ -22,7 +30,7 @@ def test_tied_lm_head_follows_every_sync(tmp_path):
     path = save_tiny_model(tmp_path / "tied", seed=3, tie_word_embeddings=True)
     config = RolloutConfig(
         name="vllm",
-        dtype="float32",
+        dtype=ROLLOUT_DTYPE,
         prompt_length=64,
         response_length=16,
         max_num_seqs=4,

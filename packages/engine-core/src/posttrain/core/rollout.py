@@ -67,7 +67,11 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     """Rollout TP degree, independent of training."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory the vLLM engine may take (weights + KV cache)."""
+    """Share of the GPU memory that is free when the rollout starts (after the trainer's engines are built) that
+    the vLLM engine may take for weights, activations and KV cache. verl counts a share of the whole GPU; here a
+    colocated trainer's memory is left out, so 0.5 means half of what the trainer left."""
+    gpu_memory_gib: float = 0.0
+    """An explicit vLLM memory budget in GiB (weights + KV cache); 0 = use ``gpu_memory_utilization``."""
     enforce_eager: bool = True
     """Disable CUDA graphs in vLLM."""
     free_cache_engine: bool = True
@@ -106,6 +110,8 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.update_weights_bucket_megabytes={self.update_weights_bucket_megabytes} must be >= 1"
             )
+        if self.gpu_memory_gib < 0:
+            raise ValueError(f"rollout.gpu_memory_gib={self.gpu_memory_gib} must be >= 0 (0 = use the share)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
@@ -171,8 +177,15 @@ class BaseRollout(ABC):
         *,
         peft_config: dict[str, Any] | None = None,
         base_sync_done: bool = False,
+        version: int | None = None,
     ) -> SyncReport:
-        """Load a stream of (HF name, full tensor); every tensor is verified before generation resumes."""
+        """Load a stream of (HF name, full tensor); every tensor is verified before generation resumes. A
+        complete, verified sync makes ``version`` the one :meth:`weight_version` reports; a failed one clears it."""
+
+    def weight_version(self) -> int | None:
+        """The version of the weights being served: the ``version`` of the last complete sync (None before one,
+        or after a failed one). Trainers compare it with the actor's before every rollout."""
+        return getattr(self, "_weight_version", None)
 
     def sleep(self, level: int = 1) -> None:
         """Free memory for training (level 1: KV cache and weights offloaded; level 2: weights discarded)."""

@@ -19,30 +19,62 @@ import torch
 
 from .rollout import SyncReport
 
-_CHUNK_WORDS = 1 << 24
+_CHUNK_WORDS = 1 << 26
 _MOD = (1 << 61) - 1
+_U64 = 1 << 64
+_POSITIONS: dict[torch.device, torch.Tensor] = {}
 
 
 class WeightSyncError(RuntimeError):
     """A bucket arrived damaged, stale or incomplete."""
 
 
-def tensor_checksum(t: torch.Tensor) -> int:
-    """Checksum of a tensor's raw bytes (its dtype and shape are checked separately)."""
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    """``1..n`` as int64 on ``device``, cached (grown as needed, at most one chunk long)."""
+    cached = _POSITIONS.get(device)
+    if cached is None or cached.numel() < n:
+        cached = torch.arange(1, n + 1, device=device, dtype=torch.int64)
+        _POSITIONS[device] = cached
+    return cached[:n]
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().contiguous().view(-1).view(torch.uint8)
     pad = (-flat.numel()) % 4
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    words = flat.view(torch.int32)
-    total_a, total_b = 0, 0
+    return flat.view(torch.int32)
+
+
+def _sums(t: torch.Tensor) -> torch.Tensor:
+    """(2,) int64 on the tensor's device: the sum of its int32 words and the sum of word * position (1-based),
+    both modulo 2**64 (int64 arithmetic wraps), computed in chunks without a host sync."""
+    words = _words(t)
+    total = torch.zeros(2, dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[start : start + _CHUNK_WORDS].to(torch.int64)
-        weights = (
-            torch.arange(start + 1, start + 1 + chunk.numel(), device=chunk.device, dtype=torch.int64) % 65521
-        )
-        total_a += int(chunk.sum())
-        total_b += int((chunk * weights).sum())
-    return (total_a * 1_000_003 + total_b) % _MOD
+        chunk = words[start : start + _CHUNK_WORDS]
+        plain = chunk.sum(dtype=torch.int64)
+        weighted = torch.mul(chunk, _positions(chunk.numel(), chunk.device)).sum()
+        total += torch.stack([plain, weighted + start * plain])
+    return total
+
+
+def _combine(plain: int, weighted: int) -> int:
+    return ((plain % _U64) * 1_000_003 + weighted % _U64) % _MOD
+
+
+def tensor_checksums(tensors: list[torch.Tensor]) -> list[int]:
+    """Checksums of the tensors' raw bytes (dtype and shape are checked separately), with one host sync for the
+    whole list: the words' sum and position-weighted sum are reduced on each tensor's device, then combined."""
+    if not tensors:
+        return []
+    sums = torch.stack([_sums(t).to(tensors[0].device) for t in tensors])
+    return [_combine(a, b) for a, b in sums.tolist()]
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """Checksum of one tensor's raw bytes: a position-weighted sum of its bytes read as int32 words."""
+    return tensor_checksums([t])[0]
 
 
 @dataclass(frozen=True)
@@ -85,8 +117,9 @@ class InProcessTransport:
 
 
 def _pack(buffer: torch.Tensor, offset: int, tensor: torch.Tensor) -> int:
+    """Copy ``tensor``'s bytes into ``buffer`` at ``offset`` (from any device; no host sync into a CUDA buffer)."""
     raw = tensor.contiguous().view(-1).view(torch.uint8)
-    buffer[offset : offset + raw.numel()].copy_(raw, non_blocking=False)
+    buffer[offset : offset + raw.numel()].copy_(raw, non_blocking=buffer.is_cuda)
     return raw.numel()
 
 
@@ -117,10 +150,12 @@ class BucketSender:
         )
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        """Send every tensor; the last bucket is flagged ``is_last``. Returns counts and timings."""
+        """Send every tensor; the last bucket is flagged ``is_last``. Returns counts and timings. Tensors are
+        copied into the bucket as they come; a bucket's checksums are computed from the bucket itself when it
+        goes out, with one host sync per bucket."""
         start = time.perf_counter()
         report = SyncReport()
-        metas: list[TensorMeta] = []
+        pending: list[tuple[str, tuple[int, ...], torch.dtype, int, int]] = []
         offset = 0
         for name, tensor in weights:
             if self.dtype is not None and tensor.is_floating_point():
@@ -133,29 +168,30 @@ class BucketSender:
                     f"rollout.update_weights_bucket_megabytes to at least {nbytes // 2**20 + 1}"
                 )
             if offset + nbytes > self.bucket_bytes:
-                self._flush(metas, report, is_last=False)
-                metas, offset = [], 0
-            tensor = tensor.to(self.buffer.device)
+                self._flush(pending, report, is_last=False)
+                pending, offset = [], 0
             _pack(self.buffer, offset, tensor)
-            metas.append(
-                TensorMeta(name, tuple(tensor.shape), tensor.dtype, offset, nbytes, tensor_checksum(tensor))
-            )
+            pending.append((name, tuple(tensor.shape), tensor.dtype, offset, nbytes))
             offset += (nbytes + 255) // 256 * 256
             report.num_tensors += 1
             report.num_bytes += nbytes
-        self._flush(metas, report, is_last=True)
+        self._flush(pending, report, is_last=True)
         report.seconds = time.perf_counter() - start
         return report
 
-    def _flush(self, metas: list[TensorMeta], report: SyncReport, is_last: bool) -> None:
-        self.transport.send(Bucket(self.buffer, list(metas), report.num_buckets, is_last))
+    def _flush(self, pending: list[tuple], report: SyncReport, is_last: bool) -> None:
+        views = [self.buffer[off : off + nbytes] for _, _, _, off, nbytes in pending]
+        metas = [TensorMeta(*entry, checksum) for entry, checksum in zip(pending, tensor_checksums(views))]
+        self.transport.send(Bucket(self.buffer, metas, report.num_buckets, is_last))
         report.num_buckets += 1
 
 
 def unpack_bucket(
     bucket: Bucket, verify: bool = True, clone: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Views (or clones) of the tensors in ``bucket``, each checksum-verified first."""
+    """Views (or clones) of the tensors in ``bucket``; with ``verify`` every checksum is checked (one host sync
+    for the bucket) before the first tensor is handed out."""
+    views = []
     for meta in bucket.metas:
         end = meta.offset + meta.nbytes
         if end > bucket.buffer.numel():
@@ -163,14 +199,16 @@ def unpack_bucket(
                 f"bucket {bucket.index}: tensor {meta.name!r} ends at byte {end}, past the "
                 f"buffer's {bucket.buffer.numel()} bytes (partial transfer)"
             )
-        tensor = bucket.buffer[meta.offset : end].view(meta.dtype).view(meta.shape)
-        if verify:
-            got = tensor_checksum(tensor)
+        views.append(bucket.buffer[meta.offset : end])
+    if verify:
+        for meta, got in zip(bucket.metas, tensor_checksums(views)):
             if got != meta.checksum:
                 raise WeightSyncError(
                     f"bucket {bucket.index}: checksum mismatch for {meta.name!r} (sent "
                     f"{meta.checksum}, received {got}); the rollout's weights are not updated"
                 )
+    for meta, raw in zip(bucket.metas, views):
+        tensor = raw.view(meta.dtype).view(meta.shape)
         yield meta.name, tensor.clone() if clone else tensor
 
 

@@ -31,6 +31,8 @@ def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
+        if t.device_mesh.size() == 1:  # one shard is the whole tensor: no collective, no copy
+            return t.to_local().detach().to(device)
         return t.to(device).full_tensor()
     return t.detach().to(device)
 

@@ -256,8 +256,10 @@ class HFRollout(BaseRollout):
         *,
         peft_config: dict[str, Any] | None = None,
         base_sync_done: bool = False,
+        version: int | None = None,
     ) -> SyncReport:
-        """Load a stream through checksummed buckets; returns what moved. Without ``peft_config`` (or with it
+        """Load a stream through checksummed buckets; returns what moved (``version`` is served once it all
+        loaded). Without ``peft_config`` (or with it
         and ``base_sync_done=False``, LoRA's base weights) the stream is every weight under HF names; with
         ``peft_config`` and ``base_sync_done=True`` it is the LoRA adapter only, merged by :mod:`.lora`."""
         if self._asleep:
@@ -273,7 +275,7 @@ class HFRollout(BaseRollout):
             device=self.device,
             dtype=self.dtype,
         )
-        self._weights_valid = False
+        self._weights_valid, self._weight_version = False, None
         self._synced = set()
         self._pieces = {}
         report = sender.send(weights)
@@ -287,7 +289,7 @@ class HFRollout(BaseRollout):
         else:
             self._check_complete()
             self._adapters.reset_bases()
-        self._weights_valid = True
+        self._weights_valid, self._weight_version = True, version
         report.timings["update_weights"] = time.perf_counter() - start
         return report
 

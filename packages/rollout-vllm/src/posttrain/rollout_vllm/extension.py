@@ -45,9 +45,11 @@ class WeightSyncWorkerExtension:
         peft_config: dict[str, Any] | None = None,
         lora: tuple[str, int] | None = None,
     ) -> None:
-        """Start a sync of the base weights (``kind="base"``) or of a LoRA adapter (``kind="lora"``)."""
+        """Start a sync of the base weights (``kind="base"``) or of a LoRA adapter (``kind="lora"``); the worker
+        serves no weight version until the sync is finished and committed (:meth:`ws_commit`)."""
         if getattr(self, "_ws", None) is not None:
             self.ws_abort()
+        self._ws_version, self._ws_done = None, False
         if kind not in ("base", "lora"):
             raise ValueError(f"weight-sync kind {kind!r}: use base or lora")
         if kind == "lora" and (peft_config is None or lora is None):
@@ -97,6 +99,7 @@ class WeightSyncWorkerExtension:
             raise
         state["opener"].close()
         self._ws = None
+        self._ws_done = True
         return {
             "num_tensors": num_tensors,
             "num_bytes": state["bytes"],
@@ -117,6 +120,18 @@ class WeightSyncWorkerExtension:
             with self._ws_config():
                 finalize_layerwise_reload(self.model_runner.get_model(), self.model_runner.model_config)
         state["opener"].close()
+
+    def ws_commit(self, version: int | None) -> None:
+        """Serve ``version`` from now on; only a sync that finished on this worker can be committed."""
+        if not getattr(self, "_ws_done", False):
+            raise WeightSyncError(
+                f"weight version {version} cannot be committed: no finished sync on this worker"
+            )
+        self._ws_version, self._ws_done = version, False
+
+    def ws_version(self) -> int | None:
+        """The version of the last committed sync (None before one, and from the start of a sync on)."""
+        return getattr(self, "_ws_version", None)
 
     def ws_param_names(self) -> list[str]:
         """vLLM's parameter names (``.base_layer`` of LoRA wrappers removed)."""

