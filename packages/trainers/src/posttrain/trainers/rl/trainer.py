@@ -106,7 +106,7 @@ class RLTrainer(StepLoop):
         self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, cfg.checkpoint)
         self.global_step = self._resume()
         self.tracker = self.make_tracker()
-        self.sync_weights()
+        self.sync_weights(version=self.global_step)
 
     # ------------------------------------------------------------------ set-up
     def _new_engine(self, model_type: str, role_cfg: Any, model_cfg: Any, optim: Any = None) -> Any:
@@ -201,8 +201,9 @@ class RLTrainer(StepLoop):
         return self.ckpt.commit(step)
 
     # ------------------------------------------------------------------ weight sync
-    def sync_weights(self) -> dict[str, float]:
-        """Stream the actor's weights into the rollout (verified by checksums on the receiving side)."""
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Stream the actor's weights into the rollout (verified by checksums on the receiving side); ``version``
+        counts the actor's updates so far (the steps done), which the rollout then reports serving."""
         merge = not getattr(self.rollout, "supports_lora_adapters", False)
         start = time.perf_counter()
         self.rollout.wake_up(["weights"])
@@ -211,10 +212,10 @@ class RLTrainer(StepLoop):
                 base_sync_done=self.base_synced, dtype=self.cfg.rollout.dtype, peft_merge=merge
             )
             report = self.rollout.update_weights(
-                stream, peft_config=peft_config, base_sync_done=self.base_synced, version=self.global_step
+                stream, peft_config=peft_config, base_sync_done=self.base_synced, version=version
             )
         self.base_synced = peft_config is not None
-        self.weight_version = self.global_step
+        self.weight_version = version
         self.rollout.wake_up(["kv_cache"])
         return {
             "timing_s/update_weights": time.perf_counter() - start,
@@ -352,7 +353,7 @@ class RLTrainer(StepLoop):
                     **common,
                 )
             )
-        metrics.update(self.sync_weights())
+        metrics.update(self.sync_weights(version=self.global_step + 1))
         return metrics
 
     def _batch_metrics(self, batch, scores, sources, uids, step_s: float) -> dict[str, float]:
