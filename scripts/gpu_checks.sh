@@ -41,12 +41,25 @@ case "${1:-tests}" in
     eval "$(bash /tmp/stash/unpack.sh)"
     for t in test_transport test_vllm_gpu test_vllm_inprocess test_vllm_tied test_vllm_processes test_external_launcher; do
       echo "== $t"; timeout 300 python3 -m pytest -q -s -p no:cacheprovider "packages/rollout-vllm/tests/$t.py" 2>&1 \
-        | grep -E "passed|failed|error|Error|VLLM_GPU_MEMORY|^FAILED|^E " | head -30
+        | tee -a "$out/vllm_full.log" | grep -E "passed|failed|rror|VLLM_GPU_MEMORY|^FAILED|^E " | head -30
     done 2>&1 | tee "$out/gpu_vllm.log" ;;
   vllmsync)
     eval "$(bash /tmp/stash/unpack.sh)"
     for ex in inprocess multiprocess; do
       timeout 240 python3 bench/vllm_sync.py --executor $ex --json "$out/vllm_sync_$ex.json" 2>&1 | tail -16
     done 2>&1 | tee "$out/vllm_sync.log" ;;
-  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|ckpt|vllm|vllmsync" >&2; exit 2 ;;
+  grpo)
+    # `posttrain grpo` with the vLLM rollout and the FSDP2 actor in bf16: SIZE (posttrain model init --size), STEPS
+    eval "$(bash /tmp/stash/unpack.sh)"
+    d=/tmp/grpo-${SIZE:-small}; rm -rf "$d"
+    python3 -m posttrain.trainers.cli model init --size "${SIZE:-small}" --out "$d/model" >/dev/null
+    python3 -m posttrain.trainers.cli data synthetic --out "$d/data" --num-train 512 --num-test 64 >/dev/null
+    timeout "${LIMIT:-400}" python3 -m posttrain.trainers.main_ppo --config grpo_tiny model.path="$d/model" \
+      data.train_files="[$d/data/train.parquet]" data.val_files="[$d/data/test.parquet]" data.train_batch_size=32 \
+      actor.ppo_mini_batch_size=32 rollout.name=vllm rollout.enforce_eager=false rollout.n=8 \
+      rollout.dtype=bfloat16 actor.engine.dtype=bfloat16 ref.engine.dtype=bfloat16 actor.optim.lr=1e-5 \
+      trainer.total_training_steps="${STEPS:-20}" trainer.test_freq=10 trainer.logger="[console,file]" \
+      trainer.default_local_dir="$d/run" 2>&1 | tail -40 | tee "$out/grpo.log"
+    cp "$d/run/metrics.jsonl" "$out/grpo_metrics.jsonl" 2>/dev/null || find "$d/run" -name metrics.jsonl -exec cp {} "$out/grpo_metrics.jsonl" \; ;;
+  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|ckpt|vllm|vllmsync|grpo" >&2; exit 2 ;;
 esac
