@@ -51,7 +51,7 @@ def save_tiny_model(path: str | Path, seed: int = 0, tie_word_embeddings: bool =
     config = Qwen2Config(
         vocab_size=VOCAB,
         hidden_size=128,
-        intermediate_size=256,
+        intermediate_size=1024 if ON_GPU else 256,  # bf16 on a GPU: still more than one 1 MiB bucket
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,

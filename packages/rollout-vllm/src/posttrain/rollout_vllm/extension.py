@@ -158,11 +158,10 @@ class WeightSyncWorkerExtension:
             return False
         model = self.model_runner.get_model()
         first = next(model.parameters(), None)
-        if first is None or not first.is_cuda or self.model_runner.vllm_config.quant_config is not None:
-            return False
-        from vllm.model_executor.layers.fused_moe import FusedMoE
-
-        return not any(isinstance(m, FusedMoE) for m in model.modules())
+        config = self.model_runner.vllm_config
+        if first is None or not first.is_cuda or config.quant_config is not None or config.lora_config is not None:
+            return False  # LoRA wraps the layers (``.base_layer``): its names need the layerwise reload
+        return not any(c.__name__ == "FusedMoE" for m in model.modules() for c in type(m).__mro__)
 
     def _ws_config(self):
         from vllm.config import set_current_vllm_config
