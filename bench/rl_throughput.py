@@ -16,8 +16,8 @@ script writes prompts of exactly ``--prompt-len`` tokens (digits, one token each
 
 Reported per run (after the warm-up): tokens/s/GPU = (prompt + response tokens over all ranks) / step time /
 GPUs, as NeMo-RL counts; each ``timing_s/<phase>`` metric of the trainer (gen, old_log_prob, ref, adv,
-update_actor, update_weights) in seconds and as a share of the step; peak memory (``torch`` allocator on GPU 0
-and the device's used memory from NVML, which also sees vLLM's pool). One JSON line per run on stdout (and in
+update_actor, update_weights) in seconds and as a share of the step; peak memory over the steps (the ``torch``
+allocator's and the device's used memory from NVML, which also sees vLLM's pool; the highest rank's). One JSON line per run on stdout (and in
 ``--json``), then a table.
 
 ``--work issue`` is issue 15's baseline work (0.5B shape with a 448-token vocabulary, 32 prompts x 8 responses
@@ -36,6 +36,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -254,12 +255,10 @@ def worker(spec_path: str) -> None:
     init_s = time.perf_counter() - start
     device = torch.device(trainer.actor.device) if trainer.actor.device is not None else torch.device("cpu")
     steps: list[dict[str, float]] = []
-    peak = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    peak = MemoryPeak(device)  # over every step, warm-up included, as bench/trl_grpo.py measures TRL
     for i in range(spec["warmup"] + spec["steps"]):
-        if i == spec["warmup"]:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            peak = MemoryPeak(device)
         t0 = time.perf_counter()
         metrics = trainer.train_step()
         wall = time.perf_counter() - t0
@@ -272,7 +271,7 @@ def worker(spec_path: str) -> None:
         "rank": rank,
         "init_s": init_s,
         "steps": steps,
-        "peak_device_gib": peak.close() if peak is not None else None,
+        "peak_device_gib": peak.close(),
         "peak_torch_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         if device.type == "cuda"
         else None,
@@ -282,14 +281,16 @@ def worker(spec_path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the launcher
-def launch(spec: dict[str, Any], launcher: str, world: int, run_dir: Path, timeout: int) -> list[dict] | str:
-    """Run one spec as a subprocess; the ranks' results, or the error with the log's tail."""
+def launch(
+    spec: dict[str, Any], launcher: str, world: int, run_dir: Path, timeout: int, script: str = __file__
+) -> list[dict] | str:
+    """Run ``script --worker SPEC`` as a subprocess; the ranks' results, or the error with the log's tail."""
     run_dir.mkdir(parents=True, exist_ok=True)
     for old in run_dir.glob("result.rank*.json"):
         old.unlink()
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps({**spec, "result": str(run_dir / "result.json")}))
-    script = [str(Path(__file__).resolve()), "--worker", str(spec_path)]
+    worker_argv = [str(Path(script).resolve()), "--worker", str(spec_path)]
     if launcher == "torchrun":
         cmd = [
             sys.executable,
@@ -297,16 +298,19 @@ def launch(spec: dict[str, Any], launcher: str, world: int, run_dir: Path, timeo
             "torch.distributed.run",
             "--standalone",
             f"--nproc_per_node={world}",
-            *script,
+            *worker_argv,
         ]
     else:
-        cmd = [sys.executable, *script]
+        cmd = [sys.executable, *worker_argv]
     log = run_dir / "log.txt"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
+            rc: int | str = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # torchrun's workers too: the run has its own process group
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = f"timeout after {timeout}s"
     results = [json.loads(p.read_text()) for p in sorted(run_dir.glob("result.rank*.json"))]
     if rc != 0 or not results:
