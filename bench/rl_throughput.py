@@ -305,13 +305,17 @@ def launch(
     log = run_dir / "log.txt"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, process_group=0)
+        stop_run = lambda *_: (os.killpg(proc.pid, signal.SIGKILL), sys.exit(143))  # noqa: E731
+        previous = signal.signal(signal.SIGTERM, stop_run)  # `timeout` stops this launcher: stop the run too
         try:
             rc: int | str = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:  # torchrun's workers too: the run has its own process group
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = f"timeout after {timeout}s"
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     results = [json.loads(p.read_text()) for p in sorted(run_dir.glob("result.rank*.json"))]
     if rc != 0 or not results:
         tail = log.read_text(errors="replace").splitlines()[-25:]
