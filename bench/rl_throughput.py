@@ -226,7 +226,16 @@ class MemoryPeak:
         self.torch, self.device, self.peak = torch, device, 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
-        if device.type == "cuda":
+        self.on = device.type == "cuda"
+        if self.on:
+            try:  # NVML (nvidia-ml-py) is a measurement here: without it the run still counts, unpeaked
+                self.peak = torch.cuda.device_memory_used(device)
+            except Exception as exc:  # noqa: BLE001
+                print(
+                    f"[rl-bench] no device memory reading ({exc}): peak_device_gib is null", file=sys.stderr
+                )
+                self.on = False
+        if self.on:
             self.thread.start()
 
     def _poll(self) -> None:
@@ -235,7 +244,7 @@ class MemoryPeak:
 
     def close(self) -> float | None:
         self.stop.set()
-        if self.device.type != "cuda":
+        if not self.on:
             return None
         self.thread.join()
         return round(self.peak / 2**30, 2)

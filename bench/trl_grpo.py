@@ -166,6 +166,9 @@ def worker(spec_path: str) -> None:
     from trl import GRPOTrainer
 
     spec = json.loads(Path(spec_path).read_text())
+    # TRL's colocated vLLM loads weights through llm_engine.model_executor: the engine must live in this process
+    # (vLLM also turns this off itself for the external launcher TRL uses).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     rows = pq.read_table(spec["data"], columns=["prompt"]).to_pylist()
     dataset = Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
     start = time.perf_counter()
