@@ -24,7 +24,7 @@ allocator's and the device's used memory from NVML, which also sees vLLM's pool;
 x up to 256 tokens, ``--config grpo_tiny``, max_token_len_per_gpu 16384), so the speed-up over it can be
 measured in the same launch as ``--work bench`` (256-token prompts, up to 1,024-token responses).
 
-    uv run python bench/rl_throughput.py --tiny                     # CPU, tiny model, both launches (~2 min)
+    uv run python bench/rl_throughput.py --tiny     # CPU, tiny model, both launches (minutes: ~9 s a step on 2 busy cores)
     python3 bench/rl_throughput.py --shapes 0.5b --rollouts hf,vllm --json rl.json          # one GPU
     python3 bench/rl_throughput.py --work issue,bench --rollouts vllm --launchers torchrun --gpus 2
 """
