@@ -4,7 +4,11 @@
 #   uv build --all-packages --wheel --out-dir .whl     # here: posttrain's own wheels (entry points for the registry)
 #   bash scripts/gpu_checks.sh tests|megatron|train|megathru|sync|ckpt|vllm|vllmsync   # there, with .whl carried;
 #   results under $OUT (or ./gpu-out). vllm and vllmsync need the vLLM parts unpacked in /tmp/stash first.
+#   bash scripts/gpu_checks.sh rl [bench/rl_throughput.py flags]   # GRPO steps; vLLM from /tmp/stash (vllm_parts.sh)
+#   bash scripts/gpu_checks.sh trl [bench/trl_grpo.py flags]       # the TRL peer; .trl-wheels carried too
 # Each part is short enough for one 10-minute call. Results are JSON/log files; BENCHMARKS.md records them.
+# rl and trl append to /tmp/rl_bench/{rl,trl}.jsonl, which outlive a call while the machine stays warm (models
+# and data there are made once), copy both to $OUT and print posttrain's step time over TRL's when both exist.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-out}"
@@ -12,6 +16,29 @@ mkdir -p "$out"
 eval "$(bash scripts/install_megatron_wheels.sh)"
 export PYTHONPATH=/tmp/site  # the installed wheels carry the entry-point metadata the registries read
 export PYTHONUNBUFFERED=1
+rl_env() {  # vLLM from the carried parts (if unpacked), TRL from its wheels, nothing from the network
+  if [ -f /tmp/stash/unpack.sh ]; then eval "$(bash /tmp/stash/unpack.sh)"
+  else echo "gpu_checks: no /tmp/stash/unpack.sh: rollout=vllm runs will fail (scripts/vllm_parts.sh)" >&2; fi
+  if [ -d .trl-wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .trl-wheels/*.whl
+  fi
+  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
+  mkdir -p /tmp/rl_bench
+  python3 - <<'PY' 2>&1 | tee -a "$out/versions.txt"
+import importlib.metadata as m
+for p in ("torch", "transformers", "accelerate", "huggingface-hub", "pyarrow", "fsspec", "vllm", "trl", "datasets"):
+    try:
+        print(p, m.version(p))
+    except m.PackageNotFoundError:
+        print(p, "missing")
+PY
+}
+rl_report() {
+  cp /tmp/rl_bench/*.jsonl "$out/" 2>/dev/null || true
+  if [ -f /tmp/rl_bench/rl.jsonl ] && [ -f /tmp/rl_bench/trl.jsonl ]; then
+    python3 bench/trl_grpo.py --report /tmp/rl_bench/rl.jsonl /tmp/rl_bench/trl.jsonl | tee "$out/vs_trl.txt"
+  fi
+}
 nvidia-smi -L | tee "$out/gpus.txt"
 git rev-parse --short HEAD 2>/dev/null | tee "$out/commit.txt" || true
 case "${1:-tests}" in
@@ -61,5 +88,17 @@ case "${1:-tests}" in
       trainer.total_training_steps="${STEPS:-20}" trainer.test_freq=10 trainer.logger="[console,file]" \
       trainer.default_local_dir="$d/run" 2>&1 | tail -40 | tee "$out/grpo.log"
     cp "$d/run/metrics.jsonl" "$out/grpo_metrics.jsonl" 2>/dev/null || find "$d/run" -name metrics.jsonl -exec cp {} "$out/grpo_metrics.jsonl" \; ;;
-  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|ckpt|vllm|vllmsync|grpo" >&2; exit 2 ;;
+  rl)
+    # e.g. rl --work issue,bench --shapes 0.5b --rollouts vllm,hf --launchers torchrun (each run a subprocess)
+    rl_env; shift
+    timeout "${RL_TIMEOUT:-575}" python3 bench/rl_throughput.py --workdir /tmp/rl_bench --json /tmp/rl_bench/rl.jsonl \
+      "$@" 2>&1 | tee "$out/rl.log" | grep -v '^{'
+    rl_report ;;
+  trl)
+    # e.g. trl --work issue,bench --shapes 0.5b (vLLM colocate, torchrun with --gpus processes)
+    rl_env; shift
+    timeout "${RL_TIMEOUT:-575}" python3 bench/trl_grpo.py --workdir /tmp/rl_bench --json /tmp/rl_bench/trl.jsonl \
+      "$@" 2>&1 | tee "$out/trl.log" | grep -v '^{'
+    rl_report ;;
+  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|ckpt|vllm|vllmsync|grpo|rl|trl" >&2; exit 2 ;;
 esac

@@ -55,3 +55,47 @@ def test_model_init_refuses_nonempty_dir(tmp_path):
     (tmp_path / "x" / "f").write_text("keep")
     with pytest.raises(ValueError, match="exists and is not empty"):
         model_cmd.main(["init", "--size", "tiny", "--out", str(tmp_path / "x")])
+
+
+def test_extend_vocab_fills_exactly_and_round_trips():
+    from posttrain.trainers.model_init import build_tokenizer, extend_vocab
+
+    small = build_tokenizer(384)
+    big = extend_vocab(small, 70_000)  # past the 65,536 byte pairs: some pair + byte merges too
+    assert len(big) == 70_000 and big.eos_token == IM_END and big.pad_token == PAD
+    assert all(t is not None for t in big.convert_ids_to_tokens(list(range(len(big)))))
+    text = "Ünïcode ✓ and 12345 + 678 = ?\n"
+    ids = big(text, add_special_tokens=False)["input_ids"]
+    assert big.decode(ids) == text and max(ids) >= len(small)  # the new merges are used
+    assert (
+        big("2024", add_special_tokens=False)["input_ids"]
+        == small("2024", add_special_tokens=False)["input_ids"]
+    )
+    assert big.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    ) == small.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    with pytest.raises(ValueError, match="below the"):
+        extend_vocab(small, 100)
+
+
+def test_qwen25_shapes():
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.trainers.model_init import build_tokenizer, extend_vocab, model_config
+
+    tok = extend_vocab(build_tokenizer(384), 151_936)
+    expect = {"0.5b": (896, 24, 14, 64, 494_032_768), "1.5b": (1536, 28, 12, 128, 1_543_714_304)}
+    for size, (hidden, layers, heads, head_dim, params) in expect.items():
+        cfg = model_config("qwen2", size, tok)
+        assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim) == (
+            hidden,
+            layers,
+            heads,
+            head_dim,
+        )
+        assert cfg.vocab_size == 151_936 and cfg.num_key_value_heads == 2
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        assert sum(p.numel() for p in model.parameters()) == params  # Qwen2.5-0.5B / -1.5B's published counts

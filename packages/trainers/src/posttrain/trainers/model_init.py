@@ -4,15 +4,22 @@ The tokenizer is a byte-level BPE trained with the ``tokenizers`` library on a s
 (:func:`posttrain.trainers.data.synthetic.tokenizer_corpus`): digits are split one per token (so arithmetic is
 learnable), the 256 byte symbols are always in the vocabulary (any text encodes), and ChatML special tokens
 ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos) are added. It is wrapped as a
-``PreTrainedTokenizerFast`` with a ChatML chat template. The model is built with
-``AutoModelForCausalLM.from_config`` under a fixed seed, its vocabulary rounded up to a multiple of 64.
+``PreTrainedTokenizerFast`` with a ChatML chat template. The corpus only supports about 440 tokens; a larger
+vocabulary (``0.5b`` and ``1.5b`` take Qwen2.5's 151,936) is filled with synthetic byte-pair merges of the byte
+alphabet (pairs first, then pair + byte), ranked after the trained ones; every id decodes to bytes and digits
+stay one token each. The model is built with ``AutoModelForCausalLM.from_config``
+under a fixed seed, its vocabulary rounded up to a multiple of 64.
 Sizes: ``tiny`` (hidden 128, 2 heads of head_dim 64, 1 KV head, 2 layers: about 0.35 M parameters, so SFT and GRPO
-run in minutes on two CPU cores; head_dim 64 is what vLLM's CPU attention accepts) and ``small``.
+run in minutes on two CPU cores; head_dim 64 is what vLLM's CPU attention accepts), ``small``, and the shapes of
+Qwen2.5-0.5B (``0.5b``: hidden 896, 24 layers, 14 heads, 2 KV heads, 494 M parameters) and Qwen2.5-1.5B
+(``1.5b``: hidden 1536, 28 layers, 12 heads, 2 KV heads, 1.54 B parameters) with random weights, for benchmarks.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +43,7 @@ class ModelSize:
     hidden_size: int
     """Model width."""
     num_attention_heads: int
-    """Query heads (head_dim = hidden_size / heads = 64)."""
+    """Query heads (head_dim = hidden_size / heads)."""
     num_key_value_heads: int
     """KV heads (grouped-query attention)."""
     num_hidden_layers: int
@@ -44,7 +51,11 @@ class ModelSize:
     intermediate_size: int
     """MLP width."""
     vocab_size: int
-    """Tokenizer vocabulary target (byte alphabet + merges + specials)."""
+    """Tokenizer training target (byte alphabet + merges + specials); the corpus stops it near 444."""
+    pad_vocab_to: int | None = None
+    """Fill the tokenizer with synthetic merges up to exactly this many tokens (None: as trained)."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the model config allows."""
 
 
 SIZES = {
@@ -63,6 +74,26 @@ SIZES = {
         num_hidden_layers=4,
         intermediate_size=768,
         vocab_size=1024,
+    ),
+    "0.5b": ModelSize(
+        hidden_size=896,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        num_hidden_layers=24,
+        intermediate_size=4864,
+        vocab_size=1024,
+        pad_vocab_to=151936,
+        max_position_embeddings=32768,
+    ),
+    "1.5b": ModelSize(
+        hidden_size=1536,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        num_hidden_layers=28,
+        intermediate_size=8960,
+        vocab_size=1024,
+        pad_vocab_to=151936,
+        max_position_embeddings=32768,
     ),
 }
 ARCHS = ("qwen2",)
@@ -102,7 +133,45 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     )
 
 
-def model_config(arch: str, size: str, tokenizer: Any, max_position_embeddings: int = 2048):
+def extend_vocab(tokenizer: Any, size: int):
+    """A copy of the byte-level BPE ``tokenizer`` with synthetic merges appended until it has ``size`` tokens."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab, merges = state["model"]["vocab"], state["model"]["merges"]
+    if size < len(vocab):
+        raise ValueError(
+            f"vocab_size={size} is below the {len(vocab)} tokens the tokenizer was trained to: raise it"
+        )
+    as_pair = (
+        (lambda a, b: [a, b]) if not merges or isinstance(merges[0], list) else (lambda a, b: f"{a} {b}")
+    )
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    pairs = ((a, b) for a, b in product(alphabet, alphabet))
+    triples = ((a + b, c) for a, b, c in product(alphabet, alphabet, alphabet))
+    for left, right in (p for gen in (pairs, triples) for p in gen):
+        if len(vocab) >= size:
+            break
+        if left + right in vocab or left not in vocab:
+            continue
+        vocab[left + right] = len(vocab)
+        merges.append(as_pair(left, right))
+    if len(vocab) < size:
+        raise ValueError(f"vocab_size={size} is more than {len(vocab)} byte pairs and triples can fill")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(state)),
+        eos_token=tokenizer.eos_token,
+        pad_token=tokenizer.pad_token,
+        unk_token=None,
+        bos_token=None,
+        chat_template=tokenizer.chat_template,
+        model_max_length=tokenizer.model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def model_config(arch: str, size: str, tokenizer: Any, max_position_embeddings: int | None = None):
     """The HF config of ``arch`` at ``size`` for ``tokenizer``'s vocabulary."""
     from transformers import AutoConfig
 
@@ -121,7 +190,7 @@ def model_config(arch: str, size: str, tokenizer: Any, max_position_embeddings: 
         num_attention_heads=s.num_attention_heads,
         num_key_value_heads=s.num_key_value_heads,
         head_dim=s.hidden_size // s.num_attention_heads,
-        max_position_embeddings=max_position_embeddings,
+        max_position_embeddings=max_position_embeddings or s.max_position_embeddings,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
@@ -130,14 +199,26 @@ def model_config(arch: str, size: str, tokenizer: Any, max_position_embeddings: 
     )
 
 
-def init_model(out_dir: str | Path, *, arch: str = "qwen2", size: str = "tiny", seed: int = 0) -> Path:
-    """Write a random-init model, its generation config and tokenizer to ``out_dir``; return the path."""
+def init_model(
+    out_dir: str | Path,
+    *,
+    arch: str = "qwen2",
+    size: str = "tiny",
+    seed: int = 0,
+    vocab_size: int | None = None,
+) -> Path:
+    """Write a random-init model, its generation config and tokenizer to ``out_dir``; return the path.
+
+    ``vocab_size`` pads the tokenizer to exactly that many tokens (None: the size's own vocabulary)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {str(out)!r} exists and is not empty: choose a new directory")
     tokenizer = build_tokenizer(SIZES[size].vocab_size if size in SIZES else 0, seed=seed)
+    target = vocab_size or (SIZES[size].pad_vocab_to if size in SIZES else None)
+    if target is not None:
+        tokenizer = extend_vocab(tokenizer, target)
     config = model_config(arch, size, tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,4 +1,5 @@
-"""``posttrain model init --arch qwen2 --size tiny|small --out DIR``: a random-init model and tokenizer, offline."""
+"""``posttrain model init --arch qwen2 --size tiny|small|0.5b|1.5b --out DIR``: a random-init model and tokenizer,
+offline."""
 
 from __future__ import annotations
 
@@ -16,11 +17,17 @@ def parser() -> argparse.ArgumentParser:
     init.add_argument("--size", choices=tuple(SIZES), default="tiny")
     init.add_argument("--out", required=True, help="new output directory")
     init.add_argument("--seed", type=int, default=0)
+    init.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="pad the tokenizer with synthetic merges to exactly this many tokens (default: the size's own)",
+    )
     return p
 
 
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(list(argv))
-    out = init_model(args.out, arch=args.arch, size=args.size, seed=args.seed)
+    out = init_model(args.out, arch=args.arch, size=args.size, seed=args.seed, vocab_size=args.vocab_size)
     print(f"wrote {args.arch}/{args.size} ({count_parameters(out):,} parameters) to {out}")
     return 0

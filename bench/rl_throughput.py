@@ -1,0 +1,484 @@
+"""GRPO step throughput through posttrain's own trainer (the code path of ``posttrain grpo``), per phase.
+
+Each run builds the config with :func:`posttrain.trainers.config.load_config` from ``key=value`` overrides (as
+``python -m posttrain.trainers.main_ppo`` does), constructs :class:`~posttrain.trainers.rl.trainer.RLTrainer`
+and calls its ``train_step()`` for ``--warmup`` untimed and ``--steps`` timed steps (validation and checkpoints,
+which ``fit()`` adds around the steps, are left out). Every run is its own subprocess (``python`` for the
+one-process launch, ``torchrun --nproc_per_node N`` for the other), so GPU memory is freed between runs and a
+crash loses only that run.
+
+Model: a random-init Qwen2 from ``posttrain model init`` (the ``0.5b`` and ``1.5b`` Qwen2.5 shapes, with a
+151,936-token tokenizer), FSDP2 actor, bf16 (``actor.engine.dtype``, ``ref.engine.dtype``, ``rollout.dtype``),
+KL loss to a reference (low_var_kl 0.001, as verl's GSM8K GRPO example), one optimizer step per step. Data: the
+script writes prompts of exactly ``--prompt-len`` tokens (digits, one token each, in the chat template) with the
+``synthetic_arithmetic`` rule reward. A random model seldom samples eos, so responses run to
+``--response-len``: the step does the full work (the table's ``clip`` column is the share that hit the cap).
+
+Reported per run (after the warm-up): tokens/s/GPU = (prompt + response tokens over all ranks) / step time /
+GPUs, as NeMo-RL counts; each ``timing_s/<phase>`` metric of the trainer (gen, old_log_prob, ref, adv,
+update_actor, update_weights) in seconds and as a share of the step; peak memory over the steps (the ``torch``
+allocator's and the device's used memory from NVML, which also sees vLLM's pool; the highest rank's). One JSON line per run on stdout (and in
+``--json``), then a table.
+
+``--work issue`` is issue 15's baseline work (0.5B shape with a 448-token vocabulary, 32 prompts x 8 responses
+x up to 256 tokens, ``--config grpo_tiny``, max_token_len_per_gpu 16384), so the speed-up over it can be
+measured in the same launch as ``--work bench`` (256-token prompts, up to 1,024-token responses).
+
+    uv run python bench/rl_throughput.py --tiny     # CPU, tiny model, both launches (minutes: ~9 s a step on 2 busy cores)
+    python3 bench/rl_throughput.py --shapes 0.5b --rollouts hf,vllm --json rl.json          # one GPU
+    python3 bench/rl_throughput.py --work issue,bench --rollouts vllm --launchers torchrun --gpus 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one step does."""
+
+    shape: str | None
+    """``posttrain model init`` size; None takes ``--shapes``."""
+    prompts: int
+    """Prompts per step and GPU (each with ``n`` responses)."""
+    n: int
+    """Responses per prompt."""
+    prompt_len: int
+    """Tokens per prompt, chat template included."""
+    response_len: int
+    """Response cap in tokens."""
+    vocab: int | None = None
+    """Tokenizer size (None: the shape's own)."""
+    tokens_per_gpu: int = 16384
+    """``max_token_len_per_gpu`` of actor and reference."""
+    preset: str | None = None
+    """A ``--config`` preset under the overrides."""
+    bf16: bool = True
+    """bf16 engines and rollout (fp32 otherwise)."""
+
+
+WORKS = {
+    "bench": Work(shape=None, prompts=32, n=8, prompt_len=256, response_len=1024),
+    "issue": Work(
+        shape="0.5b", prompts=32, n=8, prompt_len=32, response_len=256, vocab=448, preset="grpo_tiny"
+    ),
+    "tiny": Work(
+        shape="tiny", prompts=4, n=4, prompt_len=24, response_len=16, tokens_per_gpu=4096, bf16=False
+    ),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny model, short sequences, fp32, CPU when no GPU")
+    p.add_argument(
+        "--work", default=None, help="comma list of bench, issue (default bench; tiny with --tiny)"
+    )
+    p.add_argument("--shapes", default=None, help="comma list of model sizes for --work bench (default 0.5b)")
+    p.add_argument(
+        "--rollouts", default=None, help="comma list of hf, vllm (default hf,vllm; hf with --tiny)"
+    )
+    p.add_argument("--launchers", default="process,torchrun", help="comma list of process, torchrun")
+    p.add_argument("--gpus", type=int, default=1, help="torchrun processes (the process launch uses one)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=2, help="timed steps")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step and GPU (default: the work's)")
+    p.add_argument("--n", type=int, default=None, help="responses per prompt (default: the work's)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default: the work's)")
+    p.add_argument("--response-len", type=int, default=None, help="response cap (default: the work's)")
+    p.add_argument("--tokens-per-gpu", type=int, default=None, help="max_token_len_per_gpu (default 16384)")
+    p.add_argument("--no-grad-ckpt", action="store_true", help="bench work: no activation recomputation")
+    p.add_argument("--no-kl", action="store_true", help="bench work: no KL loss, so no reference model")
+    p.add_argument("--set", action="append", default=[], help="extra key=value override (repeatable)")
+    p.add_argument("--workdir", default=None, help="models, data and run dirs (default /tmp/rl_bench)")
+    p.add_argument("--json", default=None, help="append one JSON line per run to this file")
+    p.add_argument("--timeout", type=int, default=900, help="seconds before a run is killed")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a run's spec file (internal)
+    return p.parse_args(argv)
+
+
+def csv(value: str | None, default: str) -> list[str]:
+    return [v for v in (value or default).split(",") if v]
+
+
+# ---------------------------------------------------------------------------------------------- model and data
+def prepare_model(workdir: Path, shape: str, vocab: int | None) -> Path:
+    """A random-init model of ``shape`` (made once per workdir; the tokenizer is written last)."""
+    from posttrain.trainers.model_init import count_parameters, init_model
+
+    out = workdir / "models" / f"{shape}-v{vocab or 'default'}"
+    if not (out / "tokenizer.json").is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        start = time.perf_counter()
+        init_model(out, size=shape, vocab_size=vocab)
+        print(
+            f"[rl-bench] model {shape}: {count_parameters(out):,} parameters in "
+            f"{time.perf_counter() - start:.0f}s -> {out}",
+            file=sys.stderr,
+        )
+    return out
+
+
+def digit_prompts(tokenizer: Any, count: int, length: int, seed: int = 0) -> list[str]:
+    """``count`` user messages of random digits that render to exactly ``length`` tokens in the chat template."""
+    overhead = len(chat_ids(tokenizer, ""))
+    if length <= overhead:
+        raise ValueError(f"--prompt-len {length} must exceed the chat template's {overhead} tokens")
+    rng = random.Random(seed)
+    texts = ["".join(rng.choice("0123456789") for _ in range(length - overhead)) for _ in range(count)]
+    got = {len(chat_ids(tokenizer, t)) for t in texts[:4]}
+    if got != {length}:
+        raise ValueError(
+            f"digit prompts render to {sorted(got)} tokens, not {length}: digits must be 1 token each"
+        )
+    return texts
+
+
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def prepare_data(workdir: Path, model_dir: Path, work: Work, rows: int) -> Path:
+    """A parquet of ``rows`` prompts in verl's columns (data_source synthetic_arithmetic: the ``####`` rule)."""
+    from transformers import AutoTokenizer
+
+    from posttrain.trainers.data.convert import write_parquet
+    from posttrain.trainers.data.synthetic import make_row
+
+    path = workdir / "data" / f"{model_dir.name}-p{work.prompt_len}-r{rows}.parquet"
+    if not path.is_file():
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        texts = digit_prompts(tok, rows, work.prompt_len)
+        kwargs = dict(data_source="synthetic_arithmetic", ability="math", instruction="", split="train")
+        write_parquet([make_row(t, "#### 7", "7", index=i, **kwargs) for i, t in enumerate(texts)], path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- one run
+def overrides(
+    work: Work, args: argparse.Namespace, model: Path, data: Path, rollout: str, world: int, run_dir: Path
+):
+    """The ``key=value`` list of one run."""
+    dtype = "bfloat16" if work.bf16 else "float32"
+    prompts = work.prompts * world
+    out = [
+        f"model.path={model}",
+        f"data.train_files=[{data}]",
+        f"data.max_prompt_length={work.prompt_len}",
+        f"data.train_batch_size={prompts}",
+        "algorithm.adv_estimator=grpo",
+        f"rollout.name={rollout}",
+        f"rollout.n={work.n}",
+        f"rollout.prompt_length={work.prompt_len}",
+        f"rollout.response_length={work.response_len}",
+        "rollout.temperature=1.0",
+        f"rollout.dtype={dtype}",
+        f"trainer.total_training_steps={args.warmup + args.steps}",
+        f"trainer.n_gpus_per_node={world}",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.resume_mode=disable",
+        "trainer.logger=[console]",
+    ]
+    for role in ("actor", "ref"):
+        out += [f"{role}.engine.dtype={dtype}", f"{role}.engine.max_token_len_per_gpu={work.tokens_per_gpu}"]
+    if rollout == "vllm":
+        out += ["rollout.enforce_eager=false"]  # CUDA graphs for decoding
+    if work.preset is None:  # the bench work: verl's GSM8K GRPO recipe, one optimizer step per step
+        out += [
+            f"actor.ppo_mini_batch_size={prompts}",
+            "actor.optim.lr=1e-6",
+            f"actor.use_kl_loss={str(not args.no_kl).lower()}",
+            "actor.kl_loss_coef=0.001",
+            "actor.kl_loss_type=low_var_kl",
+            "actor.entropy_coeff=0.0",
+            "actor.loss_agg_mode=token-mean",
+            f"model.enable_gradient_checkpointing={str(not args.no_grad_ckpt and work.bf16).lower()}",
+        ]
+        if not work.bf16:  # CPU smoke run: compiling the log-prob chunk costs more than it saves
+            out += ["actor.engine.use_torch_compile=false", "ref.engine.use_torch_compile=false"]
+    return out + list(args.set)
+
+
+class MemoryPeak:
+    """The highest device memory in use (NVML, so vLLM's pool counts) seen every 50 ms, on a thread."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.torch, self.device, self.peak = torch, device, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.on = device.type == "cuda"
+        if self.on:
+            try:  # NVML (nvidia-ml-py) is a measurement here: without it the run still counts, unpeaked
+                self.peak = torch.cuda.device_memory_used(device)
+            except Exception as exc:  # noqa: BLE001
+                print(
+                    f"[rl-bench] no device memory reading ({exc}): peak_device_gib is null", file=sys.stderr
+                )
+                self.on = False
+        if self.on:
+            self.thread.start()
+
+    def _poll(self) -> None:
+        while not self.stop.wait(0.05):
+            self.peak = max(self.peak, self.torch.cuda.device_memory_used(self.device))
+
+    def close(self) -> float | None:
+        self.stop.set()
+        if not self.on:
+            return None
+        self.thread.join()
+        return round(self.peak / 2**30, 2)
+
+
+def worker(spec_path: str) -> None:
+    """Run one spec's steps in this process (one rank of it under torchrun) and write this rank's result."""
+    import torch
+
+    from posttrain.trainers.config import load_config
+    from posttrain.trainers.rl.trainer import RLTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = load_config(spec["overrides"], spec["presets"])
+    start = time.perf_counter()
+    trainer = RLTrainer(cfg)
+    init_s = time.perf_counter() - start
+    device = torch.device(trainer.actor.device) if trainer.actor.device is not None else torch.device("cpu")
+    steps: list[dict[str, float]] = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    peak = MemoryPeak(device)  # over every step, warm-up included, as bench/trl_grpo.py measures TRL
+    for i in range(spec["warmup"] + spec["steps"]):
+        t0 = time.perf_counter()
+        metrics = trainer.train_step()
+        wall = time.perf_counter() - t0
+        trainer.global_step += 1
+        trainer.tracker.log(metrics, trainer.global_step)
+        if i >= spec["warmup"]:
+            steps.append({**metrics, "wall_s": wall})
+    rank = int(os.environ.get("RANK", "0"))
+    result = {
+        "rank": rank,
+        "init_s": init_s,
+        "steps": steps,
+        "peak_device_gib": peak.close(),
+        "peak_torch_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        if device.type == "cuda"
+        else None,
+    }
+    trainer.close()
+    Path(spec["result"]).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------- the launcher
+def launch(
+    spec: dict[str, Any], launcher: str, world: int, run_dir: Path, timeout: int, script: str = __file__
+) -> list[dict] | str:
+    """Run ``script --worker SPEC`` as a subprocess; the ranks' results, or the error with the log's tail."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for old in run_dir.glob("result.rank*.json"):
+        old.unlink()
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(json.dumps({**spec, "result": str(run_dir / "result.json")}))
+    worker_argv = [str(Path(script).resolve()), "--worker", str(spec_path)]
+    if launcher == "torchrun":
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={world}",
+            *worker_argv,
+        ]
+    else:
+        cmd = [sys.executable, *worker_argv]
+    log = run_dir / "log.txt"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, process_group=0)
+        stop_run = lambda *_: (os.killpg(proc.pid, signal.SIGKILL), sys.exit(143))  # noqa: E731
+        previous = signal.signal(signal.SIGTERM, stop_run)  # `timeout` stops this launcher: stop the run too
+        try:
+            rc: int | str = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # torchrun's workers too: the run has its own process group
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = f"timeout after {timeout}s"
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    results = [json.loads(p.read_text()) for p in sorted(run_dir.glob("result.rank*.json"))]
+    if rc != 0 or not results:
+        tail = log.read_text(errors="replace").splitlines()[-25:]
+        return f"exit {rc}; log {log}:\n" + "\n".join(tail)
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
+
+
+def summarize(results: list[dict], world: int) -> dict[str, Any]:
+    """Step time, tokens/s/GPU, each phase's seconds and share, response lengths and peaks of one run."""
+    steps = results[0]["steps"]
+    step_s = mean([s["wall_s"] for s in steps])
+    tokens = mean([s["perf/tokens"] for s in steps])
+    row: dict[str, Any] = {
+        "step_s": round(step_s, 3),
+        "tokens_per_step": round(tokens),
+        "tokens_per_s_per_gpu": round(tokens / step_s / world, 1),
+        "response_len_mean": round(mean([s["response_length/mean"] for s in steps]), 1),
+        "clip_ratio": round(mean([s["response_length/clip_ratio"] for s in steps]), 3),
+        "init_s": round(results[0]["init_s"], 1),
+    }
+    phases = sorted(
+        {k[len("timing_s/") :] for s in steps for k in s if k.startswith("timing_s/")}, key=phase_order
+    )
+    for name in phases:
+        sec = mean([s.get(f"timing_s/{name}", 0.0) for s in steps])
+        row[f"{name}_s"], row[f"{name}_share"] = round(sec, 3), round(sec / step_s, 3)
+    row["other_s"] = round(step_s - sum(row[f"{p}_s"] for p in phases), 3)
+    for key in ("peak_torch_gib", "peak_device_gib"):
+        seen = [r[key] for r in results if r[key] is not None]
+        row[key] = max(seen) if seen else None
+    return row
+
+
+def phase_order(name: str) -> tuple[int, str]:
+    return (PHASES.index(name) if name in PHASES else len(PHASES), name)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The runs as a fixed-width table."""
+    head = ["work", "shape", "rollout", "launch", "gpus", "step s", "tok/s/GPU"]
+    head += [f"{p} s (%)" for p in PHASES] + ["resp", "clip", "peak GiB"]
+    lines = [" | ".join(head)]
+    for r in rows:
+        cells = [r["work"], r["shape"], r["rollout"], r["launcher"], str(r["gpus"])]
+        if "error" in r:
+            lines.append(" | ".join(cells + ["failed: " + r["error"].splitlines()[0]]))
+            continue
+        cells += [f"{r['step_s']:.2f}", f"{r['tokens_per_s_per_gpu']:.0f}"]
+        cells += [
+            f"{r[f'{p}_s']:.2f} ({100 * r[f'{p}_share']:.0f})" if f"{p}_s" in r else "-" for p in PHASES
+        ]
+        peak = r["peak_device_gib"] if r["peak_device_gib"] is not None else r["peak_torch_gib"]
+        cells += [
+            f"{r['response_len_mean']:.0f}",
+            f"{r['clip_ratio']:.2f}",
+            "-" if peak is None else f"{peak:.1f}",
+        ]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, Work]]:
+    """(work name, work with the command line's sizes) for every run's work, one per shape."""
+    out = []
+    for name in csv(args.work, "tiny" if args.tiny else "bench"):
+        if name not in WORKS:
+            raise ValueError(f"--work {name!r} is unknown: use {', '.join(WORKS)}")
+        base = WORKS[name]
+        sizes = {
+            "prompts": args.prompts,
+            "n": args.n,
+            "prompt_len": args.prompt_len,
+            "response_len": args.response_len,
+            "tokens_per_gpu": args.tokens_per_gpu,
+        }
+        base = replace(base, **{k: v for k, v in sizes.items() if v is not None})
+        for shape in [base.shape] if base.shape else csv(args.shapes, "0.5b"):
+            out.append((name, replace(base, shape=shape)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return 0
+    workdir = Path(args.workdir or "/tmp/rl_bench")
+    launchers = csv(args.launchers, "process,torchrun")
+    rollouts = csv(args.rollouts, "hf" if args.tiny else "hf,vllm")
+    bad = [x for x in launchers if x not in ("process", "torchrun")] + [
+        x for x in rollouts if x not in ("hf", "vllm")
+    ]
+    if bad:
+        raise ValueError(
+            f"unknown launcher/rollout {bad}: launchers are process, torchrun; rollouts hf, vllm"
+        )
+    rows, sha = [], commit()
+    for name, work in plan(args):
+        model = prepare_model(workdir, work.shape, work.vocab)
+        data = prepare_data(workdir, model, work, work.prompts * args.gpus * (args.warmup + args.steps))
+        for rollout in rollouts:
+            for launcher in launchers:
+                world = args.gpus if launcher == "torchrun" else 1
+                label = {
+                    "work": name,
+                    "shape": work.shape,
+                    "rollout": rollout,
+                    "launcher": launcher,
+                    "gpus": world,
+                }
+                run_dir = workdir / "runs" / "-".join(str(v) for v in label.values())
+                run_dir.mkdir(parents=True, exist_ok=True)
+                spec = {
+                    "overrides": overrides(work, args, model, data, rollout, world, run_dir),
+                    "presets": [work.preset] if work.preset else [],
+                    "warmup": args.warmup,
+                    "steps": args.steps,
+                }
+                print(f"[rl-bench] {label} ...", file=sys.stderr, flush=True)
+                got = launch(spec, launcher, world, run_dir, args.timeout)
+                row = {"bench": "rl_throughput", "commit": sha, **label, **asdict(work)}
+                row.update({"warmup": args.warmup, "steps": args.steps, "prompts": work.prompts * world})
+                row.update(summarize(got, world) if isinstance(got, list) else {"error": got})
+                row["overrides"] = spec["overrides"]
+                rows.append(row)
+                emit(row, args.json)
+    print("\n" + table(rows))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def emit(row: dict[str, Any], path: str | None) -> None:
+    """Print one run's JSON line (and append it to ``path``); a failed run's log tail goes to stderr."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    if "error" in row:
+        print(f"[rl-bench] run failed: {row['error']}", file=sys.stderr, flush=True)
+    if path:
+        with open(path, "a") as fh:
+            fh.write(line + "\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
