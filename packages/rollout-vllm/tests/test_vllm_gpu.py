@@ -49,7 +49,7 @@ def test_colocated_budget_sleep_levels_and_sync(model_dir):
     )
     rollout = VLLMRollout(config, ModelConfig(path=model_dir), options=VLLMOptions(executor="inprocess"))
     try:
-        share = rollout.engine_kwargs()["gpu_memory_utilization"]
+        share = rollout.started_with["gpu_memory_utilization"]
         assert abs(share - 0.4 * free / total) < 0.02, (share, free / total)
         taken = (free - torch.cuda.mem_get_info()[0]) / GIB
         assert taken <= 0.42 * free / GIB, f"vLLM took {taken:.1f} GiB of a {0.4 * free / GIB:.1f} GiB budget"

@@ -162,6 +162,8 @@ class VLLMRollout(BaseRollout):
         self.sleep_enabled = self.device.type == "cuda" and config.free_cache_engine
         self.eos_ids = eos_token_ids(model.path)
         kwargs = self.engine_kwargs()
+        self.started_with = kwargs
+        """The engine arguments vLLM was started with (``gpu_memory_utilization`` as computed at start)."""
         if self.executor == "server":
             self.engine: LLMFront | AsyncFront = AsyncFront(kwargs)
         else:

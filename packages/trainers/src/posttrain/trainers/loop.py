@@ -87,6 +87,7 @@ class StepLoop:
         self.ckpt.close()
         self.release()
         png = self.tracker.finish()
-        if self.owns_group:
+        # vLLM's external_launcher tears the default group down itself when its engine shuts down (release above).
+        if self.owns_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return png
