@@ -159,7 +159,12 @@ class WeightSyncWorkerExtension:
         model = self.model_runner.get_model()
         first = next(model.parameters(), None)
         config = self.model_runner.vllm_config
-        if first is None or not first.is_cuda or config.quant_config is not None or config.lora_config is not None:
+        if (
+            first is None
+            or not first.is_cuda
+            or config.quant_config is not None
+            or config.lora_config is not None
+        ):
             return False  # LoRA wraps the layers (``.base_layer``): its names need the layerwise reload
         return not any(c.__name__ == "FusedMoE" for m in model.modules() for c in type(m).__mro__)
 

@@ -32,67 +32,136 @@ import torch
 
 from posttrain.core.weight_sync import Bucket
 
-TRANSPORTS = ("inprocess", "shm", "cuda_ipc")
-
 Send = Callable[[Any], None]
 """Delivers one payload to every worker and returns when they have loaded it (a ``collective_rpc`` call)."""
+
+
+class LocalBuffer:
+    """``inprocess``: a plain tensor on the trainer's device; the payload is the bucket itself (by reference)."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle: Any = None
+
+    def payload(self, bucket: Bucket) -> Bucket:
+        """The bucket itself: the worker reads the tensors on the same stream."""
+        return bucket
+
+    def close(self) -> None:
+        """Nothing to unlink."""
+
+
+class _SharedBuffer:
+    """A buffer another process maps: the payload is pickled bytes holding its handle and the tensor metadata."""
+
+    kind: str
+    handle: Any
+
+    def before_send(self) -> None:
+        """Make the packed bytes visible to the other process."""
+
+    def payload(self, bucket: Bucket) -> bytes:
+        self.before_send()
+        meta = {"kind": self.kind, "handle": self.handle, "metas": bucket.metas}
+        return pickle.dumps({**meta, "index": bucket.index, "is_last": bucket.is_last})
+
+    @staticmethod
+    def key(handle: Any) -> Any:
+        """What identifies the buffer across payloads (so the worker maps it once)."""
+        return handle
+
+
+class SharedMemoryBuffer(_SharedBuffer):
+    """``shm`` (CPU, worker in another process): one POSIX shared-memory segment; the handle is its name."""
+
+    kind = "shm"
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError(
+                f"the shm transport needs a CPU buffer device, got {device}: use cuda_ipc on GPU"
+            )
+        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(create=True, size=nbytes)
+        self.tensor = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
+        self.handle: Any = self._shm.name
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm.unlink()
+            self._shm = None
+
+    @staticmethod
+    def open(name: str) -> tuple[torch.Tensor, mmap.mmap]:
+        # Map /dev/shm/<name> directly rather than through SharedMemory: on Python < 3.13 attaching registers the
+        # segment with this process's resource tracker, which then reports it leaked (and unlinks it) at exit.
+        path = os.path.join("/dev/shm", name.lstrip("/"))
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"weight-sync shared-memory segment {path} does not exist (the trainer must "
+                "run on the same host and keep the segment until the sync ends)"
+            )
+        with open(path, "r+b") as f:
+            segment = mmap.mmap(f.fileno(), 0)
+        return torch.frombuffer(segment, dtype=torch.uint8), segment
+
+
+class CudaIpcBuffer(_SharedBuffer):
+    """``cuda_ipc`` (GPU, worker in another process): a CUDA tensor whose IPC handle is exported once."""
+
+    kind = "cuda_ipc"
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(
+                f"the cuda_ipc transport needs a CUDA buffer device, got {device}: use shm on CPU"
+            )
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle: Any = reduce_tensor(self.tensor)[1]
+
+    def before_send(self) -> None:
+        """The worker reads on its own stream, in its own process: the packing must be done first."""
+        torch.cuda.current_stream(self.tensor.device).synchronize()
+
+    def close(self) -> None:
+        """Nothing to unlink: the memory goes with the tensor."""
+
+    @staticmethod
+    def key(handle: tuple) -> Any:
+        return handle[7]  # the IPC memory handle (bytes) names the allocation
+
+    @staticmethod
+    def open(handle: tuple) -> tuple[torch.Tensor, None]:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        return rebuild_cuda_tensor(*handle), None
+
+
+BUFFERS: dict[str, type] = {"inprocess": LocalBuffer, "shm": SharedMemoryBuffer, "cuda_ipc": CudaIpcBuffer}
+"""Transport name -> the buffer class that holds the bucket where the worker can read it."""
+TRANSPORTS = tuple(BUFFERS)
+SHARED = {name: cls for name, cls in BUFFERS.items() if issubclass(cls, _SharedBuffer)}
 
 
 class RpcBucketTransport:
     """Owns the sender's bucket buffer and turns each bucket into a payload for ``send``."""
 
     def __init__(self, kind: str, bucket_bytes: int, device: torch.device | str, send: Send) -> None:
-        if kind not in TRANSPORTS:
+        if kind not in BUFFERS:
             raise ValueError(f"weight-sync transport {kind!r} is unknown: use one of {', '.join(TRANSPORTS)}")
-        device = torch.device(device)
-        if kind == "cuda_ipc" and device.type != "cuda":
-            raise ValueError(
-                f"the cuda_ipc transport needs a CUDA buffer device, got {device}: use shm on CPU"
-            )
-        if kind == "shm" and device.type != "cpu":
-            raise ValueError(
-                f"the shm transport needs a CPU buffer device, got {device}: use cuda_ipc on GPU"
-            )
         self.kind, self.send_payload = kind, send
-        self._shm: shared_memory.SharedMemory | None = None
-        self._handle: Any = None
-        if kind == "shm":
-            self._shm = shared_memory.SharedMemory(create=True, size=bucket_bytes)
-            self.buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=bucket_bytes)
-            self._handle = self._shm.name
-        else:
-            self.buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
-            if kind == "cuda_ipc":
-                from torch.multiprocessing.reductions import reduce_tensor
-
-                self._handle = reduce_tensor(self.buffer)[1]
+        self._buffer = BUFFERS[kind](bucket_bytes, torch.device(device))
+        self.buffer = self._buffer.tensor
 
     def send(self, bucket: Bucket) -> None:
-        if self.kind == "inprocess":
-            self.send_payload(bucket)
-            return
-        if self.kind == "cuda_ipc":
-            torch.cuda.current_stream(self.buffer.device).synchronize()
-        self.send_payload(
-            pickle.dumps(
-                {
-                    "kind": self.kind,
-                    "handle": self._handle,
-                    "metas": bucket.metas,
-                    "index": bucket.index,
-                    "is_last": bucket.is_last,
-                }
-            )
-        )
+        self.send_payload(self._buffer.payload(bucket))
 
     def close(self) -> None:
         """Free the buffer (unlinks the shared-memory segment)."""
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        self._handle = None
-        if self._shm is not None:
-            self._shm.close()
-            self._shm.unlink()
-            self._shm = None
+        self._buffer.close()
 
 
 class BucketOpener:
@@ -113,32 +182,15 @@ class BucketOpener:
         return Bucket(self._buffer(msg["kind"], msg["handle"]), msg["metas"], msg["index"], msg["is_last"])
 
     def _buffer(self, kind: str, handle: Any) -> torch.Tensor:
-        # A segment is named by its path; a CUDA buffer by its IPC memory handle (bytes, field 7).
-        key = (kind, handle if kind == "shm" else handle[7])
+        if kind not in SHARED:
+            raise ValueError(f"weight-sync payload of unknown kind {kind!r}")
+        key = (kind, SHARED[kind].key(handle))
         if key not in self._buffers:
-            if kind == "shm":
-                self._buffers[key] = self._map_segment(handle)
-            elif kind == "cuda_ipc":
-                from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-                self._buffers[key] = rebuild_cuda_tensor(*handle)
-            else:
-                raise ValueError(f"weight-sync payload of unknown kind {kind!r}")
+            tensor, mapping = SHARED[kind].open(handle)
+            self._buffers[key] = tensor
+            if mapping is not None:
+                self._maps.append(mapping)
         return self._buffers[key]
-
-    def _map_segment(self, name: str) -> torch.Tensor:
-        # Map /dev/shm/<name> directly rather than through SharedMemory: on Python < 3.13 attaching registers the
-        # segment with this process's resource tracker, which then reports it leaked (and unlinks it) at exit.
-        path = os.path.join("/dev/shm", name.lstrip("/"))
-        if not os.path.exists(path):
-            raise FileNotFoundError(
-                f"weight-sync shared-memory segment {path} does not exist (the trainer must "
-                "run on the same host and keep the segment until the sync ends)"
-            )
-        with open(path, "r+b") as f:
-            segment = mmap.mmap(f.fileno(), 0)
-        self._maps.append(segment)
-        return torch.frombuffer(segment, dtype=torch.uint8)
 
     def close(self) -> None:
         """Drop every mapping (the trainer may then free or reuse its buffers)."""
