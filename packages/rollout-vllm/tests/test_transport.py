@@ -155,3 +155,20 @@ def test_the_installed_vllm_can_return_routed_experts():
     from posttrain.rollout_vllm.rollout import routed_experts_supported
 
     assert routed_experts_supported()
+
+
+def test_lora_wrapped_layers_expose_their_base_parameters_only_while_loading():
+    from posttrain.rollout_vllm.extension import lora_base_aliases
+
+    class Wrapper(torch.nn.Module):  # the shape of vLLM's ...WithLoRA layers: the real layer is base_layer
+        def __init__(self) -> None:
+            super().__init__()
+            self.base_layer = torch.nn.Linear(3, 2)
+
+    model = torch.nn.Sequential(Wrapper(), torch.nn.Linear(2, 2))
+    before = dict(model.named_parameters())
+    with lora_base_aliases(model):
+        during = dict(model.named_parameters())
+        assert during["0.weight"] is model[0].base_layer.weight and during["0.bias"] is model[0].base_layer.bias
+        assert "0.base_layer.weight" not in during, "named_parameters lists each Parameter once, under the alias"
+    assert dict(model.named_parameters()).keys() == before.keys()

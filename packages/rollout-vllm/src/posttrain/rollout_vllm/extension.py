@@ -10,6 +10,8 @@ A base sync loads each bucket with ``model.load_weights`` in one of two ways:
 - ``direct`` (a dense, unquantised model on CUDA): straight into the live parameters. vLLM's weight loaders copy
   (and fuse q/k/v, gate/up) at once and keep no reference, and on CUDA an unquantised layer's
   ``process_weights_after_loading`` does nothing, so no clone, no re-materialisation, no host sync in-process.
+  With LoRA enabled the wrapped layers expose their base parameters under the plain names while loading
+  (:func:`lora_base_aliases`; vLLM 0.26 failed without it, and it has not yet run on a GPU).
 - ``layerwise`` (everything else: CPU, quantised or MoE models): vLLM's in-place reload
   (``model_runner.reload_weights``) spread over buckets: ``initialize_layerwise_reload`` once, ``load_weights`` per
   bucket, ``finalize_layerwise_reload`` once. It restores each layer's checkpoint-format parameters, buffers the
@@ -28,6 +30,7 @@ directory and loads it with ``load_inplace=True`` (without it vLLM keeps serving
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -159,13 +162,8 @@ class WeightSyncWorkerExtension:
         model = self.model_runner.get_model()
         first = next(model.parameters(), None)
         config = self.model_runner.vllm_config
-        if (
-            first is None
-            or not first.is_cuda
-            or config.quant_config is not None
-            or config.lora_config is not None
-        ):
-            return False  # LoRA wraps the layers (``.base_layer``): its names need the layerwise reload
+        if first is None or not first.is_cuda or config.quant_config is not None:
+            return False
         return not any(c.__name__ == "FusedMoE" for m in model.modules() for c in type(m).__mro__)
 
     def _ws_config(self):
@@ -182,8 +180,10 @@ class WeightSyncWorkerExtension:
             state["bytes"] += tensor.numel() * tensor.element_size()
         if state["kind"] == "base":
             batch = [(n, t.clone()) for n, t in tensors] if state["layerwise"] else tensors
-            with self._ws_config():
-                loaded = self.model_runner.get_model().load_weights(iter(batch))
+            model = self.model_runner.get_model()
+            aliases = lora_base_aliases(model) if not state["layerwise"] else contextlib.nullcontext()
+            with self._ws_config(), aliases:
+                loaded = model.load_weights(iter(batch))
             state["loaded"].update(_plain(n) for n in loaded or ())
         else:
             state["tensors"].update(
@@ -241,6 +241,28 @@ class WeightSyncWorkerExtension:
         # load_inplace: without it vLLM keeps serving the adapter it cached under this id.
         self.model_runner.add_lora(LoRARequest(name, lora_id, path, load_inplace=True))
         state["lora_path"] = path
+
+
+@contextlib.contextmanager
+def lora_base_aliases(model: torch.nn.Module):
+    """With LoRA enabled, vLLM wraps each adapted layer (``qkv_proj`` holds ``base_layer.weight``) and vLLM 0.26's
+    ``load_weights`` looks for ``qkv_proj.weight`` on the wrapper. While loading, the wrapper also registers its base
+    layer's parameters under their own names (the same Parameter objects, with their weight loaders), so the HF
+    names resolve; the aliases are removed afterwards."""
+    added: list[tuple[torch.nn.Module, str]] = []
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if not isinstance(base, torch.nn.Module):
+            continue
+        for name, param in base.named_parameters(recurse=False):
+            if name not in module._parameters:
+                module._parameters[name] = param
+                added.append((module, name))
+    try:
+        yield
+    finally:
+        for module, name in added:
+            del module._parameters[name]
 
 
 def _plain(name: str) -> str:
