@@ -66,7 +66,8 @@ def test_clipping_scales_to_clip_grad(lm_dir: str) -> None:
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_lr_schedule_follows_the_config(lm_dir: str) -> None:
-    from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
+    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+    from posttrain.fsdp.config import FSDPEngineConfig
     from posttrain.fsdp.engine import FSDPLanguageModelEngine
 
     oc = OptimizerConfig(

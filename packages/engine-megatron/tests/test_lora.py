@@ -21,7 +21,8 @@ RANK, ALPHA = 4, 8
 
 
 def make_lora_engine(path: str, *, model_kw=None, cls_name="MegatronLanguageModelEngine", **engine_kw):
-    from posttrain.core.config import CheckpointConfig, McoreEngineConfig, ModelConfig, OptimizerConfig
+    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+    from posttrain.megatron.config import McoreEngineConfig
     from posttrain.megatron import engine as engine_mod
 
     kw = dict(

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from posttrain.core.config import McoreEngineConfig, OptimizerConfig
+from posttrain.core.config import OptimizerConfig
+
+from .config import McoreEngineConfig
 
 from . import _deps
 from .attention import layer_spec
@@ -134,6 +136,7 @@ def make_provider(
         moe_router_load_balancing_type="none",
         attention_dropout=0.0,
         hidden_dropout=0.0,
+        deterministic_mode=cfg.full_determinism,
     ).items():
         setattr(provider, name, value)
     provider.transformer_layer_spec = lambda config, vp_stage=None: layer_spec(config, use_te, vp_stage)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.core.config import McoreEngineConfig
+from .config import McoreEngineConfig
 
 from . import build, checkpoint
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from posttrain.core.config import McoreEngineConfig
+from .config import McoreEngineConfig
 
 from . import _deps, build
 
