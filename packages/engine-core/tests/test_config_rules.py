@@ -2,7 +2,13 @@
 
 import pytest
 
-from posttrain.core.config import CheckpointConfig, EngineConfig, OptimizerConfig, QATConfig, RouterReplayConfig
+from posttrain.core.config import (
+    CheckpointConfig,
+    EngineConfig,
+    OptimizerConfig,
+    QATConfig,
+    RouterReplayConfig,
+)
 
 
 def test_hf_model_without_model():
@@ -32,7 +38,9 @@ def test_router_replay_modes():
 
 @pytest.mark.parametrize("key", ["record_file", "replay_file"])
 def test_router_replay_files_are_refused(key):
-    with pytest.raises(ValueError, match=rf"router_replay.{key}='r.pt' is not supported.*set engine.router_replay.{key}=null"):
+    with pytest.raises(
+        ValueError, match=rf"router_replay.{key}='r.pt' is not supported.*set engine.router_replay.{key}=null"
+    ):
         RouterReplayConfig(mode="R2", **{key: "r.pt"})
 
 

@@ -36,7 +36,8 @@ def test_unknown_engine_lists_available():
 
 def test_config_class_comes_from_the_config_group():
     reg = EngineRegistry(
-        {"language_model.toy": "posttrain_no_such_module:Engine"}, configs={"toy": "test_registry:ToyEngineConfig"}
+        {"language_model.toy": "posttrain_no_such_module:Engine"},
+        configs={"toy": "test_registry:ToyEngineConfig"},
     )
     assert reg.get_config_cls("toy") is ToyEngineConfig  # resolving the config imported no engine module
     with pytest.raises(ValueError, match=r"backend 'megatron' is not installed \(installed backends: toy\)"):

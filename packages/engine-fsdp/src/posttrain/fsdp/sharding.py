@@ -106,19 +106,13 @@ def apply_fsdp1(
     device: torch.device,
     use_orig_params: bool,
 ) -> torch.nn.Module:
-    """Wrap with FSDP1 (decoder-layer or size-based auto-wrap; HYBRID_SHARD on a 2-D mesh)."""
+    """Wrap with FSDP1 (:func:`fsdp1_auto_wrap_policy`; HYBRID_SHARD on a 2-D mesh)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
     param_dtype, reduce_dtype, buffer_dtype = mixed_precision_dtypes(cfg)
     strategy = ShardingStrategy.HYBRID_SHARD if mesh.ndim == 2 else ShardingStrategy.FULL_SHARD
-    min_params = cfg.wrap_policy.min_num_params
-    auto_wrap = (
-        functools.partial(size_based_auto_wrap_policy, min_num_params=min_params)
-        if min_params > 0
-        else ModuleWrapPolicy(set(layers))
-    )
+    auto_wrap = fsdp1_auto_wrap_policy(layers, cfg.wrap_policy.min_num_params)
     return FSDP(
         module,
         auto_wrap_policy=auto_wrap,
@@ -132,6 +126,15 @@ def apply_fsdp1(
         use_orig_params=use_orig_params,
         sync_module_states=False,
     )
+
+
+def fsdp1_auto_wrap_policy(layers: tuple[type, ...], min_num_params: int = 0) -> Any:
+    """Every ``layers`` module as a unit, or (``min_num_params > 0``) every subtree of that many parameters."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+
+    if min_num_params > 0:
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=min_num_params)
+    return ModuleWrapPolicy(set(layers))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

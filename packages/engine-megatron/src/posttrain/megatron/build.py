@@ -17,10 +17,9 @@ import torch
 
 from posttrain.core.config import OptimizerConfig
 
-from .config import McoreEngineConfig
-
 from . import _deps
 from .attention import layer_spec
+from .config import McoreEngineConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-
 from . import async_save, build, fsdp_dtensor, lora, portable
 
 HF_SIDE_FILES = (

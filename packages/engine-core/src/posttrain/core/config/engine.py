@@ -93,7 +93,9 @@ class QATConfig:
     def __post_init__(self) -> None:
         fix = "train in bf16 and quantise the exported HF model afterwards"
         if self.enable:
-            raise ValueError(f"engine.qat.enable=true: posttrain does not implement quantisation-aware training; {fix}")
+            raise ValueError(
+                f"engine.qat.enable=true: posttrain does not implement quantisation-aware training; {fix}"
+            )
         for key in _QAT_FIELDS:
             value, expected = getattr(self, key), _qat_default(key)
             if value != expected:
