@@ -143,7 +143,8 @@ def run_megatron(
     ceiling: float,
 ) -> dict[str, Any]:
     from posttrain.core.batch import PackedBatch
-    from posttrain.core.config import CheckpointConfig, McoreEngineConfig, ModelConfig, OptimizerConfig
+    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+    from posttrain.megatron.config import McoreEngineConfig
     from posttrain.megatron.engine import MegatronLanguageModelEngine
 
     engine_cfg = McoreEngineConfig(

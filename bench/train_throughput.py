@@ -219,7 +219,8 @@ def run_engine(
     args: argparse.Namespace, model_dir: str, cfg: dict[str, Any], device: torch.device, ceiling: float
 ) -> dict[str, Any]:
     from posttrain.core.batch import PackedBatch
-    from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
+    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+    from posttrain.fsdp.config import FSDPEngineConfig
     from posttrain.fsdp.engine import FSDPLanguageModelEngine
 
     reshard = {"auto": dist.get_world_size() > 1, "true": True, "false": False}[args.reshard_after_forward]

@@ -83,7 +83,7 @@ def build_engine(model_dir: str) -> Any:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    from posttrain.core.config import FSDPEngineConfig
+    from posttrain.fsdp.config import FSDPEngineConfig
 
     engine = EngineRegistry.from_entry_points().get_engine_cls("language_model", "fsdp2")(
         ModelConfig(path=model_dir),

@@ -109,7 +109,8 @@ def receiver_main(conn: Any, model_dir: str, device: str, dtype: torch.dtype) ->
 
 
 def build_engine(model_dir: str, device: torch.device) -> Any:
-    from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
+    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+    from posttrain.fsdp.config import FSDPEngineConfig
     from posttrain.fsdp.engine import FSDPLanguageModelEngine
 
     for key, value in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():

@@ -24,7 +24,7 @@ from posttrain.ckpt import (
     save_role,
 )
 from posttrain.ckpt.cli import main as ckpt_cli
-from posttrain.core.config import CheckpointConfig, McoreEngineConfig, check_checkpoint_for_engine
+from posttrain.core.config import CheckpointConfig
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -140,11 +140,6 @@ def test_contents_that_do_not_fit_the_role_raise_with_fix(tmp_path: Path) -> Non
         load_role(tmp_path / "a", RoleState(model=model, optimizer=opt), CONTENTS)
     with pytest.raises(ValueError, match="not a complete posttrain checkpoint role"):
         load_role(tmp_path, RoleState(model=model), ["model"])
-    with pytest.raises(ValueError, match="set checkpoint.async_save=false"):
-        check_checkpoint_for_engine(
-            McoreEngineConfig(use_megatron_fsdp=True, sequence_parallel=False),
-            CheckpointConfig(async_save=True),
-        )
 
 
 def test_rng_roundtrip() -> None:

@@ -1,44 +1,14 @@
-"""Every config rule of the seeds fed its bad combination; the message must name the fix."""
-
-import warnings
+"""The shared engine config, the optimizer and checkpoint configs: each bad value raises and names the fix."""
 
 import pytest
 
 from posttrain.core.config import (
     CheckpointConfig,
     EngineConfig,
-    FSDPEngineConfig,
-    McoreEngineConfig,
     OptimizerConfig,
+    QATConfig,
     RouterReplayConfig,
-    check_checkpoint_for_engine,
 )
-
-
-def test_megatron_fsdp_optimizer_without_model():
-    engine = McoreEngineConfig(use_megatron_fsdp=True)
-    # the contents rule fires already in CheckpointConfig (optimizer state is keyed by the model's parameters)
-    with pytest.raises(ValueError, match="add model to checkpoint.save_contents"):
-        CheckpointConfig(save_contents=["optimizer"])
-    ckpt = CheckpointConfig()
-    ckpt.save_contents = ["optimizer", "extra"]  # bypass __post_init__ to reach the engine rule
-    with pytest.raises(ValueError, match="Megatron-FSDP cannot save or load the optimizer without the model"):
-        check_checkpoint_for_engine(engine, ckpt)
-
-
-def test_megatron_fsdp_async_save():
-    with pytest.raises(ValueError, match="set checkpoint.async_save=false"):
-        check_checkpoint_for_engine(
-            McoreEngineConfig(use_megatron_fsdp=True), CheckpointConfig(async_save=True)
-        )
-    check_checkpoint_for_engine(
-        McoreEngineConfig(), CheckpointConfig(async_save=True)
-    )  # plain megatron: fine
-
-
-def test_megatron_fsdp_needs_distributed_optimizer():
-    with pytest.raises(ValueError, match="set engine.use_distributed_optimizer=true"):
-        McoreEngineConfig(use_megatron_fsdp=True, use_distributed_optimizer=False)
 
 
 def test_hf_model_without_model():
@@ -48,24 +18,6 @@ def test_hf_model_without_model():
         CheckpointConfig(save_contents=["model", "weights"])
 
 
-def test_parallel_sizes_must_divide_world():
-    cfg = McoreEngineConfig(
-        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=False
-    )
-    assert cfg.check_world_size(8) == 2
-    with pytest.raises(ValueError, match=r"2 x 2 x 1 = 4 does not divide the world size 6"):
-        cfg.check_world_size(6)
-
-
-def test_expert_parallel_must_divide_dp_times_tp():
-    cfg = McoreEngineConfig(
-        tensor_model_parallel_size=2, expert_model_parallel_size=4, sequence_parallel=False
-    )
-    assert cfg.check_world_size(8) == 4
-    with pytest.raises(ValueError, match="expert_model_parallel_size x expert_tensor_parallel_size = 4 x 2"):
-        cfg.check_world_size(4)
-
-
 @pytest.mark.parametrize("dtype", ["int8", "float64", "bf8"])
 def test_bad_dtype(dtype):
     with pytest.raises(ValueError, match="use one of bfloat16, float16, float32"):
@@ -73,23 +25,8 @@ def test_bad_dtype(dtype):
 
 
 def test_dtype_aliases():
-    assert FSDPEngineConfig(dtype="bf16").dtype == "bfloat16"
-    assert FSDPEngineConfig(model_dtype="fp32").model_dtype == "float32"
-
-
-def test_sequence_parallel_forced_off_at_tp1():
-    with pytest.warns(UserWarning, match="turning it off"):
-        cfg = McoreEngineConfig(tensor_model_parallel_size=1, sequence_parallel=True)
-    assert cfg.sequence_parallel is False
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert McoreEngineConfig(tensor_model_parallel_size=2).sequence_parallel is True
-
-
-def test_vanilla_mbridge_deprecated():
-    with pytest.warns(FutureWarning, match="deprecated"):
-        McoreEngineConfig(vanilla_mbridge=True, sequence_parallel=False)
-    assert McoreEngineConfig(sequence_parallel=False).use_mbridge is True
+    assert EngineConfig(dtype="bf16").dtype == "bfloat16"
+    assert EngineConfig(dtype="half").dtype == "float16"
 
 
 def test_router_replay_modes():
@@ -99,9 +36,43 @@ def test_router_replay_modes():
         RouterReplayConfig(mode="R4")
 
 
-def test_strategy_mismatch():
-    with pytest.raises(ValueError, match="use fsdp or fsdp2"):
-        FSDPEngineConfig(strategy="megatron")
+@pytest.mark.parametrize("key", ["record_file", "replay_file"])
+def test_router_replay_files_are_refused(key):
+    with pytest.raises(
+        ValueError, match=rf"router_replay.{key}='r.pt' is not supported.*set engine.router_replay.{key}=null"
+    ):
+        RouterReplayConfig(mode="R2", **{key: "r.pt"})
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"enable": True},
+        {"mode": "w8a8"},
+        {"group_size": 32},
+        {"ignore_patterns": ["lm_head"]},
+        {"activation_observer": "minmax"},
+        {"quantization_config_path": "q.json"},
+    ],
+)
+def test_qat_accepts_only_its_defaults(override):
+    QATConfig(**QATConfig().__dict__)  # the defaults, spelled out, are fine
+    with pytest.raises(ValueError, match=rf"engine.qat.{next(iter(override))}=.*quantisation-aware training"):
+        QATConfig(**override)
+
+
+def test_fused_kernels_are_refused():
+    with pytest.raises(ValueError, match="use_fused_kernels=true.*Set engine.use_fused_kernels=false"):
+        EngineConfig(use_fused_kernels=True)
+
+
+def test_logits_chunk_size_follows_chunking_flag():
+    assert EngineConfig(entropy_from_logits_chunk_size=64).logits_chunk_size(1000) == 64
+    assert EngineConfig(entropy_from_logits_with_chunking=False).logits_chunk_size(1000) == 1000
+    with pytest.raises(ValueError, match="entropy_from_logits_chunk_size=0 must be >= 1"):
+        EngineConfig(entropy_from_logits_chunk_size=0)
+    with pytest.raises(ValueError, match="pad_to_length_bucket=0 must be >= 1"):
+        EngineConfig(pad_to_length_bucket=0)
 
 
 def test_optimizer_schedule():

@@ -4,13 +4,21 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from posttrain.core.config import CheckpointConfig, FSDPEngineConfig
+from posttrain.core.config import CheckpointConfig, EngineConfig
 from posttrain.core.config.loader import ConfigError, merge_config, to_yaml
 
 
 @dataclass(kw_only=True)
+class ShardedEngineConfig(EngineConfig):
+    """A backend's config as a third-party engine would declare it."""
+
+    strategy: str | None = "sharded"
+    fsdp_size: int = -1
+
+
+@dataclass(kw_only=True)
 class Root:
-    engine: FSDPEngineConfig = field(default_factory=FSDPEngineConfig)
+    engine: EngineConfig = field(default_factory=ShardedEngineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
@@ -18,7 +26,7 @@ def test_overrides_and_presets(tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text("engine:\n  fsdp_size: 2\n  dtype: float32\n")
     cfg = merge_config(Root(), [preset], ["engine.fsdp_size=4", "checkpoint.save_contents=[model,hf_model]"])
-    assert isinstance(cfg.engine, FSDPEngineConfig)
+    assert isinstance(cfg.engine, ShardedEngineConfig)
     assert (cfg.engine.fsdp_size, cfg.engine.dtype) == (4, "float32")
     assert cfg.checkpoint.save_contents == ["model", "hf_model"]
     assert "fsdp_size: 4" in to_yaml(cfg)

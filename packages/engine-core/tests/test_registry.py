@@ -1,23 +1,49 @@
-"""Registries: duplicates raise, unknown names list what exists and which package to install."""
+"""Registries: duplicates raise, unknown names list what exists, a backend's engine and config come together."""
+
+from dataclasses import dataclass
 
 import pytest
 
+from posttrain.core.config import EngineConfig
 from posttrain.core.registry import EngineRegistry, RolloutRegistry
 
 
+@dataclass(kw_only=True)
+class ToyEngineConfig(EngineConfig):
+    """A third-party backend's config."""
+
+    strategy: str | None = "toy"
+    toy_knob: int = 3
+
+
 def test_duplicate_name_raises():
-    reg = EngineRegistry({"language_model.fsdp2.cpu": "a.b:C"})
-    reg.register("language_model.fsdp2.cpu", "a.b:C")  # the same target twice is one registration
+    reg = EngineRegistry({"language_model.fsdp2": "a.b:C"})
+    reg.register("language_model.fsdp2", "a.b:C")  # the same target twice is one registration
     with pytest.raises(ValueError, match="registered twice"):
-        reg.register("language_model.fsdp2.cpu", "x.y:Z", source="other-dist")
+        reg.register("language_model.fsdp2", "x.y:Z", source="other-dist")
+    reg.configs.register("toy", "a:B")
+    with pytest.raises(ValueError, match="posttrain.engine_configs: 'toy' is registered twice"):
+        reg.configs.register("toy", "x.y:Other")
 
 
-def test_unknown_engine_lists_available_and_install_hint():
-    reg = EngineRegistry({"language_model.fsdp2.cpu": "a.b:C"})
+def test_unknown_engine_lists_available():
+    reg = EngineRegistry({"language_model.fsdp2": "a.b:C"})
     with pytest.raises(
-        ValueError, match=r"Installed engines: language_model.fsdp2.cpu.*posttrain-engine-megatron"
+        ValueError, match=r"backend='megatron'. Installed engines: language_model.fsdp2. Install the package"
     ):
-        reg.get_engine_cls("language_model", "megatron", "cpu")
+        reg.get_engine_cls("language_model", "megatron")
+
+
+def test_config_class_comes_from_the_config_group():
+    reg = EngineRegistry(
+        {"language_model.toy": "posttrain_no_such_module:Engine"},
+        configs={"toy": "test_registry:ToyEngineConfig"},
+    )
+    assert reg.get_config_cls("toy") is ToyEngineConfig  # resolving the config imported no engine module
+    with pytest.raises(ValueError, match=r"backend 'megatron' is not installed \(installed backends: toy\)"):
+        reg.get_config_cls("megatron")
+    with pytest.raises(TypeError, match="not a EngineConfig subclass"):
+        EngineRegistry(configs={"bad": "collections:OrderedDict"}).get_config_cls("bad")
 
 
 def test_unknown_rollout_names_package():
@@ -26,20 +52,21 @@ def test_unknown_rollout_names_package():
 
 
 def test_non_engine_target_rejected():
-    reg = EngineRegistry({"language_model.x.cpu": "collections:OrderedDict"})
+    reg = EngineRegistry({"language_model.x": "collections:OrderedDict"})
     with pytest.raises(TypeError, match="not a BaseEngine subclass"):
-        reg.get_engine_cls("language_model", "x", "cpu")
+        reg.get_engine_cls("language_model", "x")
 
 
 def test_lazy_import_on_first_use():
-    reg = EngineRegistry({"language_model.ghost.cpu": "posttrain_no_such_module:Engine"})
-    assert reg.names() == ["language_model.ghost.cpu"]  # building the registry imported nothing
+    reg = EngineRegistry({"language_model.ghost": "posttrain_no_such_module:Engine"})
+    assert reg.names() == ["language_model.ghost"]  # building the registry imported nothing
     with pytest.raises(ModuleNotFoundError):
-        reg.get_engine_cls("language_model", "ghost", "cpu")
+        reg.get_engine_cls("language_model", "ghost")
 
 
 def test_entry_points_of_this_distribution_are_well_formed():
     reg = EngineRegistry.from_entry_points()
     for name in reg.names():
-        model_type, backend, device = name.split(".")
-        assert model_type in ("language_model", "value_model") and device in ("cpu", "cuda")
+        model_type, backend = name.split(".")
+        assert model_type in ("language_model", "value_model")
+        assert backend in reg.configs.names(), f"{name} has no posttrain.engine_configs entry"

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from posttrain.core.batch import LossContext, PackedBatch
-from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
+from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+from posttrain.fsdp.config import FSDPEngineConfig
 
 VOCAB = 256
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from fsdp_testing import full_grads, make_batch, make_engine, pg_loss, save_tiny_model, value_loss
 
-from posttrain.core.config import CheckpointConfig, McoreEngineConfig, ModelConfig, OptimizerConfig
+from posttrain.core.config import CheckpointConfig, EngineConfig, ModelConfig, OptimizerConfig
 
 LENGTHS = [5, 9, 3, 17, 1, 12]
 
@@ -129,7 +129,7 @@ def test_bad_inputs_name_the_fix(lm_dir: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="FSDPEngineConfig"):
         FSDPLanguageModelEngine(
             ModelConfig(path=lm_dir),
-            McoreEngineConfig(sequence_parallel=False),
+            EngineConfig(strategy="megatron"),
             OptimizerConfig(),
             CheckpointConfig(),
         )

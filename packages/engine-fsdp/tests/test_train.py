@@ -66,7 +66,8 @@ def test_clipping_scales_to_clip_grad(lm_dir: str) -> None:
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_lr_schedule_follows_the_config(lm_dir: str) -> None:
-    from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
+    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+    from posttrain.fsdp.config import FSDPEngineConfig
     from posttrain.fsdp.engine import FSDPLanguageModelEngine
 
     oc = OptimizerConfig(
@@ -197,9 +198,11 @@ def test_value_model_lora_trains_adapter_and_head(lm_dir: str) -> None:
 
 def test_registry_finds_both_engines() -> None:
     from posttrain.core import EngineRegistry
+    from posttrain.fsdp.config import FSDPEngineConfig
     from posttrain.fsdp.engine import FSDPLanguageModelEngine, FSDPValueModelEngine
 
     reg = EngineRegistry.from_entry_points()
     for backend in ("fsdp", "fsdp2"):
-        assert reg.get_engine_cls("language_model", backend, device="cpu") is FSDPLanguageModelEngine
-        assert reg.get_engine_cls("value_model", backend, device="cuda") is FSDPValueModelEngine
+        assert reg.get_engine_cls("language_model", backend) is FSDPLanguageModelEngine
+        assert reg.get_engine_cls("value_model", backend) is FSDPValueModelEngine
+        assert reg.get_config_cls(backend) is FSDPEngineConfig

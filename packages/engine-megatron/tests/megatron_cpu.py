@@ -225,8 +225,9 @@ def make_engine(
     hf_path: str, cls_name: str = "MegatronLanguageModelEngine", ckpt=None, optim=None, **engine_kw
 ):
     """A megatron engine on ``hf_path`` in float32 with test-sized micro-batches."""
-    from posttrain.core.config import CheckpointConfig, McoreEngineConfig, ModelConfig, OptimizerConfig
+    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
     from posttrain.megatron import engine as engine_mod
+    from posttrain.megatron.config import McoreEngineConfig
 
     kw = dict(
         dtype="float32", use_distributed_optimizer=False, use_dynamic_bsz=False, micro_batch_size_per_gpu=2

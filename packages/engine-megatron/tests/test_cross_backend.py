@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 
 
 def _fsdp(path: str, ckpt=None):
-    from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfig
+    from posttrain.core.config import CheckpointConfig, ModelConfig
+    from posttrain.fsdp.config import FSDPEngineConfig
     from posttrain.fsdp.engine import FSDPLanguageModelEngine
 
     eng = FSDPLanguageModelEngine(

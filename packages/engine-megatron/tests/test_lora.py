@@ -21,8 +21,9 @@ RANK, ALPHA = 4, 8
 
 
 def make_lora_engine(path: str, *, model_kw=None, cls_name="MegatronLanguageModelEngine", **engine_kw):
-    from posttrain.core.config import CheckpointConfig, McoreEngineConfig, ModelConfig, OptimizerConfig
+    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
     from posttrain.megatron import engine as engine_mod
+    from posttrain.megatron.config import McoreEngineConfig
 
     kw = dict(
         dtype="float32", use_distributed_optimizer=False, use_dynamic_bsz=False, micro_batch_size_per_gpu=2

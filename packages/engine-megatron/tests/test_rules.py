@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from posttrain.core.config import CheckpointConfig, McoreEngineConfig, ModelConfig
+from posttrain.core.config import CheckpointConfig, ModelConfig
 from posttrain.megatron import rules
+from posttrain.megatron.config import McoreEngineConfig
 
 DENSE = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
 MOE = {**DENSE, "num_experts": 4}

@@ -97,8 +97,8 @@ def test_tp2_sequence_parallel_equals_hf(tiny_qwen2, tmp_path):
 
 
 def test_missing_mbridge_names_the_install(monkeypatch):
-    from posttrain.core.config import McoreEngineConfig
     from posttrain.megatron import vanilla
+    from posttrain.megatron.config import McoreEngineConfig
 
     monkeypatch.setitem(sys.modules, "mbridge", None)  # what `import mbridge` sees when it is not installed
     with pytest.warns(FutureWarning):

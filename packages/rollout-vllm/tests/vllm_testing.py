@@ -176,7 +176,8 @@ def check_greedy(
 def make_engine(path: str, lora_rank: int = 0, lr: float = 1e-2) -> Any:
     """The FSDP engine (found through the registry, as a trainer finds it), in float32 on this process's device."""
     from posttrain.core import EngineRegistry
-    from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
+    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+    from posttrain.fsdp.config import FSDPEngineConfig
 
     cls = EngineRegistry.from_entry_points().get_engine_cls("language_model", "fsdp2")
     model = ModelConfig(path=path, lora_rank=lora_rank, target_modules="all-linear")

@@ -17,11 +17,7 @@ def test_replay_mode_names_the_fix():
     assert replay_mode(load_config([])) == "disabled"
     with pytest.raises(ValueError, match="strategy=fsdp2: only the megatron engine"):
         replay_mode(load_config(["actor.engine.router_replay.mode=R2"]))
-    r3 = ["model_engine=megatron", "actor.engine.router_replay.mode=R3"]
-    with pytest.raises(ValueError, match="set rollout.return_routed_experts=true"):
-        replay_mode(load_config(r3))
-    assert replay_mode(load_config([*r3, "rollout.return_routed_experts=true"])) == "R3"
-    assert replay_mode(load_config(["model_engine=megatron", "actor.engine.router_replay.mode=R2"])) == "R2"
+    # the megatron half (R2, R3) needs the megatron config: packages/engine-megatron/tests/test_config.py
 
 
 def _sample(index: int, prompt_len: int, response_len: int, routed: bool) -> RolloutSample:

@@ -81,12 +81,21 @@ class BaseEngine(ABC):
         """The device compute runs on."""
 
     @property
-    @abstractmethod
-    def is_param_offload_enabled(self) -> bool: ...
+    def is_param_offload_enabled(self) -> bool:
+        """``engine.param_offload``: parameters go to the CPU outside train/eval contexts."""
+        return self.engine_config.param_offload
 
     @property
-    @abstractmethod
-    def is_optimizer_offload_enabled(self) -> bool: ...
+    def is_optimizer_offload_enabled(self) -> bool:
+        """``engine.optimizer_offload``: optimizer state goes to the CPU outside the train context."""
+        return self.engine_config.optimizer_offload
+
+    def apply_offload_config(self) -> None:
+        """End of :meth:`initialize`: move to the CPU what ``param_offload``, ``optimizer_offload`` and
+        ``grad_offload`` ask for."""
+        cfg = self.engine_config
+        if cfg.param_offload or cfg.optimizer_offload or cfg.grad_offload:
+            self.to("cpu", model=cfg.param_offload, optimizer=cfg.optimizer_offload, grad=cfg.grad_offload)
 
     def train_mode(self, **kwargs: Any) -> EngineModeCtx:
         """Context: model, optimizer and grads on the device; zero grads and offload on exit."""

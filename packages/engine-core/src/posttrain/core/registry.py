@@ -1,36 +1,29 @@
 """Name -> class registries filled from entry points, imported on first use.
 
-Engines are declared in the ``posttrain.engines`` group with names ``<model_type>.<backend>.<device>`` and
-rollouts in ``posttrain.rollouts`` with their backend name; the value is ``module:Class``. Nothing registers at
-import time: a registry reads the installed distributions' metadata when it is built, so a package that is not
-installed is simply absent and asking for it says which package to install.
+A training backend declares two things: its engines in the ``posttrain.engines`` group, named
+``<model_type>.<backend>`` (``language_model.fsdp2``), and its config dataclass in ``posttrain.engine_configs``,
+named ``<backend>``. Rollouts are in ``posttrain.rollouts`` under their backend name. The value is
+``module:Class``. Nothing registers at import time: a registry reads the installed distributions' metadata when
+it is built, so a backend that is not installed is simply absent and asking for it lists what is there. A
+config module must import without its backend's heavy dependencies (the config of a megatron backend resolves
+without megatron-core).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from importlib.metadata import entry_points
 from typing import Any
 
 ENGINE_GROUP = "posttrain.engines"
+ENGINE_CONFIG_GROUP = "posttrain.engine_configs"
 ROLLOUT_GROUP = "posttrain.rollouts"
 
-ENGINE_PACKAGES = {
-    "fsdp": "posttrain-engine-fsdp",
-    "fsdp2": "posttrain-engine-fsdp",
-    "megatron": "posttrain-engine-megatron (pip install 'posttrain[megatron]')",
-}
 ROLLOUT_PACKAGES = {
     "hf": "posttrain-rollout-hf",
     "vllm": "posttrain-rollout-vllm (pip install 'posttrain[vllm]')",
 }
-
-
-def runtime_device() -> str:
-    """``cuda`` when a GPU is visible, else ``cpu``."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _load(target: str) -> Any:
@@ -81,25 +74,61 @@ class _EntryPointRegistry:
         return cls
 
 
+class EngineConfigRegistry(_EntryPointRegistry):
+    """backend name -> engine config dataclass (a subclass of :class:`~posttrain.core.config.EngineConfig`)."""
+
+    group = ENGINE_CONFIG_GROUP
+
+    def get_config_cls(self, backend: str) -> type:
+        from .config.engine import EngineConfig
+
+        missing = (
+            f"engine backend {backend!r} is not installed (installed backends: {{have}}): install the "
+            f"package that registers {backend!r} in the {self.group} entry-point group, or choose one of those"
+        )
+        return self._resolve(backend, EngineConfig, missing)
+
+
 class EngineRegistry(_EntryPointRegistry):
-    """(model_type, backend, device) -> engine class."""
+    """(model_type, backend) -> engine class; :meth:`get_config_cls` gives the backend's config class."""
 
     group = ENGINE_GROUP
-    packages = ENGINE_PACKAGES
 
-    def get_engine_cls(self, model_type: str, backend: str, device: str | None = None) -> type:
-        device = device or runtime_device()
+    def __init__(self, targets: dict[str, str] | None = None, configs: dict[str, str] | None = None) -> None:
+        super().__init__(targets)
+        self.configs = EngineConfigRegistry(configs)
+
+    @classmethod
+    def from_entry_points(cls):
+        reg = super().from_entry_points()
+        reg.configs = EngineConfigRegistry.from_entry_points()
+        return reg
+
+    def get_engine_cls(self, model_type: str, backend: str) -> type:
         from .engine import BaseEngine
 
-        hint = self.packages.get(backend, f"a package that provides backend {backend!r}")
         missing = (
-            f"no engine for model_type={model_type!r}, backend={backend!r}, device={device!r}. "
-            f"Installed engines: {{have}}. Install {hint} or choose another backend."
+            f"no engine for model_type={model_type!r}, backend={backend!r}. Installed engines: {{have}}. "
+            f"Install the package that registers {model_type}.{backend} in the {self.group} entry-point "
+            "group, or choose another backend."
         )
-        return self._resolve(f"{model_type}.{backend}.{device}", BaseEngine, missing)
+        return self._resolve(f"{model_type}.{backend}", BaseEngine, missing)
 
-    def new(self, model_type: str, backend: str, *args: Any, device: str | None = None, **kwargs: Any) -> Any:
-        return self.get_engine_cls(model_type, backend, device)(*args, **kwargs)
+    def get_config_cls(self, backend: str) -> type:
+        return self.configs.get_config_cls(backend)
+
+    def new(self, model_type: str, backend: str, *args: Any, **kwargs: Any) -> Any:
+        return self.get_engine_cls(model_type, backend)(*args, **kwargs)
+
+
+@functools.cache
+def _installed_engine_configs() -> EngineConfigRegistry:
+    return EngineConfigRegistry.from_entry_points()
+
+
+def engine_config_class(backend: str) -> type:
+    """The config dataclass the installed backend ``backend`` registered, or a ValueError listing those there are."""
+    return _installed_engine_configs().get_config_cls(backend)
 
 
 class RolloutRegistry(_EntryPointRegistry):

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.ckpt import AsyncWriter, RoleInfo, RoleState, load_role, prepare_role, save_role
-from posttrain.core.config import check_checkpoint_for_engine
 
 
 def _role_state(engine: Any, global_step: int) -> RoleState:
@@ -51,7 +50,7 @@ def save_fsdp_checkpoint(
     device-to-host snapshot and the files are written in the background.
     """
     config = engine.checkpoint_config
-    check_checkpoint_for_engine(engine.engine_config, config)
+    engine.engine_config.check_checkpoint(config)
     if config.async_save and writer is None:
         raise ValueError(
             "checkpoint.async_save=true needs the background writer of the step's "
@@ -92,7 +91,7 @@ def load_fsdp_checkpoint(engine: Any, local_path: str, **kwargs: Any) -> dict[st
     Returns the saved counters (``global_step``, ``skipped_steps``) when extra is loaded, else ``{}``.
     """
     config = engine.checkpoint_config
-    check_checkpoint_for_engine(engine.engine_config, config)
+    engine.engine_config.check_checkpoint(config)
     _refuse_native_megatron(Path(local_path))
     engine.to(engine.device, model=True, optimizer=True, grad=False)  # load into device-resident state
     try:

@@ -29,10 +29,12 @@ import torch
 import torch.distributed as dist
 
 from posttrain.core.batch import LossFn, PackedBatch, loss_context, make_micro_batches, restore_order
-from posttrain.core.config import CheckpointConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
+from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
 
 from . import sharding
+from .config import FSDPEngineConfig
 from .inputs import ModelInputs, check_temperatures, packed_inputs, padded_inputs, temperatures
 from .logprobs import HeadRequest, PackedLogProbHead, align_to_tokens, shifted_targets
 from .modeling import (
@@ -99,6 +101,8 @@ class FSDPEngine(BaseEngine):
     # ------------------------------------------------------------------ construction
     def initialize(self) -> None:
         cfg = self.engine_config
+        if cfg.full_determinism:
+            enable_full_determinism(cfg.seed)
         distributed = ensure_process_group()
         if torch.cuda.is_available():
             self._device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -129,7 +133,9 @@ class FSDPEngine(BaseEngine):
             compile_decoder_layers(built.hf_model, sharding.decoder_layer_classes(built.hf_model))
         if self.fsdp_version:
             self.device_mesh = sharding.build_mesh(self._device.type, cfg.fsdp_size)
-            layers = sharding.decoder_layer_classes(built.hf_model)
+            layers = sharding.decoder_layer_classes(
+                built.hf_model, cfg.wrap_policy.transformer_layer_cls_to_wrap
+            )
             if self.fsdp_version == 2:
                 sharding.apply_fsdp2(module, layers, self.device_mesh, cfg)
             else:
@@ -148,12 +154,7 @@ class FSDPEngine(BaseEngine):
         self.module = module
         if not cfg.forward_only:
             self._build_optimizer(fused=self._device.type == "cuda" and not cpu_params)
-        self.to(
-            "cpu",
-            model=self.is_param_offload_enabled,
-            optimizer=self.is_optimizer_offload_enabled,
-            grad=self.is_param_offload_enabled,
-        )
+        self.apply_offload_config()
 
     def _build_optimizer(self, fused: bool) -> None:
         oc = self.optimizer_config
@@ -174,14 +175,6 @@ class FSDPEngine(BaseEngine):
     @property
     def device(self) -> torch.device:
         return self._device
-
-    @property
-    def is_param_offload_enabled(self) -> bool:
-        return self.engine_config.param_offload
-
-    @property
-    def is_optimizer_offload_enabled(self) -> bool:
-        return self.engine_config.optimizer_offload
 
     def get_data_parallel_size(self) -> int:
         return dist.get_world_size() if self.fsdp_version else 1
@@ -425,8 +418,9 @@ class FSDPLanguageModelEngine(FSDPEngine):
             targets,
             inv_temp,
             with_entropy,
-            self.engine_config.entropy_from_logits_chunk_size,
+            self.engine_config.logits_chunk_size(targets.numel()),
             inputs.valid_index,
+            checkpoint=self.engine_config.entropy_checkpointing,
         )
         try:
             with self._autocast():

@@ -12,9 +12,10 @@ For packed hidden states ``h`` (T, H), targets ``y[t] = input_ids[t+1]`` and inv
     log_prob[t] = z[y[t]] - logsumexp(z)
     entropy[t]  = logsumexp(z) - sum(softmax(z) * z)
 
-When gradients are on, each chunk's fp32 part runs under activation checkpointing: autograd keeps only the
-chunk's logits in the compute dtype (bf16 on GPU) and recomputes the softmax in backward, so the fp32 working
-set is one chunk. :func:`align_to_tokens` then shifts the results onto the token they score (the core
+When gradients are on and the request asks for it (``engine.entropy_checkpointing``), each chunk's fp32 part
+runs under activation checkpointing: autograd keeps only the chunk's logits in the compute dtype (bf16 on GPU)
+and recomputes the softmax in backward, so the fp32 working set is one chunk. The chunk size is
+``engine.entropy_from_logits_chunk_size``, or the whole micro-batch without ``entropy_from_logits_with_chunking``. :func:`align_to_tokens` then shifts the results onto the token they score (the core
 convention), with 0 at each sequence's first token.
 """
 
@@ -42,6 +43,8 @@ class HeadRequest:
     """Tokens per chunk of the vocabulary projection."""
     valid_index: torch.Tensor | None = None
     """For padded (B, S) inputs: flat indices of the real tokens, in packed order; None for packed inputs."""
+    checkpoint: bool = True
+    """With gradients on, recompute each chunk's fp32 part in backward instead of keeping it."""
 
 
 def _chunk_stats(
@@ -71,7 +74,7 @@ def next_token_stats(
         end = start + request.chunk_size
         logits = F.linear(hidden[start:end], weight, bias)
         args = (logits, request.targets[start:end], request.inv_temperature[start:end], request.with_entropy)
-        if torch.is_grad_enabled():
+        if request.checkpoint and torch.is_grad_enabled():
             log_prob, entropy = checkpoint(fn, *args, use_reentrant=False)
         else:
             log_prob, entropy = fn(*args)

@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from posttrain.core.config import EngineConfig, FSDPEngineConfig, ModelConfig
+from posttrain.core.config import EngineConfig, ModelConfig
 
 from .attention import register_packed_attention
+from .config import FSDPEngineConfig
 from .logprobs import PackedLogProbHead
 
 _PEFT_PREFIX = "base_model.model."

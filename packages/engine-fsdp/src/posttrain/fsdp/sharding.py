@@ -1,10 +1,11 @@
 """Sharding a HF model with FSDP2 or FSDP1, the global gradient norm, and moving state between devices.
 
-FSDP2 (``fully_shard``) wraps every decoder layer (the classes in the model's ``_no_split_modules``) and then the
-root, with a ``MixedPrecisionPolicy`` (parameters gathered in the compute dtype, gradients reduced in fp32),
+FSDP2 (``fully_shard``) wraps every decoder layer (the classes in the model's ``_no_split_modules``, or those
+named by ``wrap_policy.transformer_layer_cls_to_wrap``) and then the root, with a ``MixedPrecisionPolicy`` (parameters gathered in the compute dtype, gradients reduced in fp32),
 ``reshard_after_forward`` and optionally ``CPUOffloadPolicy``. With ``0 < fsdp_size < world`` the mesh is 2-D
 ``(ddp, fsdp)``: parameters are sharded inside groups of ``fsdp_size`` ranks and replicated across groups
-(HSDP). FSDP1 wraps the same decoder layers through ``ModuleWrapPolicy``.
+(HSDP). FSDP1 wraps the same decoder layers through ``ModuleWrapPolicy``, or every subtree of at least
+``wrap_policy.min_num_params`` parameters through ``size_based_auto_wrap_policy`` when that is > 0.
 
 The gradient norm is computed from each rank's local gradient shards: the squared norms are summed and
 all-reduced over the shard dimension only (replicas hold equal shards), so it equals the norm of the full
@@ -14,6 +15,7 @@ gradient. Clipping multiplies every gradient by ``min(1, max_norm / (norm + 1e-6
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -21,11 +23,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.core.config import FSDPEngineConfig
+from .config import FSDPEngineConfig
 
 
-def decoder_layer_classes(hf_model: torch.nn.Module) -> tuple[type, ...]:
-    """The decoder-layer classes named by the HF model's ``_no_split_modules``."""
+def decoder_layer_classes(hf_model: torch.nn.Module, names: list[str] | None = None) -> tuple[type, ...]:
+    """The module classes called ``names`` in ``hf_model`` (default: the model's ``_no_split_modules``)."""
+    if names is not None:
+        present = {type(m).__name__: type(m) for m in hf_model.modules()}
+        unknown = [n for n in names if n not in present]
+        if unknown:
+            raise ValueError(
+                f"engine.wrap_policy.transformer_layer_cls_to_wrap names {unknown}, which "
+                f"{type(hf_model).__name__} does not contain: use class names of its modules, e.g. "
+                f"{sorted(getattr(hf_model, '_no_split_modules', None) or present)[:4]}, or null"
+            )
+        return tuple(present[n] for n in names)
     names = set(getattr(hf_model, "_no_split_modules", None) or [])
     classes = {type(m) for m in hf_model.modules() if type(m).__name__ in names}
     if not classes:
@@ -94,16 +106,16 @@ def apply_fsdp1(
     device: torch.device,
     use_orig_params: bool,
 ) -> torch.nn.Module:
-    """Wrap with FSDP1 (decoder-layer auto-wrap; HYBRID_SHARD on a 2-D mesh)."""
+    """Wrap with FSDP1 (:func:`fsdp1_auto_wrap_policy`; HYBRID_SHARD on a 2-D mesh)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     param_dtype, reduce_dtype, buffer_dtype = mixed_precision_dtypes(cfg)
     strategy = ShardingStrategy.HYBRID_SHARD if mesh.ndim == 2 else ShardingStrategy.FULL_SHARD
+    auto_wrap = fsdp1_auto_wrap_policy(layers, cfg.wrap_policy.min_num_params)
     return FSDP(
         module,
-        auto_wrap_policy=ModuleWrapPolicy(set(layers)),
+        auto_wrap_policy=auto_wrap,
         sharding_strategy=strategy,
         mixed_precision=MixedPrecision(
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype
@@ -114,6 +126,15 @@ def apply_fsdp1(
         use_orig_params=use_orig_params,
         sync_module_states=False,
     )
+
+
+def fsdp1_auto_wrap_policy(layers: tuple[type, ...], min_num_params: int = 0) -> Any:
+    """Every ``layers`` module as a unit, or (``min_num_params > 0``) every subtree of that many parameters."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+
+    if min_num_params > 0:
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=min_num_params)
+    return ModuleWrapPolicy(set(layers))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

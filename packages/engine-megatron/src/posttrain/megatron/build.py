@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from posttrain.core.config import McoreEngineConfig, OptimizerConfig
+from posttrain.core.config import OptimizerConfig
 
 from . import _deps
 from .attention import layer_spec
+from .config import McoreEngineConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -134,6 +135,7 @@ def make_provider(
         moe_router_load_balancing_type="none",
         attention_dropout=0.0,
         hidden_dropout=0.0,
+        deterministic_mode=cfg.full_determinism,
     ).items():
         setattr(provider, name, value)
     provider.transformer_layer_spec = lambda config, vp_stage=None: layer_spec(config, use_te, vp_stage)

@@ -30,8 +30,6 @@ from typing import Any
 
 import torch
 
-from posttrain.core.config import check_checkpoint_for_engine
-
 from . import async_save, build, fsdp_dtensor, lora, portable
 
 HF_SIDE_FILES = (
@@ -191,7 +189,7 @@ def _write_side_files(engine: Any, root: Path, contents: list[str]) -> None:
 
 
 def _check_async(engine: Any, writer: Any) -> None:
-    check_checkpoint_for_engine(engine.engine_config, engine.checkpoint_config)  # no async Megatron-FSDP
+    engine.engine_config.check_checkpoint(engine.checkpoint_config)  # no async Megatron-FSDP
     if engine.checkpoint_config.async_save and writer is None:
         raise ValueError(
             "checkpoint.async_save=true needs the background writer of the step's CheckpointManager: "

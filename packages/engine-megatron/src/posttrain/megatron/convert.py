@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 
-from posttrain.core.config import McoreEngineConfig
-
 from . import build, checkpoint
+from .config import McoreEngineConfig
 
 
 def _dtype_of(hf_dir: Path) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from functools import partial
 from typing import Any
 
@@ -35,10 +36,11 @@ from posttrain.core.batch import (
     partition_by_tokens,
     restore_order,
 )
-from posttrain.core.config import McoreEngineConfig
+from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
 
 from . import build, checkpoint, offload, rules, vanilla
+from .config import McoreEngineConfig
 from .context_parallel import CpLayout
 from .lora import MegatronLora, rollout_stream
 from .packing import PackedInput, pack_micro_batch, token_outputs
@@ -63,6 +65,8 @@ class MegatronEngine(BaseEngine):
         on_cuda = torch.cuda.is_available()
         rules.check_engine(cfg, self.checkpoint_config, self.model_config, on_cuda=on_cuda)
         self._device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        if cfg.full_determinism:
+            enable_full_determinism(cfg.seed)
         build.init_model_parallel(cfg, cfg.seed)
         self.router_replay = RouterReplay(cfg.router_replay, cfg.sequence_parallel)
         self.lora = (
@@ -81,10 +85,7 @@ class MegatronEngine(BaseEngine):
             self._wire_schedule_hooks()
             self._set_lr()
         self._offload = offload.Offloader(self.chunks, self.optimizer)
-        if cfg.param_offload or cfg.optimizer_offload or cfg.grad_offload:
-            self._offload.to(
-                "cpu", model=cfg.param_offload, optimizer=cfg.optimizer_offload, grad=cfg.grad_offload
-            )
+        self.apply_offload_config()
 
     def _build_chunks(self, cfg: McoreEngineConfig, on_cuda: bool) -> list[torch.nn.Module]:
         """Model chunks through Megatron-Bridge, or the deprecated mbridge with ``vanilla_mbridge``."""
@@ -138,14 +139,6 @@ class MegatronEngine(BaseEngine):
     @property
     def device(self) -> torch.device:
         return self._device
-
-    @property
-    def is_param_offload_enabled(self) -> bool:
-        return self.engine_config.param_offload
-
-    @property
-    def is_optimizer_offload_enabled(self) -> bool:
-        return self.engine_config.optimizer_offload
 
     def to(
         self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True
@@ -292,12 +285,13 @@ class MegatronEngine(BaseEngine):
         tp_rank = mpu.get_tensor_model_parallel_rank()
         vocab_start = tp_rank * logits.size(-1)
         group = mpu.get_tensor_model_parallel_group()
-        chunk = self.engine_config.entropy_from_logits_chunk_size
+        chunk = self.engine_config.logits_chunk_size(logits.shape[0])
         return token_outputs(logits, mb, vocab_start, group, calc_entropy, cp, chunk)
 
     def _pad_multiple(self) -> int:
         cfg = self.engine_config
-        return cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+        multiple = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+        return math.lcm(multiple, cfg.pad_to_length_bucket) if cfg.pad_to_length else multiple
 
     def _cp_group(self) -> Any:
         """Megatron's context-parallel group when CP > 1, else None."""

@@ -1,6 +1,6 @@
 """Checks of a megatron engine config against the model, the checkpoint config and the machine.
 
-The per-field rules live in ``McoreEngineConfig.__post_init__`` (engine-core); the ones here need more than
+The per-field rules live in ``McoreEngineConfig.__post_init__`` (:mod:`.config`); the ones here need more than
 one config, or the HF model config, or to know whether CUDA is there.
 """
 
@@ -9,14 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from posttrain.core.config import (
-    CheckpointConfig,
-    McoreEngineConfig,
-    ModelConfig,
-    check_checkpoint_for_engine,
-)
+from posttrain.core.config import CheckpointConfig, ModelConfig
 
 from . import lora, vanilla
+from .config import McoreEngineConfig
 
 
 def _hf_config(model: ModelConfig) -> dict:
@@ -104,7 +100,7 @@ def check_engine(
     cfg: McoreEngineConfig, ckpt: CheckpointConfig, model: ModelConfig, *, on_cuda: bool, role: str = "actor"
 ) -> None:
     """Every cross-config rule, raising a ValueError that names the bad value and the fix."""
-    check_checkpoint_for_engine(cfg, ckpt, role)
+    cfg.check_checkpoint(ckpt, role)
     if cfg.vanilla_mbridge:
         vanilla.check(cfg)
         if ckpt.portable:

@@ -30,9 +30,8 @@ from typing import Any
 
 import torch
 
-from posttrain.core.config import McoreEngineConfig
-
 from . import _deps, build
+from .config import McoreEngineConfig
 
 DEPRECATION = (
     "engine.vanilla_mbridge=true builds the model through the deprecated standalone `mbridge` package; "

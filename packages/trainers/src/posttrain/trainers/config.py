@@ -1,13 +1,19 @@
 """The whole run's config: one dataclass tree, YAML presets and ``key=value`` overrides.
 
 Top-level keys: model, data, actor, ref, critic, rollout, algorithm, reward, trainer, checkpoint, plus ``model_engine``
-(fsdp | fsdp2 | megatron), which sets the strategy of actor, ref and critic at once; a per-role
-``<role>.engine.strategy=...`` still wins. Each component validates its own fields; this module adds the rules
-that span components (checkpoint x engine, parallel layout x world size).
+(fsdp | fsdp2 | megatron | any installed backend), which sets the strategy of actor, ref and critic at once; a
+per-role ``<role>.engine.strategy=...`` still wins. Each role's engine starts as the shared ``EngineConfig`` and
+``PostTrainConfig.__post_init__`` turns it into its backend's config class, found through the
+``posttrain.engine_configs`` entry points, so ``PostTrainConfig(model_engine="megatron")`` in Python and
+``model_engine=megatron`` on the command line give the same tree. The loader builds its OmegaConf schema from
+defaults whose engine classes match the backends the presets and overrides name (a schema has one class per
+node). Each component validates its own fields; this module adds the rules that span components (checkpoint x
+engine, parallel layout x world size).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,13 +21,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from posttrain.core.config import (
-    CheckpointConfig,
-    McoreEngineConfig,
-    ModelConfig,
-    check_checkpoint_for_engine,
-    engine_config_class,
-)
+from posttrain.core.config import CheckpointConfig, EngineConfig, ModelConfig, engine_config_class
 from posttrain.core.config.loader import ConfigError, merge_config, parse_overrides
 from posttrain.core.rollout import RolloutConfig
 
@@ -40,7 +40,8 @@ class PostTrainConfig:
     """Everything a run needs."""
 
     model_engine: str = "fsdp2"
-    """Backend of actor, ref and critic: fsdp (FSDP1), fsdp2 or megatron."""
+    """Backend of every role whose ``engine.strategy`` is null: fsdp (FSDP1), fsdp2, megatron, or another
+    installed backend."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -63,13 +64,40 @@ class PostTrainConfig:
     """What checkpoints hold."""
 
     def __post_init__(self) -> None:
-        engine_config_class(self.model_engine)
+        backend_config_class(self.model_engine, "model_engine")
         world = self.trainer.nnodes * self.trainer.n_gpus_per_node
         for role in ROLES:
-            engine = getattr(self, role).engine
-            check_checkpoint_for_engine(engine, self.checkpoint, role)
-            if isinstance(engine, McoreEngineConfig):
-                engine.check_world_size(world)
+            role_cfg = getattr(self, role)
+            role_cfg.engine = resolve_engine(role_cfg.engine, self.model_engine, role)
+            role_cfg.engine.check_checkpoint(self.checkpoint, role)
+            role_cfg.engine.check_world_size(world)
+
+
+ENGINE_HINT = (
+    "posttrain's own backends are fsdp and fsdp2 (posttrain-engine-fsdp) and megatron "
+    "(posttrain-engine-megatron: pip install 'posttrain[megatron]')"
+)
+
+
+def backend_config_class(backend: str, key: str) -> type[EngineConfig]:
+    """The installed config class of ``backend``; a ValueError naming ``key`` and what to install otherwise."""
+    try:
+        return engine_config_class(backend)
+    except ValueError as exc:
+        raise ValueError(f"{key}={backend!r}: {exc}; {ENGINE_HINT}") from None
+
+
+def resolve_engine(engine: EngineConfig, model_engine: str, role: str) -> EngineConfig:
+    """``engine`` as its backend's config class. A plain ``EngineConfig`` (the role default) becomes the class of
+    its ``strategy``, or of ``model_engine`` when that is null, keeping the shared fields it was given; a
+    backend's own config class is kept as it is."""
+    if type(engine) is not EngineConfig:
+        return engine
+    strategy = engine.strategy or model_engine
+    key = f"{role}.engine.strategy" if engine.strategy else "model_engine"
+    cls = backend_config_class(strategy, key)
+    shared = {f.name: getattr(engine, f.name) for f in dataclasses.fields(EngineConfig)}
+    return cls(**{**shared, "strategy": strategy})
 
 
 def resolve_preset(name: str) -> Path:
@@ -84,39 +112,45 @@ def resolve_preset(name: str) -> Path:
     raise ConfigError(f"config preset {name!r} is neither a YAML file nor a built-in preset ({have})")
 
 
-def _role_strategy(raw, role: str, default: str) -> str:
-    value = OmegaConf.select(raw, f"{role}.engine.strategy", default=None)
-    return str(value) if value is not None else default
-
-
 def load_config(overrides: Sequence[str] = (), presets: Sequence[str] = ()) -> PostTrainConfig:
-    """Defaults <- presets (in order) <- overrides, with each role's engine dataclass chosen by its strategy."""
+    """Defaults <- presets (in order) <- overrides, with each role's engine dataclass chosen by its backend."""
     preset_paths = [resolve_preset(p) for p in presets]
     dotlist = parse_overrides(overrides)
     raw = OmegaConf.merge(*[OmegaConf.load(p) for p in preset_paths], dotlist)
-    model_engine = str(OmegaConf.select(raw, "model_engine", default=None) or "fsdp2")
     try:
-        engine_config_class(model_engine)
-    except ValueError as exc:
-        raise ConfigError(f"model_engine={model_engine!r}: {exc}") from None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the defaults are re-validated (and warn) after the merge
-        defaults = _defaults_for(raw, model_engine)
-    try:
-        return merge_config(defaults, preset_paths, dotlist)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the defaults are re-validated (and warn) after the merge
+            schema = _schema_for(raw)
+        return merge_config(schema, preset_paths, dotlist)
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def _defaults_for(raw, model_engine: str) -> PostTrainConfig:
-    defaults = PostTrainConfig()
+def _schema_for(raw) -> PostTrainConfig:
+    """Defaults whose engine classes are the backends ``raw`` names (its model_engine and role strategies)."""
+    engines = {}
     for role in ROLES:
-        strategy = _role_strategy(raw, role, model_engine)
-        try:
-            engine_cls = engine_config_class(strategy)
-        except ValueError as exc:
-            raise ConfigError(f"{role}.engine.strategy: {exc}") from None
-        getattr(defaults, role).engine = engine_cls(strategy=strategy, forward_only=(role == "ref"))
-    return defaults
+        strategy = OmegaConf.select(raw, f"{role}.engine.strategy", default=None)
+        engines[role] = EngineConfig(
+            strategy=None if strategy is None else str(strategy), forward_only=(role == "ref")
+        )
+    model_engine = OmegaConf.select(raw, "model_engine", default=None)
+    schema = PostTrainConfig(
+        model_engine=str(model_engine or "fsdp2"),
+        actor=ActorConfig(engine=engines["actor"]),
+        ref=RefConfig(engine=engines["ref"]),
+        critic=CriticConfig(engine=engines["critic"]),
+    )
+    for role in ROLES:
+        _restore_declared_defaults(getattr(schema, role).engine)
+    return schema
+
+
+def _restore_declared_defaults(engine: EngineConfig) -> None:
+    """Undo what ``__post_init__`` adjusted on a default (megatron turns ``sequence_parallel`` off at TP=1), so
+    the schema carries declared defaults and the merged values alone decide (TP=2 keeps it on)."""
+    for spec in dataclasses.fields(engine):
+        if spec.default is not dataclasses.MISSING and spec.name not in ("strategy", "forward_only"):
+            setattr(engine, spec.name, spec.default)

@@ -1,7 +1,8 @@
 """Per-role configs: the actor, the reference policy and the critic each own an engine and an optimizer.
 
-``<role>.engine`` is a :class:`~posttrain.core.config.FSDPEngineConfig` or a
-:class:`~posttrain.core.config.McoreEngineConfig`, chosen by the role's strategy (``model_engine=`` sets all three).
+``<role>.engine`` starts as the shared :class:`~posttrain.core.config.EngineConfig`; :class:`PostTrainConfig`
+turns it into the config class of the role's backend (its ``strategy``, else ``model_engine``), e.g.
+``posttrain.fsdp.config.FSDPEngineConfig`` or ``posttrain.megatron.config.McoreEngineConfig``.
 Batch sizes follow verl: ``ppo_mini_batch_size`` counts prompts over all data-parallel ranks (multiplied by
 ``rollout.n`` inside the trainer); ``*_micro_batch_size_per_gpu`` counts sequences on one rank.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from posttrain.core.config import EngineConfig, FSDPEngineConfig, ModelConfig, OptimizerConfig
+from posttrain.core.config import EngineConfig, ModelConfig, OptimizerConfig
 
 from .algorithms import ActorLossConfig, CriticLossConfig
 
@@ -19,7 +20,7 @@ from .algorithms import ActorLossConfig, CriticLossConfig
 class ActorConfig(ActorLossConfig):
     """The policy being trained: its engine, optimizer, PPO batching and (inherited) loss knobs."""
 
-    engine: EngineConfig = field(default_factory=FSDPEngineConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     """Training backend and its parallel layout."""
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer and LR schedule."""
@@ -43,7 +44,7 @@ class ActorConfig(ActorLossConfig):
 class RefConfig:
     """The frozen reference policy for the KL term (a LoRA actor serves as its own reference)."""
 
-    engine: EngineConfig = field(default_factory=lambda: FSDPEngineConfig(forward_only=True))
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(forward_only=True))
     """Backend of the reference model (forward only)."""
 
 
@@ -53,7 +54,7 @@ class CriticConfig(CriticLossConfig):
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """Critic model; an empty path means the actor's model with a fresh value head."""
-    engine: EngineConfig = field(default_factory=FSDPEngineConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     """Training backend of the critic."""
     optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     """Critic optimizer."""

@@ -1,27 +1,22 @@
-"""Config dataclasses owned by engine-core (engine, optimizer, checkpoint, model) and their shared rules."""
+"""Config dataclasses owned by engine-core: the shared engine base, optimizer, checkpoint and model.
 
+Each backend's engine config subclasses :class:`EngineConfig` in the backend's package and is found by name
+through :func:`engine_config_class` (the ``posttrain.engine_configs`` entry points).
+"""
+
+from ..registry import engine_config_class
 from .checkpoint import CheckpointConfig
-from .engine import (
-    EngineConfig,
-    FSDPEngineConfig,
-    McoreEngineConfig,
-    QATConfig,
-    RouterReplayConfig,
-    engine_config_class,
-)
+from .engine import EngineConfig, QATConfig, RouterReplayConfig, normalize_dtype
 from .model import ModelConfig
 from .optim import OptimizerConfig
-from .rules import check_checkpoint_for_engine
 
 __all__ = [
     "CheckpointConfig",
     "EngineConfig",
-    "FSDPEngineConfig",
-    "McoreEngineConfig",
     "ModelConfig",
     "OptimizerConfig",
     "QATConfig",
     "RouterReplayConfig",
-    "check_checkpoint_for_engine",
     "engine_config_class",
+    "normalize_dtype",
 ]

@@ -2,7 +2,7 @@
 
 Contents are subsets of ``model``, ``optimizer``, ``extra`` (LR scheduler, RNG, counters, dataloader position)
 and ``hf_model`` (full Hugging Face safetensors next to the sharded checkpoint). Engine-specific rules (the
-Megatron-FSDP ones) are in :mod:`posttrain.core.config.rules`.
+Megatron-FSDP ones) are each engine config's ``check_checkpoint``.
 """
 
 from __future__ import annotations

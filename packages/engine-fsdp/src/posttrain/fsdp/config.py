@@ -1,0 +1,103 @@
+"""``FSDPEngineConfig``: the FSDP2 / FSDP1 engine's knobs on top of the shared :class:`EngineConfig`.
+
+Registered as the config of backends ``fsdp`` and ``fsdp2`` (entry-point group ``posttrain.engine_configs``).
+Field names and defaults follow verl's ``FSDPEngineConfig`` except where a docstring says otherwise. This
+module imports only engine-core's config (no transformers, no FSDP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from posttrain.core.config.engine import EngineConfig, normalize_dtype
+
+
+@dataclass(kw_only=True)
+class WrapPolicy:
+    """Which modules FSDP shards as a unit (verl's ``wrap_policy`` keys)."""
+
+    transformer_layer_cls_to_wrap: list[str] | None = None
+    """Class names of the modules to wrap (each one an FSDP unit); null: the model's ``_no_split_modules``
+    (its decoder layers)."""
+    min_num_params: int = 0
+    """FSDP1 only: when > 0, wrap by size instead (``size_based_auto_wrap_policy``: every subtree of at
+    least this many parameters)."""
+
+    def __post_init__(self) -> None:
+        if self.min_num_params < 0:
+            raise ValueError(f"wrap_policy.min_num_params={self.min_num_params} must be >= 0")
+        if self.transformer_layer_cls_to_wrap is not None and not self.transformer_layer_cls_to_wrap:
+            raise ValueError(
+                "wrap_policy.transformer_layer_cls_to_wrap=[] wraps nothing: name the decoder-layer classes "
+                "or set it to null for the model's _no_split_modules"
+            )
+
+
+@dataclass(kw_only=True)
+class FSDPEngineConfig(EngineConfig):
+    """PyTorch FSDP over a Hugging Face model (``strategy`` fsdp = FSDP1, fsdp2 = ``fully_shard``)."""
+
+    strategy: str | None = "fsdp2"
+    """``fsdp`` (FSDP1, FlatParameter) or ``fsdp2`` (per-parameter DTensor sharding)."""
+    wrap_policy: WrapPolicy = field(default_factory=WrapPolicy)
+    """What becomes an FSDP unit (decoder layers by default)."""
+    offload_policy: bool = False
+    """FSDP2 ``CPUOffloadPolicy``: parameters live on the CPU and stream to the device per layer."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after each layer's forward (ZeRO-3); False keeps them (ZeRO-2 like)."""
+    fsdp_size: int = -1
+    """Shard group size; -1 shards over all ranks, a smaller value gives HSDP (replicate x shard)."""
+    forward_prefetch: bool = False
+    """FSDP1 forward prefetch."""
+    model_dtype: str = "fp32"
+    """Dtype of the master parameters (the optimizer's copy)."""
+    use_orig_params: bool = False
+    """FSDP1 ``use_orig_params``."""
+    mixed_precision: dict[str, str] | None = None
+    """``param_dtype``/``reduce_dtype``/``buffer_dtype``; None = params in ``dtype``, reductions fp32."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses sequence parallel degree (only 1 is implemented)."""
+    use_torch_compile: bool = True
+    """Compile the log-prob/entropy head's per-chunk function on CUDA."""
+    entropy_checkpointing: bool = True
+    """Recompute each head chunk's fp32 softmax in backward, keeping only its logits in the compute dtype.
+    false keeps the fp32 intermediates of every chunk (faster backward, more memory). verl's default is false;
+    posttrain's is true."""
+    compile_layers: bool = False
+    """``torch.compile`` each decoder layer on CUDA (fuses norms, RoPE and the MLP's elementwise ops; dynamic
+    token counts, so one compile serves every packed length). The first steps pay the compile time."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.strategy not in ("fsdp", "fsdp2"):
+            raise ValueError(
+                f"FSDPEngineConfig.strategy={self.strategy!r}: use fsdp or fsdp2 "
+                "(another backend has its own engine config class)"
+            )
+        self.model_dtype = normalize_dtype(self.model_dtype, "engine.model_dtype")
+        if self.ulysses_sequence_parallel_size != 1:
+            raise ValueError(
+                f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} is not "
+                "implemented: set it to 1 (use the megatron engine's context_parallel_size for long "
+                "sequences)"
+            )
+        if self.fsdp_size == 0 or self.fsdp_size < -1:
+            raise ValueError(
+                f"engine.fsdp_size={self.fsdp_size}: use -1 (all ranks) or a positive divisor of "
+                "the world size"
+            )
+        if self.wrap_policy.min_num_params > 0 and self.strategy == "fsdp2":
+            raise ValueError(
+                f"engine.wrap_policy.min_num_params={self.wrap_policy.min_num_params} with strategy=fsdp2: "
+                "size-based wrapping is an FSDP1 auto-wrap policy; fully_shard wraps by class. Use "
+                "wrap_policy.transformer_layer_cls_to_wrap, or strategy=fsdp"
+            )
+
+    def check_world_size(self, world_size: int) -> int:
+        """Check ``fsdp_size`` divides ``world_size``; every rank is a data-parallel rank."""
+        if 0 < self.fsdp_size < world_size and world_size % self.fsdp_size:
+            raise ValueError(
+                f"engine.fsdp_size={self.fsdp_size} does not divide the world size {world_size}: use a "
+                f"divisor of {world_size} or -1"
+            )
+        return world_size

@@ -1,0 +1,184 @@
+"""``McoreEngineConfig``: the megatron engine's knobs on top of the shared :class:`EngineConfig`.
+
+Registered as the config of backend ``megatron`` (entry-point group ``posttrain.engine_configs``). Field names
+and defaults follow verl's ``McoreEngineConfig``. This module imports only engine-core's config: resolving
+``model_engine=megatron`` needs no megatron-core. Rules that need the HF model config or CUDA are in
+:mod:`posttrain.megatron.rules`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.core.config.checkpoint import CheckpointConfig
+from posttrain.core.config.engine import EngineConfig
+
+
+@dataclass(kw_only=True)
+class McoreEngineConfig(EngineConfig):
+    """Megatron-Core through Megatron-Bridge (``strategy`` megatron)."""
+
+    strategy: str | None = "megatron"
+    """Always ``megatron``."""
+    tensor_model_parallel_size: int = 1
+    """TP degree."""
+    expert_model_parallel_size: int = 1
+    """EP degree (MoE)."""
+    expert_tensor_parallel_size: int | None = None
+    """TP degree inside experts; None = same as TP."""
+    pipeline_model_parallel_size: int = 1
+    """PP degree."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank (interleaved schedule); None = 1."""
+    context_parallel_size: int = 1
+    """CP degree (long sequences)."""
+    sequence_parallel: bool = True
+    """Shard activations along the sequence in TP regions; forced off (with a warning) when TP=1."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (ZeRO-1); required by Megatron-FSDP."""
+    use_dist_checkpointing: bool = False
+    """Load initial weights from a Megatron dist_ckpt instead of Hugging Face safetensors."""
+    dist_checkpointing_path: str | None = None
+    """Where that dist_ckpt lives."""
+    dist_checkpointing_prefix: str = ""
+    """Key prefix inside that dist_ckpt."""
+    override_ddp_config: dict[str, Any] = field(default_factory=dict)
+    """Fields set on Megatron's DistributedDataParallelConfig."""
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
+    """Fields set on the bridge's model provider / TransformerConfig."""
+    override_mcore_model_config: dict[str, Any] = field(default_factory=dict)
+    """Fields set on the model build call."""
+    use_mbridge: bool = True
+    """Build models through a bridge (always true in posttrain)."""
+    vanilla_mbridge: bool = False
+    """True = the deprecated standalone ``mbridge`` package; False = NVIDIA Megatron-Bridge."""
+    use_megatron_fsdp: bool = False
+    """ZeRO-3 sharding of params, grads and optimizer state through Megatron-FSDP."""
+    dynamic_context_parallel: bool = False
+    """Choose the CP degree per micro-batch (verl field; not implemented)."""
+    max_seqlen_per_dp_cp_rank: int | None = None
+    """Token cap per DP x CP rank under dynamic CP; only null is accepted (dynamic CP is not implemented)."""
+    pad_bshd_to_minibatch_max: bool = True
+    """verl's padding of BSHD micro-batches; only true is accepted: this engine always runs packed (THD)
+    micro-batches, so there is no BSHD layout to pad."""
+    dist_ckpt_optim_fully_reshardable: bool = False
+    """Save the distributed optimizer in the fully reshardable layout."""
+    distrib_optim_fully_reshardable_mem_efficient: bool = False
+    """Lower-memory variant of the fully reshardable layout."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.strategy != "megatron":
+            raise ValueError(f"McoreEngineConfig.strategy={self.strategy!r}: must be megatron")
+        self._check_sizes()
+        if not self.use_mbridge:
+            raise ValueError(
+                "engine.use_mbridge=false is not supported: posttrain builds Megatron models only "
+                "through a bridge; set engine.use_mbridge=true"
+            )
+        if self.vanilla_mbridge:
+            warnings.warn(
+                "engine.vanilla_mbridge=true selects the deprecated standalone mbridge package; "
+                "set engine.vanilla_mbridge=false to use Megatron-Bridge",
+                FutureWarning,
+                stacklevel=1,
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            warnings.warn(
+                "engine.sequence_parallel=true has no effect at tensor_model_parallel_size=1; turning it off",
+                UserWarning,
+                stacklevel=1,
+            )
+            self.sequence_parallel = False
+        if self.use_megatron_fsdp and not self.use_distributed_optimizer:
+            raise ValueError(
+                "engine.use_megatron_fsdp=true needs engine.use_distributed_optimizer=true "
+                "(Megatron-FSDP shards optimizer state itself): set engine.use_distributed_optimizer=true"
+            )
+        self._check_unimplemented()
+
+    def _check_unimplemented(self) -> None:
+        if self.dynamic_context_parallel:
+            raise ValueError("engine.dynamic_context_parallel=true is not implemented: set it to false")
+        if self.max_seqlen_per_dp_cp_rank is not None:
+            raise ValueError(
+                f"engine.max_seqlen_per_dp_cp_rank={self.max_seqlen_per_dp_cp_rank} caps tokens under dynamic "
+                "context parallelism, which posttrain does not implement: set it to null (cap the tokens of "
+                "a micro-batch with engine.max_token_len_per_gpu, split long sequences with "
+                "engine.context_parallel_size)"
+            )
+        if not self.pad_bshd_to_minibatch_max:
+            raise ValueError(
+                "engine.pad_bshd_to_minibatch_max=false: the megatron engine always runs packed (THD) "
+                "micro-batches, so there is no BSHD padding to turn off; remove the override (for stable "
+                "shapes use engine.pad_to_length=true)"
+            )
+        if self.pad_to_length and self.context_parallel_size > 1:
+            raise ValueError(
+                f"engine.pad_to_length=true with context_parallel_size={self.context_parallel_size} is not "
+                "implemented (each CP rank's chunks are padded per sequence): set pad_to_length=false or "
+                "context_parallel_size=1"
+            )
+
+    def _check_sizes(self) -> None:
+        for name in (
+            "tensor_model_parallel_size",
+            "expert_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.{name}={getattr(self, name)} must be >= 1")
+        for name in ("expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"engine.{name}={value} must be >= 1 or null")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """TP x PP x CP: ranks that hold one copy of the model."""
+        return (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        )
+
+    def check_world_size(self, world_size: int) -> int:
+        """Check the layout fits ``world_size`` ranks and return the data-parallel size."""
+        mp = self.model_parallel_size
+        if world_size % mp:
+            raise ValueError(
+                f"tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size = "
+                f"{self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size} x "
+                f"{self.context_parallel_size} = {mp} does not divide the world size {world_size}: "
+                f"choose sizes whose product divides {world_size}"
+            )
+        dp = world_size // mp
+        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        expert_span = dp * self.context_parallel_size * self.tensor_model_parallel_size
+        if expert_span % (self.expert_model_parallel_size * etp):
+            raise ValueError(
+                f"expert_model_parallel_size x expert_tensor_parallel_size = {self.expert_model_parallel_size} x "
+                f"{etp} does not divide data-parallel x context-parallel x tensor-parallel = {expert_span} "
+                f"(world size {world_size}): pick an expert_model_parallel_size that divides {expert_span // etp}"
+            )
+        return dp
+
+    def check_checkpoint(self, checkpoint: CheckpointConfig, role: str = "actor") -> None:
+        """Megatron-FSDP saves DTensor state through Megatron-Bridge's fsdp_dtensor path, which always
+        regenerates model, optimizer and extra together: an optimizer-only layout cannot be loaded, and async
+        save is not covered."""
+        if not self.use_megatron_fsdp:
+            return
+        for key in ("save_contents", "load_contents"):
+            contents = getattr(checkpoint, key)
+            if "optimizer" in contents and "model" not in contents:
+                raise ValueError(
+                    f"checkpoint.{key}={list(contents)} with {role}.engine.use_megatron_fsdp=true: Megatron-FSDP "
+                    f"cannot save or load the optimizer without the model; add model to checkpoint.{key}"
+                )
+        if checkpoint.async_save:
+            raise ValueError(
+                f"checkpoint.async_save=true with {role}.engine.use_megatron_fsdp=true is not supported "
+                "by Megatron-FSDP checkpointing: set checkpoint.async_save=false"
+            )

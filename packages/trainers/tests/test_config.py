@@ -1,0 +1,54 @@
+"""The run config in Python and from key=value strings: each role's engine becomes its backend's config class."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.core.config import EngineConfig
+from posttrain.core.config.loader import ConfigError, to_dict
+from posttrain.fsdp.config import FSDPEngineConfig
+from posttrain.trainers.config import PostTrainConfig, load_config
+from posttrain.trainers.roles import ActorConfig
+
+ROLES = ("actor", "ref", "critic")
+
+
+def test_dataclass_api_resolves_model_engine():
+    cfg = PostTrainConfig()
+    assert all(type(getattr(cfg, r).engine) is FSDPEngineConfig for r in ROLES)
+    assert [getattr(cfg, r).engine.strategy for r in ROLES] == ["fsdp2"] * 3
+    assert cfg.ref.engine.forward_only and not cfg.actor.engine.forward_only
+    cfg = PostTrainConfig(model_engine="fsdp", actor=ActorConfig(engine=EngineConfig(dtype="fp32", seed=7)))
+    assert [getattr(cfg, r).engine.strategy for r in ROLES] == ["fsdp"] * 3
+    assert (cfg.actor.engine.dtype, cfg.actor.engine.seed) == ("float32", 7)  # shared fields carried over
+
+
+def test_explicit_engine_config_wins_over_model_engine():
+    cfg = PostTrainConfig(model_engine="fsdp", actor=ActorConfig(engine=FSDPEngineConfig(fsdp_size=2)))
+    assert cfg.actor.engine.strategy == "fsdp2" and cfg.actor.engine.fsdp_size == 2
+    assert cfg.critic.engine.strategy == "fsdp"
+
+
+def test_python_and_strings_give_the_same_tree():
+    assert to_dict(PostTrainConfig(model_engine="fsdp")) == to_dict(load_config(["model_engine=fsdp"]))
+
+
+def test_unknown_backend_names_the_key_and_what_to_install():
+    with pytest.raises(
+        ValueError, match=r"model_engine='fsdp3': engine backend 'fsdp3' is not installed.*fsdp2"
+    ):
+        PostTrainConfig(model_engine="fsdp3")
+    with pytest.raises(ConfigError, match=r"critic.engine.strategy='deepspeed'.*posttrain-engine-megatron"):
+        load_config(["critic.engine.strategy=deepspeed"])
+
+
+def test_world_size_rules_apply_to_fsdp_too():
+    with pytest.raises(ConfigError, match="fsdp_size=3 does not divide the world size 4"):
+        load_config(["actor.engine.fsdp_size=3", "trainer.n_gpus_per_node=4"])
+
+
+def test_config_show_exits_2_naming_a_wrong_key(capsys):
+    from posttrain.trainers import cli
+
+    assert cli.main(["config", "show", "model_engine=fsdp", "actor.engine.fsdp_sise=2"]) == 2
+    assert "actor.engine.fsdp_sise" in capsys.readouterr().err
