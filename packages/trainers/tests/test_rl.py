@@ -48,6 +48,8 @@ def grpo_args(assets, run_dir: Path, *extra: str) -> list[str]:
         "actor.ppo_mini_batch_size=2",
         "rollout.n=4",
         "rollout.response_length=10",
+        "actor.optim.lr=1e-4",
+        "actor.use_kl_loss=true",
         f"reward.custom_reward_function={Path(__file__).parent / 'rl_rewards.py'}:digit_share",
         *extra,
     ]
