@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .loader import ConfigError
+
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -50,22 +52,22 @@ class ModelConfig:
             raise ValueError(f"model.lora_rank={self.lora_rank} must be >= 0 (0 disables LoRA)")
 
     def require_weights(self, key: str = "model.path") -> None:
-        """Raise a ValueError naming the fix unless ``path`` is a directory holding HF weights (``key`` names
+        """Raise a ConfigError (a ValueError) naming the fix unless ``path`` is a directory holding HF weights (``key`` names
         the config key in the message)."""
         if not self.path:
-            raise ValueError(
+            raise ConfigError(
                 f"{key} is empty: set {key}=<local HF model dir> (make a tiny one with "
                 "`posttrain model init --size tiny --out DIR`)"
             )
         path = Path(self.path)
         if not path.is_dir():
-            raise ValueError(
+            raise ConfigError(
                 f"{key}={self.path!r} is not a directory: give a local Hugging Face model directory"
             )
         if any((path / name).is_file() for name in WEIGHT_FILES):
             return
         role_dir = path.parent if path.name == "huggingface" else Path("<global_step_N>/actor")
-        raise ValueError(
+        raise ConfigError(
             f"{key}={self.path!r} holds no weights (none of {', '.join(WEIGHT_FILES)}), so training would "
             "start from a random model. A checkpoint's huggingface/ folder holds weights only when the run "
             "saved with hf_model in checkpoint.save_contents (e.g. checkpoint.save_contents="

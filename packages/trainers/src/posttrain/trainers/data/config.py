@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from posttrain.core.config.loader import ConfigError
+
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -53,10 +55,10 @@ class DataConfig:
 
     def prompt_length(self, rollout_prompt_length: int) -> int:
         """RL: the prompt length filter, which is the rollout's ``prompt_length`` (the rollout sizes its
-        context for it); a ValueError when ``max_prompt_length`` is set to something else."""
+        context for it); a ConfigError when ``max_prompt_length`` is set to something else."""
         if self.max_prompt_length is None or self.max_prompt_length == rollout_prompt_length:
             return rollout_prompt_length
-        raise ValueError(
+        raise ConfigError(
             f"data.max_prompt_length={self.max_prompt_length} differs from rollout.prompt_length="
             f"{rollout_prompt_length}: both set the prompt length; set rollout.prompt_length="
             f"{self.max_prompt_length} and leave data.max_prompt_length unset (it follows the rollout)"
