@@ -52,8 +52,8 @@ class ModelConfig:
             raise ValueError(f"model.lora_rank={self.lora_rank} must be >= 0 (0 disables LoRA)")
 
     def require_weights(self, key: str = "model.path") -> None:
-        """Raise a ConfigError (a ValueError) naming the fix unless ``path`` is a directory holding HF weights (``key`` names
-        the config key in the message)."""
+        """Raise a ConfigError (a ValueError) naming the fix unless ``path`` is a directory holding HF
+        weights; ``key`` names the config key in the message."""
         if not self.path:
             raise ConfigError(
                 f"{key} is empty: set {key}=<local HF model dir> (make a tiny one with "
