@@ -232,3 +232,11 @@ def test_cuda_generation_sync_and_offload(tiny_model_dir):
         s.response_ids
         for s in rollout.generate(PROMPTS, SamplingConfig(temperature=1.0, n=2, max_new_tokens=6, seed=4))
     ]
+
+
+@pytest.mark.parametrize(("spelling", "want"), [("half", torch.float16), ("bf16", torch.bfloat16)])
+def test_rollout_dtype_aliases(tiny_model_dir, spelling, want):
+    rollout = HFRollout(RolloutConfig(dtype=spelling), tiny_model_dir, device="cpu")
+    assert rollout.dtype is want and next(rollout.model.parameters()).dtype is want
+    with pytest.raises(ValueError, match="rollout.dtype='int8'"):
+        HFRollout(RolloutConfig(dtype="int8"), tiny_model_dir, device="cpu")

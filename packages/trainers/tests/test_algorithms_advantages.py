@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from posttrain.trainers.algorithms import (
+    ADV_ESTIMATORS,
     AdaptiveKLController,
     AdvantageInputs,
     AlgorithmConfig,
     FixedKLController,
     KLControlConfig,
+    adv_estimator_traits,
     apply_kl_penalty,
     compute_advantage,
     get_adv_estimator,
@@ -231,6 +233,27 @@ def test_missing_inputs_and_unknown_names_raise():
         AlgorithmConfig(adv_estimator="ppo")
     with pytest.raises(ValueError, match="low_var_kl"):
         AlgorithmConfig(kl_penalty="k4")
+
+
+@pytest.mark.parametrize("name", ADV_ESTIMATORS.names())
+def test_traits_declare_exactly_the_inputs_each_estimator_needs(name):
+    """The loop builds a critic / generates greedy baselines from the registered traits: an estimator runs
+    without values (baselines) exactly when its traits say it needs no critic (greedy baseline)."""
+    layout = random_layout(2)
+    full = {
+        "values": layout.packed(dense_rewards(layout, 3)),
+        "reward_baselines": torch.zeros(len(layout.masks), dtype=torch.float64),
+    }
+    traits = adv_estimator_traits(name)
+    run(name, layout, dense_rewards(layout, 4), **full)
+    for key, needed in (("values", traits.needs_critic), ("reward_baselines", traits.needs_greedy_baseline)):
+        given = {k: v for k, v in full.items() if k != key}
+        if needed:
+            with pytest.raises(ValueError, match=key):
+                run(name, layout, dense_rewards(layout, 4), **given)
+        else:
+            run(name, layout, dense_rewards(layout, 4), **given)
+    assert adv_estimator_traits("gae").needs_critic and adv_estimator_traits("remax").needs_greedy_baseline
 
 
 def test_scores_land_on_the_last_response_token():

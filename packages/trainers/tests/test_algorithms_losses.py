@@ -16,6 +16,7 @@ from posttrain.trainers.algorithms import (
     ActorLossConfig,
     CriticLossConfig,
     PolicyLossConfig,
+    PolicyLossInputs,
     agg_loss,
     align_values,
     entropy_from_logits,
@@ -60,16 +61,16 @@ def vanilla_ref(o: float, n: float, a: float, cfg: ActorLossConfig) -> float:
 
 def call_policy(mode, layout, old, new, adv, cfg):
     new_t = layout.packed(new).requires_grad_(True)
-    loss, metrics = get_policy_loss(mode)(
-        layout.packed(old),
-        new_t,
-        layout.packed(adv),
-        layout.mask,
-        layout.cu_seqlens,
-        ctx_of(layout),
-        cfg,
-        SCALE,
+    inputs = PolicyLossInputs(
+        old_log_prob=layout.packed(old),
+        log_prob=new_t,
+        advantages=layout.packed(adv),
+        mask=layout.mask,
+        cu_seqlens=layout.cu_seqlens,
+        ctx=ctx_of(layout),
+        loss_scale_factor=SCALE,
     )
+    loss, metrics = get_policy_loss(mode)(inputs, cfg)
     loss.backward()
     return loss.detach(), metrics, layout.split(new_t.grad)
 
@@ -91,6 +92,21 @@ def test_vanilla_ppo_with_dual_clip(mode):
     assert dual > 0, "the test data should exercise the dual clip"
     assert abs(metrics["actor/pg_clipfrac_lower"] - dual / len(flat)) < 1e-12
     assert abs(metrics["actor/ppo_kl"] - sum(o - n for o, n, _ in flat) / len(flat)) < 1e-12
+
+
+def test_clip_ratio_is_the_default_of_both_clips():
+    """actor.clip_ratio sets both clips unless clip_ratio_low/high are given (verl's semantics)."""
+    cfg = ActorLossConfig(clip_ratio=0.05)
+    assert (cfg.clip_low, cfg.clip_high) == (0.05, 0.05)
+    assert ActorLossConfig(clip_ratio=0.05, clip_ratio_high=0.3).clip_high == 0.3
+    layout = random_layout(28)
+    old, new, adv = random_tokens(layout, 29, spread=0.5)
+    loss, metrics, _ = call_policy("vanilla", layout, old, new, adv, cfg)
+    narrow = ActorLossConfig(clip_ratio_low=0.05, clip_ratio_high=0.05)
+    per_tok = [[vanilla_ref(o, n, a, narrow) for o, n, a in zip(*t)] for t in zip(old, new, adv)]
+    assert abs(float(loss) - agg_ref(per_tok, layout.masks, "token-mean")) < 1e-10
+    _, default_metrics, _ = call_policy("vanilla", layout, old, new, adv, ActorLossConfig())
+    assert metrics["actor/pg_clipfrac"] > default_metrics["actor/pg_clipfrac"] > 0
 
 
 def test_gspo_value_and_gradient():

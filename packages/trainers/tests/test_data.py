@@ -190,3 +190,51 @@ def test_synthetic_data_loads_as_sft_dataset(tokenizer, tmp_path):
     batch = ds.batch([0, 3, 5])
     assert batch.num_seqs == 3 and batch.num_tokens == ds.num_tokens([0, 3, 5])
     assert all(0 < sum(m) < len(m) for m in ds.loss_mask)
+
+
+def _rl_row(truth, source="synthetic_arithmetic") -> dict:
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": "What is 2 + 3?"}],
+        "reward_model": {"style": "rule", "ground_truth": truth},
+    }
+
+
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        (_rl_row(None), r"b\.parquet row 1: reward_model\.ground_truth is null"),
+        ({**_rl_row("5"), "reward_model": None}, r"b\.parquet row 1: reward_model\.ground_truth is null"),
+        (_rl_row("5", source=None), r"b\.parquet row 1: data_source is null"),
+        ({**_rl_row("5"), "prompt": []}, r"b\.parquet row 1: the prompt chat 'prompt' is empty"),
+    ],
+)
+def test_rl_rows_with_null_reward_fields_are_rejected_with_file_and_row(tokenizer, tmp_path, row, match):
+    from posttrain.trainers.rl.dataset import PromptDataset
+
+    good = _write(tmp_path / "a.parquet", pa.Table.from_pylist([_rl_row("5"), _rl_row("7")]))
+    bad = _write(tmp_path / "b.parquet", pa.Table.from_pylist([_rl_row("5"), row]))
+    config = DataConfig(max_prompt_length=64)
+    assert [p.ground_truth for p in PromptDataset([good], tokenizer, config)] == ["5", "7"]
+    with pytest.raises(ValueError, match=match):
+        PromptDataset([good, bad], tokenizer, config)
+
+
+def test_prompt_length_follows_the_rollout_and_a_mismatch_is_rejected(tokenizer, tmp_path):
+    from posttrain.trainers.rl.dataset import PromptDataset
+
+    assert DataConfig().prompt_length(64) == 64
+    assert DataConfig(max_prompt_length=64).prompt_length(64) == 64
+    with pytest.raises(
+        ValueError,
+        match=r"data\.max_prompt_length=100 differs from rollout\.prompt_length=64: .*"
+        r"set rollout\.prompt_length=100",
+    ):
+        DataConfig(max_prompt_length=100).prompt_length(64)
+    path = _write(tmp_path / "p.parquet", pa.Table.from_pylist([_rl_row("5")]))
+    with pytest.raises(ValueError, match="data.max_prompt_length is unset"):
+        PromptDataset([path], tokenizer, DataConfig())
+    with pytest.warns(UserWarning, match=r"dropped 1 of 2 prompts longer than data\.max_prompt_length=30"):
+        long = {**_rl_row("5"), "prompt": [{"role": "user", "content": "1 " * 50}]}
+        two = _write(tmp_path / "two.parquet", pa.Table.from_pylist([_rl_row("5"), long]))
+        assert len(PromptDataset([two], tokenizer, DataConfig(max_prompt_length=30))) == 1

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from posttrain.core.config import ModelConfig
 from posttrain.trainers.commands import model_cmd
 from posttrain.trainers.model_init import IM_END, PAD, count_parameters
 
@@ -14,6 +15,7 @@ def test_model_init_tiny(tmp_path, capsys):
     out = tmp_path / "tiny"
     assert model_cmd.main(["init", "--arch", "qwen2", "--size", "tiny", "--out", str(out)]) == 0
     assert "parameters) to" in capsys.readouterr().out
+    ModelConfig(path=str(out)).require_weights()  # a random model on purpose has its weights on disk
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     cfg = model.config

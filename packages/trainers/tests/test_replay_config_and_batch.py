@@ -13,11 +13,24 @@ from posttrain.trainers.rl.batch import build_batch, mini_batches
 from posttrain.trainers.rl.router_replay import replay_mode
 
 
-def test_replay_mode_names_the_fix():
-    assert replay_mode(load_config([])) == "disabled"
-    with pytest.raises(ValueError, match="strategy=fsdp2: only the megatron engine"):
-        replay_mode(load_config(["actor.engine.router_replay.mode=R2"]))
-    # the megatron half (R2, R3) needs the megatron config: packages/engine-megatron/tests/test_config.py
+def test_replay_mode_asks_the_engine_class_and_names_the_fix():
+    """Replay is allowed when the actor's engine class declares ``supports_router_replay`` (read through the
+    registry, nothing built); the megatron engine's own declaration is tested in engine-megatron."""
+    from posttrain.core import EngineRegistry
+
+    fsdp_cls = EngineRegistry.from_entry_points().get_engine_cls("language_model", "fsdp2")
+
+    class Replaying(fsdp_cls):
+        supports_router_replay = True
+
+    assert replay_mode(load_config([]), fsdp_cls) == "disabled"
+    with pytest.raises(ValueError, match="strategy=fsdp2: FSDPLanguageModelEngine does not replay routing"):
+        replay_mode(load_config(["actor.engine.router_replay.mode=R2"]), fsdp_cls)
+    r3 = ["actor.engine.router_replay.mode=R3"]
+    with pytest.raises(ValueError, match="set rollout.return_routed_experts=true"):
+        replay_mode(load_config(r3), Replaying)
+    assert replay_mode(load_config([*r3, "rollout.return_routed_experts=true"]), Replaying) == "R3"
+    assert replay_mode(load_config(["actor.engine.router_replay.mode=R2"]), Replaying) == "R2"
 
 
 def _sample(index: int, prompt_len: int, response_len: int, routed: bool) -> RolloutSample:

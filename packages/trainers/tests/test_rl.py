@@ -48,6 +48,8 @@ def grpo_args(assets, run_dir: Path, *extra: str) -> list[str]:
         "actor.ppo_mini_batch_size=2",
         "rollout.n=4",
         "rollout.response_length=10",
+        "actor.optim.lr=1e-4",
+        "actor.use_kl_loss=true",
         f"reward.custom_reward_function={Path(__file__).parent / 'rl_rewards.py'}:digit_share",
         *extra,
     ]
@@ -147,6 +149,26 @@ def test_rollout_after_sync_generates_the_trained_models_greedy_tokens(assets, t
             assert sample.response_ids == _greedy(model, prompt, 8, trainer.tokenizer.eos_token_id)
     finally:
         trainer.close()
+
+
+def test_bad_starts_are_refused_before_anything_is_built(assets, tmp_path, capsys):
+    """A model directory without weights (it would train a random actor, then fail in the rollout) and two
+    different prompt lengths exit 2 with the fix named, before an engine or the run directory exists."""
+    import shutil
+
+    from posttrain.trainers import cli
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in Path(assets["model"]).iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, bare)
+    assert cli.main(["grpo", *grpo_args(assets, tmp_path / "a", f"model.path={bare}")]) == 2
+    err = capsys.readouterr().err
+    assert "model.path=" in err and "holds no weights" in err and "posttrain ckpt export-hf" in err
+    assert cli.main(["grpo", *grpo_args(assets, tmp_path / "b", "data.max_prompt_length=32")]) == 2
+    assert "data.max_prompt_length=32 differs from rollout.prompt_length=64" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 @pytest.mark.slow

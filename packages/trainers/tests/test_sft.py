@@ -177,3 +177,38 @@ def test_malformed_parquet_fails_before_training(assets, tmp_path):
     with pytest.raises(ValueError, match=r"bad\.parquet: column 'chat' is missing"):
         run(sft_args(assets, tmp_path / "run", f"data.train_files=[{bad}]", "data.messages_key=chat"))
     assert not (tmp_path / "run").exists()
+
+
+def test_checkpoint_huggingface_folder_without_weights_is_refused_and_export_fixes_it(
+    assets, reference, tmp_path
+):
+    """The default save_contents writes no HF weights: training from that folder would start from a random
+    model. It is refused before anything is built, and the command the error names makes it loadable."""
+    from posttrain.ckpt.cli import main as ckpt_main
+    from posttrain.core.config import ModelConfig
+
+    role = reference / "global_step_4" / "actor"
+    folder = role / "huggingface"
+    assert (folder / "config.json").is_file()
+    with pytest.raises(ValueError, match=r"holds no weights .*hf_model in checkpoint\.save_contents") as err:
+        run(sft_args(assets, tmp_path / "run", f"model.path={folder}"))
+    assert f"posttrain ckpt export-hf {role} <out dir>" in str(err.value)
+    assert not (tmp_path / "run").exists()
+    assert ckpt_main(["export-hf", str(role), str(tmp_path / "hf")]) == 0
+    ModelConfig(path=str(tmp_path / "hf")).require_weights()
+
+
+@pytest.mark.slow
+def test_defaults_run_without_a_preset(assets, tmp_path):
+    """`posttrain sft model.path=... data.train_files=[...]` with every other key at its default trains (the
+    micro-batch token budget is filled in), here for two steps."""
+    metrics = run(
+        [
+            f"model.path={assets['model']}",
+            f"data.train_files=[{assets['train']}]",
+            "trainer.total_training_steps=2",
+            f"trainer.default_local_dir={tmp_path}",
+        ]
+    )
+    assert metrics["train/loss"] > 0 and metrics["train/loss_tokens"] > 0
+    assert (tmp_path / "global_step_2" / "actor").is_dir()

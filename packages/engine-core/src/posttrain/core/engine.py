@@ -56,6 +56,10 @@ class EngineModeCtx:
 class BaseEngine(ABC):
     """One model, its optimizer and schedule, behind a backend-neutral interface."""
 
+    supports_router_replay: bool = False
+    """Whether the engine replays recorded MoE routing (``engine.router_replay.mode`` R2 or R3); the trainers
+    read it from the class, before building anything."""
+
     def __init__(
         self,
         model_config: ModelConfig,

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 
 @dataclass(kw_only=True)
-class SamplingConfig:
-    """How to sample one response."""
+class SamplingKnobs:
+    """The sampling knobs a rollout config and one generate call share (declared once, here)."""
 
     temperature: float = 1.0
     """Softmax temperature; 0 = greedy."""
@@ -25,7 +25,23 @@ class SamplingConfig:
     top_k: int = -1
     """Keep the k most likely tokens; -1 = all."""
     n: int = 1
-    """Responses per prompt."""
+    """Responses per prompt (GRPO's group size in a rollout config)."""
+
+    def _check_sampling(self, prefix: str) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"{prefix}temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{prefix}top_p={self.top_p} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"{prefix}top_k={self.top_k} must be -1 (off) or >= 1")
+        if self.n < 1:
+            raise ValueError(f"{prefix}n={self.n} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class SamplingConfig(SamplingKnobs):
+    """How to sample the responses of one generate call."""
+
     max_new_tokens: int = 64
     """Response length cap."""
     stop_token_ids: list[int] = field(default_factory=list)
@@ -34,30 +50,20 @@ class SamplingConfig:
     """Seed for this batch's sampling (None: the rollout's own generator)."""
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.n < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"n={self.n} and max_new_tokens={self.max_new_tokens} must be >= 1")
+        self._check_sampling("")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
-    """Which rollout backend, and its engine options (field names follow verl's ``actor_rollout_ref.rollout``)."""
+class RolloutConfig(SamplingKnobs):
+    """Which rollout backend, its engine options, and (inherited from :class:`SamplingKnobs`: temperature,
+    top_p, top_k, n) how training rollouts sample. Field names follow verl's ``actor_rollout_ref.rollout``."""
 
     name: str = "hf"
     """Backend: ``hf`` (transformers generate, the CPU default) or ``vllm``."""
     mode: str = "sync"
     """``sync`` (colocated SPMD) or ``async`` (server)."""
-    temperature: float = 1.0
-    """Sampling temperature in training rollouts."""
-    top_p: float = 1.0
-    """Nucleus sampling in training rollouts."""
-    top_k: int = -1
-    """Top-k in training rollouts (-1 = off)."""
-    n: int = 1
-    """Responses per prompt (GRPO group size)."""
     prompt_length: int = 512
     """Longest prompt in tokens."""
     response_length: int = 512
@@ -102,10 +108,9 @@ class RolloutConfig:
     Implemented by the ``hf`` rollout."""
 
     def __post_init__(self) -> None:
+        self._check_sampling("rollout.")
         if self.mode not in ("sync", "async"):
             raise ValueError(f"rollout.mode={self.mode!r}: use sync or async")
-        if self.n < 1:
-            raise ValueError(f"rollout.n={self.n} must be >= 1")
         if self.update_weights_bucket_megabytes < 1:
             raise ValueError(
                 f"rollout.update_weights_bucket_megabytes={self.update_weights_bucket_megabytes} must be >= 1"
@@ -118,18 +123,14 @@ class RolloutConfig:
             )
 
     def sampling(self, validate: bool = False) -> SamplingConfig:
-        """Sampling parameters for a training (or validation) rollout."""
+        """Sampling for a training rollout (this config's :class:`SamplingKnobs`), or for validation
+        (``val_temperature``, ``val_n``, no top-p/top-k), up to ``response_length`` new tokens."""
         if validate:
             return SamplingConfig(
                 temperature=self.val_temperature, n=self.val_n, max_new_tokens=self.response_length
             )
-        return SamplingConfig(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            n=self.n,
-            max_new_tokens=self.response_length,
-        )
+        shared = {f.name: getattr(self, f.name) for f in fields(SamplingKnobs)}
+        return SamplingConfig(**shared, max_new_tokens=self.response_length)
 
 
 @dataclass

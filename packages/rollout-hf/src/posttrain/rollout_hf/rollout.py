@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from posttrain.core import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
+from posttrain.core.dtypes import parse_dtype
 from posttrain.core.weight_sync import (
     BucketReceiver,
     BucketSender,
@@ -42,24 +43,6 @@ from .experts import expert_slot
 from .lora import AdapterMerger, check_peft_config
 from .routing import RoutingRecorder
 from .sampling import select_tokens
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A torch dtype from a config string such as ``bfloat16``."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"rollout dtype {dtype!r} is not supported: use one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 def eos_token_ids(model: Any) -> set[int]:
@@ -87,7 +70,7 @@ class HFRollout(BaseRollout):
 
         self.config = config
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype if dtype is not None else config.dtype)
+        self.dtype = parse_dtype(dtype if dtype is not None else config.dtype, "rollout.dtype")
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=self.dtype, trust_remote_code=trust_remote_code
         )

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 
 from posttrain.core.config import ModelConfig
+from posttrain.core.dtypes import DTYPES
+from posttrain.core.dtypes import dtype_name as core_dtype_name
 from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
 from posttrain.core.weight_sync import BucketSender, WeightSyncError
 
@@ -47,14 +49,6 @@ from .extension import jsonable
 from .transport import TRANSPORTS, RpcBucketTransport
 
 EXTENSION = "posttrain.rollout_vllm.extension.WeightSyncWorkerExtension"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DTYPE_ALIASES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "float": "float32",
-}
 
 
 @dataclass(kw_only=True)
@@ -87,11 +81,7 @@ def _distributed() -> bool:
 
 def dtype_name(dtype: str | torch.dtype) -> str:
     """vLLM's name for a rollout dtype given as a string (``bf16``, ``bfloat16``...) or a torch dtype."""
-    name = str(dtype).removeprefix("torch.")
-    name = DTYPE_ALIASES.get(name, name)
-    if name not in DTYPES:
-        raise ValueError(f"rollout dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
-    return name
+    return core_dtype_name(dtype, "rollout.dtype")
 
 
 def routed_experts_supported() -> bool:

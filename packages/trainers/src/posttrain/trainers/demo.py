@@ -98,6 +98,8 @@ def run(cfg: DemoConfig) -> dict[str, float]:
             "data.train_batch_size=16",
             "actor.ppo_mini_batch_size=8",
             f"actor.optim.lr={cfg.grpo_lr}",
+            "actor.use_kl_loss=true",
+            "actor.kl_loss_coef=0.001",
             "trainer.test_freq=10",
         ],
         "grpo",

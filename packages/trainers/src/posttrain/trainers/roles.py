@@ -4,7 +4,9 @@
 turns it into the config class of the role's backend (its ``strategy``, else ``model_engine``), e.g.
 ``posttrain.fsdp.config.FSDPEngineConfig`` or ``posttrain.megatron.config.McoreEngineConfig``.
 Batch sizes follow verl: ``ppo_mini_batch_size`` counts prompts over all data-parallel ranks (multiplied by
-``rollout.n`` inside the trainer); ``*_micro_batch_size_per_gpu`` counts sequences on one rank.
+``rollout.n`` inside the trainer); ``*_micro_batch_size_per_gpu`` counts sequences on one rank. With
+``use_dynamic_bsz`` (the default) and no ``max_token_len_per_gpu``, the trainers give each role's engine
+:func:`fill_token_budget`'s budget: verl's 16384 tokens, or the run's longest sequence when that is longer.
 """
 
 from __future__ import annotations
@@ -14,6 +16,16 @@ from dataclasses import dataclass, field
 from posttrain.core.config import EngineConfig, ModelConfig, OptimizerConfig
 
 from .algorithms import ActorLossConfig, CriticLossConfig
+
+DEFAULT_MAX_TOKEN_LEN_PER_GPU = 16384
+"""Token budget of a micro-batch when none is set (verl's ``ppo_max_token_len_per_gpu`` default)."""
+
+
+def fill_token_budget(engine: EngineConfig, longest: int) -> None:
+    """Give ``engine`` a micro-batch token budget when ``use_dynamic_bsz`` has none:
+    ``max(DEFAULT_MAX_TOKEN_LEN_PER_GPU, longest)``, so the run's longest sequence (``longest`` tokens) fits."""
+    if engine.use_dynamic_bsz and engine.max_token_len_per_gpu is None:
+        engine.max_token_len_per_gpu = max(DEFAULT_MAX_TOKEN_LEN_PER_GPU, longest)
 
 
 @dataclass(kw_only=True)

@@ -39,6 +39,7 @@ from .data.sft_dataset import SFTDataset
 from .loop import StepLoop
 from .perf import peak_flops_per_device, step_flops
 from .resume import resume_point
+from .roles import fill_token_budget
 
 ROLE = "actor"
 
@@ -49,6 +50,15 @@ def sft_loss(model_output: dict[str, torch.Tensor], micro: PackedBatch, ctx: Los
     nll_sum = -(model_output["log_probs"] * mask).sum()
     loss = nll_sum / max(ctx.global_num_tokens, 1) * ctx.dp_size
     return loss, {}
+
+
+def require_model_weights(cfg: PostTrainConfig, rollout_loads_weights: bool = False) -> None:
+    """Refuse a ``model.path`` without weights before anything is built
+    (:meth:`~posttrain.core.config.ModelConfig.require_weights`); an actor that starts from a Megatron
+    dist_ckpt (``use_dist_checkpointing``) needs none, unless a rollout loads them too."""
+    from_dist_ckpt = getattr(cfg.actor.engine, "use_dist_checkpointing", False)
+    if rollout_loads_weights or not from_dist_ckpt:
+        cfg.model.require_weights("model.path")
 
 
 def load_tokenizer(cfg: PostTrainConfig):
@@ -86,6 +96,8 @@ class SFTTrainer(StepLoop):
         self.owns_group = pdist.init_distributed()
         pdist.check_world_size(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
         torch.manual_seed(cfg.trainer.seed)
+        require_model_weights(cfg)
+        fill_token_budget(cfg.actor.engine, cfg.data.max_length)
         tokenizer = load_tokenizer(cfg)
         self.train_set = SFTDataset(cfg.data.train_files, tokenizer, cfg.data, key="data.train_files")
         self.val_set = (

@@ -1,9 +1,25 @@
-"""The model a role trains: where its Hugging Face files are and how to adapt it (LoRA, checkpointing)."""
+"""The model a role trains: where its Hugging Face files are and how to adapt it (LoRA, checkpointing).
+
+:meth:`ModelConfig.require_weights` is the check the trainers run before building any engine: an HF directory
+with a ``config.json`` but no weight file would otherwise become a randomly initialised model without a word
+(``from_config``), which is what a checkpoint's ``huggingface/`` folder holds unless ``hf_model`` was saved.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from .loader import ConfigError
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+"""The files ``from_pretrained`` loads weights from (one of them must exist)."""
 
 
 @dataclass(kw_only=True)
@@ -34,6 +50,31 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.lora_rank < 0:
             raise ValueError(f"model.lora_rank={self.lora_rank} must be >= 0 (0 disables LoRA)")
+
+    def require_weights(self, key: str = "model.path") -> None:
+        """Raise a ConfigError (a ValueError) naming the fix unless ``path`` is a directory holding HF
+        weights; ``key`` names the config key in the message."""
+        if not self.path:
+            raise ConfigError(
+                f"{key} is empty: set {key}=<local HF model dir> (make a tiny one with "
+                "`posttrain model init --size tiny --out DIR`)"
+            )
+        path = Path(self.path)
+        if not path.is_dir():
+            raise ConfigError(
+                f"{key}={self.path!r} is not a directory: give a local Hugging Face model directory"
+            )
+        if any((path / name).is_file() for name in WEIGHT_FILES):
+            return
+        role_dir = path.parent if path.name == "huggingface" else Path("<global_step_N>/actor")
+        raise ConfigError(
+            f"{key}={self.path!r} holds no weights (none of {', '.join(WEIGHT_FILES)}), so training would "
+            "start from a random model. A checkpoint's huggingface/ folder holds weights only when the run "
+            "saved with hf_model in checkpoint.save_contents (e.g. checkpoint.save_contents="
+            f"[model,optimizer,extra,hf_model]); for a checkpoint saved without it, run `posttrain ckpt "
+            f"export-hf {role_dir} <out dir>` and set {key}=<out dir>. For a random model on purpose, write "
+            "one with `posttrain model init --out DIR`."
+        )
 
     @property
     def tokenizer_dir(self) -> str:

@@ -6,12 +6,14 @@ from .advantages import (
     ADV_ESTIMATORS,
     AdvantageInputs,
     AlgorithmConfig,
+    EstimatorTraits,
+    adv_estimator_traits,
     compute_advantage,
     get_adv_estimator,
     register_adv_estimator,
     scores_to_token_rewards,
 )
-from .agg import LOSS_AGG_MODES, agg_loss
+from .agg import LOSS_AGG_MODES, LossTokens, agg_loss
 from .kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -25,7 +27,14 @@ from .kl import (
 )
 from .losses import CriticLossConfig, entropy_from_logits, make_actor_loss, make_critic_loss, value_loss
 from .packed import align_values
-from .policy import POLICY_LOSSES, ActorLossConfig, PolicyLossConfig, get_policy_loss, register_policy_loss
+from .policy import (
+    POLICY_LOSSES,
+    ActorLossConfig,
+    PolicyLossConfig,
+    PolicyLossInputs,
+    get_policy_loss,
+    register_policy_loss,
+)
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -37,9 +46,13 @@ __all__ = [
     "AdvantageInputs",
     "AlgorithmConfig",
     "CriticLossConfig",
+    "EstimatorTraits",
     "FixedKLController",
     "KLControlConfig",
+    "LossTokens",
     "PolicyLossConfig",
+    "PolicyLossInputs",
+    "adv_estimator_traits",
     "agg_loss",
     "align_values",
     "apply_kl_penalty",

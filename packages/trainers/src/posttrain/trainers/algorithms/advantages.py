@@ -115,12 +115,28 @@ class AdvantageInputs:
         return per_seq[seq_index_from_cu(self.cu_seqlens)] * self.response_mask
 
 
+@dataclass(frozen=True)
+class EstimatorTraits:
+    """What the RL loop must produce before an estimator can run (declared when it is registered)."""
+
+    needs_critic: bool = False
+    """Per-token ``values`` from a critic: the loop builds, runs and trains a critic (``critic.*``)."""
+    needs_greedy_baseline: bool = False
+    """Per-sequence ``reward_baselines``, the reward of a greedy response to the same prompt: the loop
+    generates one per prompt each step."""
+
+
 AdvantageFn = Callable[[AdvantageInputs, AlgorithmConfig], tuple[torch.Tensor, torch.Tensor]]
 ADV_ESTIMATORS: FunctionRegistry[AdvantageFn] = FunctionRegistry(
-    "advantage estimator", "algorithm.adv_estimator"
+    "advantage estimator", "algorithm.adv_estimator", EstimatorTraits()
 )
 register_adv_estimator = ADV_ESTIMATORS.register
 get_adv_estimator = ADV_ESTIMATORS.get
+
+
+def adv_estimator_traits(name: str) -> EstimatorTraits:
+    """The traits estimator ``name`` was registered with; a ValueError listing the names if unknown."""
+    return ADV_ESTIMATORS.traits(name)
 
 
 def scores_to_token_rewards(
@@ -147,7 +163,7 @@ def group_stats(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor
     return mean[inverse], std[inverse], count[inverse]
 
 
-@register_adv_estimator("gae")
+@register_adv_estimator("gae", traits=EstimatorTraits(needs_critic=True))
 def gae(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438; verl
     ``compute_gae_advantage_return``). Over the response tokens t_1 < ... < t_n of a sequence (non-response
@@ -235,7 +251,7 @@ def reinforce_plus_plus_baseline(
     return adv, adv
 
 
-@register_adv_estimator("remax")
+@register_adv_estimator("remax", traits=EstimatorTraits(needs_greedy_baseline=True))
 def remax(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2023, arXiv:2310.10505; verl ``compute_remax_outcome_advantage``): the undiscounted
     reward-to-go ``G_t = sum_{t' >= t} r_t'`` over response tokens minus the greedy response's reward

@@ -14,15 +14,20 @@ every sequence, also one with no loss tokens (verl's global path does the same, 
 ``seq-mean-token-sum-norm`` needs an explicit ``loss_scale_factor`` because a packed batch has no padded
 horizon (verl's default, ``loss_mask.shape[-1]``, depends on padding); the trainer passes
 ``rollout.response_length`` when ``actor.loss_scale_factor`` is unset.
+
+:class:`LossTokens` bundles what aggregation needs of a micro-batch (mask, boundaries, the step's counts, the
+scale factor); the policy and value losses take one instead of four arguments each.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from posttrain.core.batch import LossContext
 
-from .packed import segment_sum, seq_index_from_cu
+from .packed import masked_mean, segment_sum, seq_index_from_cu
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -59,3 +64,26 @@ def agg_loss(
             )
         out = out / loss_scale_factor
     return out
+
+
+@dataclass(kw_only=True)
+class LossTokens:
+    """The loss tokens of one micro-batch and the step's global counts: what turns a per-token loss into this
+    micro-batch's share of the global aggregate. T = tokens, B = sequences of the micro-batch."""
+
+    mask: torch.Tensor
+    """(T,) 1 on the tokens the loss counts."""
+    cu_seqlens: torch.Tensor
+    """(B+1,) sequence boundaries."""
+    ctx: LossContext
+    """Loss tokens and sequences of the whole step, over every micro-batch and data-parallel rank."""
+    loss_scale_factor: float | None = None
+    """Divisor of ``seq-mean-token-sum-norm``."""
+
+    def agg(self, loss: torch.Tensor, mode: str) -> torch.Tensor:
+        """:func:`agg_loss` of the per-token ``loss`` (T,) with ``mode``."""
+        return agg_loss(loss, self.mask, self.cu_seqlens, mode, self.ctx, self.loss_scale_factor)
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean of ``values`` (T,) over this micro-batch's loss tokens (for metrics)."""
+        return masked_mean(values, self.mask)

@@ -20,10 +20,10 @@ import torch
 
 from posttrain.core.batch import LossContext, LossFn, PackedBatch
 
-from .agg import agg_loss, check_loss_agg_mode
+from .agg import LossTokens, check_loss_agg_mode
 from .kl import kl_penalty
-from .packed import align_values, masked_mean
-from .policy import ActorLossConfig, get_policy_loss
+from .packed import align_values
+from .policy import ActorLossConfig, PolicyLossInputs, get_policy_loss
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,16 @@ def make_actor_loss(cfg: ActorLossConfig, loss_scale_factor: float | None = None
         log_prob, mask, cu = model_output["log_probs"], micro.loss_mask, micro.cu_seqlens
         old = _field(micro, "old_log_probs", "policy loss")
         adv = _field(micro, "advantages", "policy loss")
-        loss, metrics = policy_fn(old, log_prob, adv, mask, cu, ctx, cfg, scale)
+        inputs = PolicyLossInputs(
+            old_log_prob=old,
+            log_prob=log_prob,
+            advantages=adv,
+            mask=mask,
+            cu_seqlens=cu,
+            ctx=ctx,
+            loss_scale_factor=scale,
+        )
+        loss, metrics = policy_fn(inputs, cfg)
         metrics["actor/pg_loss"] = float(loss.detach())
         entropy = model_output.get("entropy")
         if cfg.entropy_coeff != 0 and entropy is None:
@@ -61,13 +70,13 @@ def make_actor_loss(cfg: ActorLossConfig, loss_scale_factor: float | None = None
                 "batch.meta['calculate_entropy']=True"
             )
         if entropy is not None:
-            metrics["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
+            metrics["actor/entropy"] = float(inputs.mean(entropy.detach()))
             if cfg.entropy_coeff != 0:
-                loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cu, cfg.loss_agg_mode, ctx, scale)
+                loss = loss - cfg.entropy_coeff * inputs.agg(entropy, cfg.loss_agg_mode)
         if cfg.use_kl_loss:
             kld = kl_penalty(log_prob, _field(micro, "ref_log_probs", "KL loss"), cfg.kl_loss_type)
-            loss = loss + cfg.kl_loss_coef * agg_loss(kld, mask, cu, cfg.loss_agg_mode, ctx, scale)
-            metrics["actor/kl_loss"] = float(masked_mean(kld.detach(), mask))
+            loss = loss + cfg.kl_loss_coef * inputs.agg(kld, cfg.loss_agg_mode)
+            metrics["actor/kl_loss"] = float(inputs.mean(kld.detach()))
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         return loss, metrics
 
@@ -93,23 +102,19 @@ def value_loss(
     vpreds: torch.Tensor,
     returns: torch.Tensor,
     old_values: torch.Tensor,
-    mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    ctx: LossContext,
+    tokens: LossTokens,
     cfg: CriticLossConfig,
-    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Clipped value loss (PPO2 baselines / TRL; verl ``compute_value_loss``), see the module docstring."""
+    """Clipped value loss (PPO2 baselines / TRL; verl ``compute_value_loss``) of the (T,) value predictions,
+    returns and the values the advantages used, see the module docstring."""
     clipped = old_values + torch.clamp(vpreds - old_values, -cfg.cliprange_value, cfg.cliprange_value)
     loss1, loss2 = (vpreds - returns) ** 2, (clipped - returns) ** 2
-    loss = 0.5 * agg_loss(
-        torch.maximum(loss1, loss2), mask, cu_seqlens, cfg.loss_agg_mode, ctx, loss_scale_factor
-    )
+    loss = 0.5 * tokens.agg(torch.maximum(loss1, loss2), cfg.loss_agg_mode)
     with torch.no_grad():
         metrics = {
             "critic/vf_loss": float(loss),
-            "critic/vf_clipfrac": float(masked_mean((loss2 > loss1).float(), mask)),
-            "critic/vpred_mean": float(masked_mean(vpreds, mask)),
+            "critic/vf_clipfrac": float(tokens.mean((loss2 > loss1).float())),
+            "critic/vpred_mean": float(tokens.mean(vpreds)),
         }
     return loss, metrics
 
@@ -127,8 +132,9 @@ def make_critic_loss(
             vpreds = align_values(vpreds, micro.cu_seqlens)
         old = _field(micro, "values", "value loss")
         returns = _field(micro, "returns", "value loss")
-        return value_loss(
-            vpreds, returns, old, micro.loss_mask, micro.cu_seqlens, ctx, cfg, loss_scale_factor
+        tokens = LossTokens(
+            mask=micro.loss_mask, cu_seqlens=micro.cu_seqlens, ctx=ctx, loss_scale_factor=loss_scale_factor
         )
+        return value_loss(vpreds, returns, old, tokens, cfg)
 
     return critic_loss

@@ -1,8 +1,9 @@
 """Policy-gradient losses on packed micro-batches, registered by ``actor.policy_loss.loss_mode``.
 
-Every loss takes per-token (T,) ``old_log_prob`` (the policy that sampled, recomputed by the actor before the
-update), ``log_prob`` (the policy being trained, with grad), ``advantages``, the loss ``mask``, the micro-batch's
-``cu_seqlens``, the step's :class:`LossContext` and the :class:`ActorLossConfig`; it returns this micro-batch's
+Every loss is ``fn(inputs, cfg)``: :class:`PolicyLossInputs` holds per-token (T,) ``old_log_prob`` (the policy
+that sampled, recomputed by the actor before the update), ``log_prob`` (the policy being trained, with grad) and
+``advantages``, plus the micro-batch's loss tokens (:class:`~.agg.LossTokens`: mask, ``cu_seqlens``, the step's
+:class:`~posttrain.core.batch.LossContext`, the scale factor); ``cfg`` is the :class:`ActorLossConfig`. It returns this micro-batch's
 share of the globally aggregated loss (see :mod:`.agg`) and local metrics (floats, means over this
 micro-batch's loss tokens): ``actor/pg_clipfrac``, ``actor/ppo_kl`` (mean of ``old - new`` log-probs),
 ``actor/pg_clipfrac_lower``.
@@ -16,11 +17,9 @@ from typing import Any
 
 import torch
 
-from posttrain.core.batch import LossContext
-
-from .agg import agg_loss, check_loss_agg_mode
+from .agg import LossTokens, check_loss_agg_mode
 from .kl import KL_ESTIMATORS
-from .packed import masked_mean, segment_sum, seq_index_from_cu
+from .packed import segment_sum, seq_index_from_cu
 from .registry import FunctionRegistry
 
 
@@ -43,10 +42,10 @@ class ActorLossConfig:
     """The actor's loss knobs, with verl's ``actor`` names and defaults (an actor config can extend this)."""
 
     clip_ratio: float = 0.2
-    """PPO clip epsilon; the default for clip_ratio_low/high."""
-    clip_ratio_low: float | None = 0.2
+    """PPO clip epsilon: the clip on both sides unless clip_ratio_low/high set one."""
+    clip_ratio_low: float | None = None
     """Lower clip: ratio >= 1 - clip_ratio_low (None = clip_ratio)."""
-    clip_ratio_high: float | None = 0.2
+    clip_ratio_high: float | None = None
     """Upper clip: ratio <= 1 + clip_ratio_high (None = clip_ratio; DAPO's clip-higher raises it)."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound (Ye et al. 2020, arXiv:1912.09729) for negative advantages; must be > 1."""
@@ -80,14 +79,28 @@ class ActorLossConfig:
 
     @property
     def clip_low(self) -> float:
+        """The lower clip in effect: clip_ratio_low, or clip_ratio when that is None."""
         return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
 
     @property
     def clip_high(self) -> float:
+        """The upper clip in effect: clip_ratio_high, or clip_ratio when that is None."""
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
 
-PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
+@dataclass(kw_only=True)
+class PolicyLossInputs(LossTokens):
+    """What a policy loss reads of one micro-batch (T = its tokens), besides its loss tokens."""
+
+    old_log_prob: torch.Tensor
+    """(T,) log-probs of the policy that sampled."""
+    log_prob: torch.Tensor
+    """(T,) log-probs of the policy being trained (with grad)."""
+    advantages: torch.Tensor
+    """(T,) advantages."""
+
+
+PolicyLossFn = Callable[[PolicyLossInputs, ActorLossConfig], tuple[torch.Tensor, dict[str, Any]]]
 POLICY_LOSSES: FunctionRegistry[PolicyLossFn] = FunctionRegistry("policy loss", "actor.policy_loss.loss_mode")
 register_policy_loss = POLICY_LOSSES.register
 get_policy_loss = POLICY_LOSSES.get
@@ -102,92 +115,63 @@ def _metrics(clipfrac: torch.Tensor, ppo_kl: torch.Tensor, clipfrac_lower: torch
 
 
 @register_policy_loss("vanilla")
-def vanilla(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    ctx: LossContext,
-    cfg: ActorLossConfig,
-    loss_scale_factor: float | None = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
+def vanilla(x: PolicyLossInputs, cfg: ActorLossConfig) -> tuple[torch.Tensor, dict[str, Any]]:
     """PPO clipped surrogate with dual clip (Schulman et al. 2017, arXiv:1707.06347; Ye et al. 2020; verl
     ``compute_policy_loss_vanilla``). ``r = exp(clamp(logp - old, -20, 20))``,
     ``L1 = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; for ``A < 0`` the loss is
     ``min(L1, -A clip_ratio_c)``, else ``L1``; aggregated with ``loss_agg_mode``."""
-    neg_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    adv = x.advantages
+    neg_kl = torch.clamp(x.log_prob - x.old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(neg_kl)
-    loss1 = -advantages * ratio
-    loss2 = -advantages * torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
+    loss1 = -adv * ratio
+    loss2 = -adv * torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
     clipped = torch.maximum(loss1, loss2)
-    loss3 = -advantages * cfg.clip_ratio_c
-    per_token = torch.where(advantages < 0, torch.minimum(loss3, clipped), clipped)
-    loss = agg_loss(per_token, mask, cu_seqlens, cfg.loss_agg_mode, ctx, loss_scale_factor)
+    loss3 = -adv * cfg.clip_ratio_c
+    per_token = torch.where(adv < 0, torch.minimum(loss3, clipped), clipped)
+    loss = x.agg(per_token, cfg.loss_agg_mode)
     with torch.no_grad():
         metrics = _metrics(
-            masked_mean((loss2 > loss1).float(), mask),
-            masked_mean(-neg_kl, mask),
-            masked_mean(((clipped > loss3) & (advantages < 0)).float(), mask),
+            x.mean((loss2 > loss1).float()),
+            x.mean(-neg_kl),
+            x.mean(((clipped > loss3) & (adv < 0)).float()),
         )
     return loss, metrics
 
 
 @register_policy_loss("gspo")
-def gspo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    ctx: LossContext,
-    cfg: ActorLossConfig,
-    loss_scale_factor: float | None = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
+def gspo(x: PolicyLossInputs, cfg: ActorLossConfig) -> tuple[torch.Tensor, dict[str, Any]]:
     """Group Sequence Policy Optimization (Zheng et al. 2025, arXiv:2507.18071; verl
     ``compute_policy_loss_gspo``). Sequence ratio ``s_i = exp(mean_{t in i} (logp - old))``; per token
     ``s_it = sg(s_i) * exp(logp_t - sg(logp_t))`` (value s_i, gradient of the token's log-prob) with the log
     clamped at 10; loss ``max(-A s_it, -A clip(s_it, 1 - clip_low, 1 + clip_high))``. Like verl it always
     aggregates with ``seq-mean-token-mean``, whatever ``loss_agg_mode`` says."""
-    seq_index = seq_index_from_cu(cu_seqlens.to(log_prob.device))
-    num_seqs = cu_seqlens.numel() - 1
-    neg_kl = log_prob - old_log_prob
+    log_prob, mask = x.log_prob, x.mask
+    seq_index = seq_index_from_cu(x.cu_seqlens.to(log_prob.device))
+    num_seqs = x.cu_seqlens.numel() - 1
+    neg_kl = log_prob - x.old_log_prob
     seq_len = segment_sum(mask.to(log_prob.dtype), seq_index, num_seqs).clamp(min=1)
     seq_neg_kl = segment_sum(neg_kl * mask, seq_index, num_seqs) / seq_len
     log_ratio = torch.clamp(log_prob - log_prob.detach() + seq_neg_kl.detach()[seq_index], max=10.0)
     ratio = torch.exp(log_ratio)
-    loss1 = -advantages * ratio
-    loss2 = -advantages * torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
-    loss = agg_loss(torch.maximum(loss1, loss2), mask, cu_seqlens, "seq-mean-token-mean", ctx)
+    loss1 = -x.advantages * ratio
+    loss2 = -x.advantages * torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
+    loss = x.agg(torch.maximum(loss1, loss2), "seq-mean-token-mean")
     with torch.no_grad():
-        metrics = _metrics(
-            masked_mean((loss2 > loss1).float(), mask), masked_mean(-neg_kl, mask), torch.zeros(())
-        )
+        metrics = _metrics(x.mean((loss2 > loss1).float()), x.mean(-neg_kl), torch.zeros(()))
     return loss, metrics
 
 
 @register_policy_loss("cispo")
-def cispo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    ctx: LossContext,
-    cfg: ActorLossConfig,
-    loss_scale_factor: float | None = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
+def cispo(x: PolicyLossInputs, cfg: ActorLossConfig) -> tuple[torch.Tensor, dict[str, Any]]:
     """Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv:2506.13585; verl
     ``compute_policy_loss_cispo``): ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp`` with
     ``r = exp(clamp(logp - old, -20, 20))``: the weight is clipped but every token keeps its gradient.
     verl clips on both sides with clip_ratio_low/high (the paper mostly bounds the upper side only)."""
-    neg_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    neg_kl = torch.clamp(x.log_prob - x.old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(neg_kl)
     clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high).detach()
-    per_token = -clipped * advantages * log_prob
-    loss = agg_loss(per_token, mask, cu_seqlens, cfg.loss_agg_mode, ctx, loss_scale_factor)
+    per_token = -clipped * x.advantages * x.log_prob
+    loss = x.agg(per_token, cfg.loss_agg_mode)
     with torch.no_grad():
-        metrics = _metrics(
-            masked_mean((ratio != clipped).float(), mask), masked_mean(-neg_kl, mask), torch.zeros(())
-        )
+        metrics = _metrics(x.mean((ratio != clipped).float()), x.mean(-neg_kl), torch.zeros(()))
     return loss, metrics

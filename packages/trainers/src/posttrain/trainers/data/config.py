@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from posttrain.core.config.loader import ConfigError
+
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -23,8 +25,9 @@ class DataConfig:
     """SFT: longest tokenised conversation."""
     truncation: str = "error"
     """What to do with a longer one: error (names the row), left or right."""
-    max_prompt_length: int = 512
-    """RL: longest prompt in tokens (longer prompts are filtered out)."""
+    max_prompt_length: int | None = None
+    """RL: longest prompt in tokens (longer prompts are filtered out); None = ``rollout.prompt_length``, the
+    one key to set (a different value here is rejected, see :meth:`prompt_length`)."""
     pad_mode: str = "no_padding"
     """Batches are packed without padding (the only mode)."""
     train_batch_size: int = 8
@@ -47,3 +50,16 @@ class DataConfig:
             raise ValueError(f"data.train_batch_size={self.train_batch_size} must be >= 1")
         if self.max_length < 2:
             raise ValueError(f"data.max_length={self.max_length} must be >= 2")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"data.max_prompt_length={self.max_prompt_length} must be >= 1 or null")
+
+    def prompt_length(self, rollout_prompt_length: int) -> int:
+        """RL: the prompt length filter, which is the rollout's ``prompt_length`` (the rollout sizes its
+        context for it); a ConfigError when ``max_prompt_length`` is set to something else."""
+        if self.max_prompt_length is None or self.max_prompt_length == rollout_prompt_length:
+            return rollout_prompt_length
+        raise ConfigError(
+            f"data.max_prompt_length={self.max_prompt_length} differs from rollout.prompt_length="
+            f"{rollout_prompt_length}: both set the prompt length; set rollout.prompt_length="
+            f"{self.max_prompt_length} and leave data.max_prompt_length unset (it follows the rollout)"
+        )

@@ -13,7 +13,8 @@ micro-batch.
   token of a sequence to its model; its row is -1 and the engine gives it fixed experts, which changes no
   log-prob (see ``posttrain.megatron.router_replay``).
 
-Only the megatron engine implements replay; the reference policy and the critic route as their own
+An engine declares replay with the class attribute ``supports_router_replay`` (the megatron engine does), read
+through the engine registry before anything is built; the reference policy and the critic route as their own
 ``engine.router_replay`` says (default: no replay).
 """
 
@@ -23,21 +24,24 @@ from typing import Any
 
 import torch
 
-from posttrain.core import PackedBatch
+from posttrain.core import BaseEngine, PackedBatch
 
 FIELD = "routed_experts"
 
 
-def replay_mode(cfg: Any) -> str:
+def replay_mode(cfg: Any, engine_cls: type[BaseEngine]) -> str:
     """The actor's ``router_replay.mode`` (``disabled``, ``R2`` or ``R3``) once the run is known to support
-    it; a ValueError naming the fix otherwise."""
+    it (``engine_cls`` is the actor's engine class, from the registry); a ValueError naming the fix
+    otherwise."""
     mode = cfg.actor.engine.router_replay.mode
     if mode == "disabled":
         return mode
-    if cfg.actor.engine.strategy != "megatron":
+    strategy = cfg.actor.engine.strategy
+    if not engine_cls.supports_router_replay:
         raise ValueError(
-            f"actor.engine.router_replay.mode={mode} with actor.engine.strategy={cfg.actor.engine.strategy}: "
-            "only the megatron engine replays routing; set model_engine=megatron or router_replay.mode=disabled"
+            f"actor.engine.router_replay.mode={mode} with actor.engine.strategy={strategy}: "
+            f"{engine_cls.__name__} does not replay routing (supports_router_replay is False); use an engine "
+            "that does (model_engine=megatron) or set router_replay.mode=disabled"
         )
     if mode == "R3" and not cfg.rollout.return_routed_experts:
         raise ValueError(

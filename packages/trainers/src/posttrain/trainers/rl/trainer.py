@@ -3,10 +3,12 @@
 One step: the next ``data.train_batch_size`` prompts (global; each data-parallel rank takes its share) ->
 generate ``rollout.n`` responses each -> reward -> old log-probs (actor) -> reference log-probs (when
 ``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``; a LoRA actor with its adapter off is the reference) ->
-values (critic, for GAE) -> advantages -> critic update -> actor update (after ``trainer.critic_warmup`` steps)
-over ``actor.ppo_mini_batch_size``-prompt mini-batches -> weight sync into the rollout. Sampling is seeded from
-``(trainer.seed, step, data-parallel rank)``, so a resumed run replays exactly what an uninterrupted one would
-have done.
+values (critic) -> advantages -> critic update -> actor update (after ``trainer.critic_warmup`` steps)
+over ``actor.ppo_mini_batch_size``-prompt mini-batches -> weight sync into the rollout. Whether a critic is built
+and trained (gae) or a greedy response per prompt is generated for the baseline (remax) is what the estimator
+declared when it was registered (:class:`~posttrain.trainers.algorithms.EstimatorTraits`). Sampling is seeded
+from ``(trainer.seed, step, data-parallel rank)``, so a resumed run replays exactly what an uninterrupted one
+would have done.
 
 Where this departs from verl: there is no Ray and no separate rollout server; the rollout lives in the trainer
 process (verl's HYBRID mode), and advantages are computed on each rank for its own prompt groups (all n samples
@@ -38,13 +40,14 @@ from posttrain.core import EngineRegistry, RolloutRegistry
 from posttrain.core.weight_sync import WeightSyncError
 
 from .. import distributed as pdist
-from ..algorithms import get_kl_controller, make_actor_loss, make_critic_loss
+from ..algorithms import adv_estimator_traits, get_kl_controller, make_actor_loss, make_critic_loss
 from ..config import PostTrainConfig
 from ..data.sampler import StatefulSampler, rank_slice
 from ..loop import StepLoop
 from ..resume import resume_point
 from ..rewards import RewardManager, reward_metrics
-from ..sft import load_tokenizer
+from ..roles import fill_token_budget
+from ..sft import load_tokenizer, require_model_weights
 from . import phases, router_replay
 from .batch import build_batch
 from .dataset import PromptDataset
@@ -74,6 +77,10 @@ class RLTrainer(StepLoop):
         self.owns_group = pdist.init_distributed()
         pdist.check_world_size(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
         torch.manual_seed(cfg.trainer.seed)
+        self.estimator = adv_estimator_traits(cfg.algorithm.adv_estimator)
+        self.use_critic = self.estimator.needs_critic
+        self.use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self._check_config()
         self.tokenizer = load_tokenizer(cfg)
         self.train_set = PromptDataset(cfg.data.train_files, self.tokenizer, cfg.data)
         self.val_set = (
@@ -86,9 +93,6 @@ class RLTrainer(StepLoop):
         )
         steps = cfg.trainer.total_training_steps or self.sampler.steps_per_epoch * cfg.trainer.total_epochs
         self.total_steps = steps
-        self.use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.use_critic = cfg.algorithm.adv_estimator == "gae"
-        self.replay_mode = router_replay.replay_mode(cfg)
         self._build_engines()
         self.dp_size = self.actor.get_data_parallel_size()
         self.dp_rank = self.actor.get_data_parallel_rank()
@@ -109,6 +113,23 @@ class RLTrainer(StepLoop):
         self.sync_weights(version=self.global_step)
 
     # ------------------------------------------------------------------ set-up
+    def _check_config(self) -> None:
+        """Refuse, before anything is built, a model path without weights, a router replay mode the actor's
+        engine cannot do, or two different prompt lengths; then fill in the micro-batch token budgets."""
+        cfg = self.cfg
+        require_model_weights(cfg, rollout_loads_weights=cfg.rollout.load_format != "dummy")
+        if self.use_critic and cfg.critic.model.path:
+            cfg.critic.model.require_weights("critic.model.path")
+        actor_cls = EngineRegistry.from_entry_points().get_engine_cls(
+            "language_model", cfg.actor.engine.strategy
+        )
+        self.replay_mode = router_replay.replay_mode(cfg, actor_cls)
+        cfg.data.max_prompt_length = cfg.data.prompt_length(cfg.rollout.prompt_length)
+        for role in ("actor", "ref", "critic"):
+            fill_token_budget(
+                getattr(cfg, role).engine, cfg.rollout.prompt_length + cfg.rollout.response_length
+            )
+
     def _new_engine(self, model_type: str, role_cfg: Any, model_cfg: Any, optim: Any = None) -> Any:
         registry = EngineRegistry.from_entry_points()
         optim = optim or self.cfg.actor.optim
@@ -269,7 +290,8 @@ class RLTrainer(StepLoop):
         )
         return samples, result.scores, [p.data_source for p in owners]
 
-    def _remax_baselines(self, prompts: list, n: int, step: int) -> torch.Tensor:
+    def _greedy_baselines(self, prompts: list, n: int, step: int) -> torch.Tensor:
+        """(B,) the reward of one greedy response per prompt, repeated for its ``n`` samples."""
         greedy = dataclasses.replace(self.cfg.rollout, temperature=0.0, n=1)
         saved, self.cfg.rollout = self.cfg.rollout, greedy
         try:
@@ -305,8 +327,8 @@ class RLTrainer(StepLoop):
                 phases.compute_values(self.critic, batch, self.replicas)
         with timer("adv"):
             baselines = (
-                self._remax_baselines(prompts, n, self.global_step)
-                if cfg.algorithm.adv_estimator == "remax"
+                self._greedy_baselines(prompts, n, self.global_step)
+                if self.estimator.needs_greedy_baseline
                 else None
             )
             metrics.update(phases.compute_advantages(batch, cfg.algorithm, self.kl_ctrl, baselines))

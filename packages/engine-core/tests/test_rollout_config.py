@@ -1,0 +1,29 @@
+"""The rollout config and the per-call sampling config: one declaration of the sampling knobs."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_sampling_config_is_built_from_the_rollout_config():
+    """SamplingConfig and RolloutConfig share one declaration of the sampling knobs (and their checks)."""
+    from dataclasses import fields
+
+    from posttrain.core.rollout import RolloutConfig, SamplingConfig, SamplingKnobs
+
+    rollout = RolloutConfig(temperature=0.7, top_p=0.9, top_k=5, n=4, response_length=33, val_n=2)
+    train = rollout.sampling()
+    for f in fields(SamplingKnobs):
+        assert getattr(train, f.name) == getattr(rollout, f.name), f.name
+    assert train.max_new_tokens == 33
+    val = rollout.sampling(validate=True)
+    assert (val.temperature, val.n, val.top_p, val.top_k, val.max_new_tokens) == (0.0, 2, 1.0, -1, 33)
+    for bad, key in (
+        ({"top_p": 0.0}, "rollout.top_p"),
+        ({"top_k": 0}, "rollout.top_k"),
+        ({"n": 0}, "rollout.n"),
+    ):
+        with pytest.raises(ValueError, match=key):
+            RolloutConfig(**bad)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        SamplingConfig(temperature=-1)
