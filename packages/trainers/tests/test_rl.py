@@ -3,9 +3,6 @@ verified against the trained model, and two torchrun processes agree with the lo
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,7 @@ from sft_fixtures import make_tiny_model
 
 from posttrain.ckpt import load_full_model_state
 from posttrain.core import SamplingConfig
+from posttrain.core.testing import torchrun
 from posttrain.trainers.config import load_config
 from posttrain.trainers.data.convert import write_parquet
 from posttrain.trainers.data.synthetic import arithmetic_rows
@@ -172,15 +170,7 @@ def test_ppo_with_critic_runs(assets, tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_two_process_grpo(assets, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
+    torchrun(
         "posttrain.trainers.main_ppo",
         *grpo_args(
             assets,
@@ -190,9 +180,9 @@ def test_two_process_grpo(assets, tmp_path):
             "trainer.total_training_steps=2",
             "trainer.save_freq=-1",
         ),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+        module=True,
+        timeout=600,
+    )
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[-1]["perf/tokens"] > 0 and "val/reward/mean" in rows[-1]
