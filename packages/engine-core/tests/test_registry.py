@@ -36,10 +36,3 @@ def test_lazy_import_on_first_use():
     assert reg.names() == ["language_model.ghost.cpu"]  # building the registry imported nothing
     with pytest.raises(ModuleNotFoundError):
         reg.get_engine_cls("language_model", "ghost", "cpu")
-
-
-def test_entry_points_of_this_distribution_are_well_formed():
-    reg = EngineRegistry.from_entry_points()
-    for name in reg.names():
-        model_type, backend, device = name.split(".")
-        assert model_type in ("language_model", "value_model") and device in ("cpu", "cuda")
