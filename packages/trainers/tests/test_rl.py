@@ -152,7 +152,8 @@ def test_rollout_after_sync_generates_the_trained_models_greedy_tokens(assets, t
 @pytest.mark.slow
 def test_ppo_critic_update_moves_values_toward_returns(assets, tmp_path):
     """One PPO step: the critic, trained on the step's batch, predicts that batch's GAE returns better than the
-    values the advantages were computed with (masked MSE down by a third at critic lr 1e-3, 2 epochs)."""
+    values the advantages were computed with. Measured: masked MSE 0.071 -> 0.012 at critic lr 1e-4 (2 epochs of
+    2 mini-batches); the test asks for half. At lr 1e-3 Adam overshoots (0.071 -> 0.26) and the test fails."""
     cfg = load_config(
         grpo_args(assets, tmp_path)[2:]
         + [
@@ -163,7 +164,7 @@ def test_ppo_critic_update_moves_values_toward_returns(assets, tmp_path):
             "critic.engine.dtype=float32",
             "critic.engine.use_torch_compile=false",
             "critic.engine.max_token_len_per_gpu=4096",
-            "critic.optim.lr=1e-3",
+            "critic.optim.lr=1e-4",
         ],
         ["grpo_tiny"],
     )
@@ -180,8 +181,8 @@ def test_ppo_critic_update_moves_values_toward_returns(assets, tmp_path):
         after = masked_mean((batch.fields["values"] - returns) ** 2, mask)
     finally:
         trainer.close()
-    assert metrics["critic/vf_loss"] > 0 and metrics["critic/lr"] == pytest.approx(1e-3)
-    assert after < 0.67 * before, (float(before), float(after))
+    assert metrics["critic/vf_loss"] > 0 and metrics["critic/lr"] == pytest.approx(1e-4)
+    assert after < 0.5 * before, (float(before), float(after))
 
 
 @pytest.mark.dist
