@@ -50,11 +50,8 @@ LAYOUTS = {
     "megatron_fsdp_dp2": {"use_megatron_fsdp": True},
 }
 """Megatron engine config per run."""
-RUNS = {
-    1: ["megatron_tp1", "megatron_tp1_one_chunk", "fsdp_engine"],
-    2: ["megatron_tp2_sp", "megatron_fsdp_dp2", "fsdp_engine"],
-}
-"""Runs of each launch, by GPU (process) count."""
+RUNS = {1: ["megatron_tp1", "fsdp_engine"], 2: ["megatron_tp2_sp", "megatron_fsdp_dp2", "fsdp_engine"]}
+"""Runs of each launch, by GPU (process) count: each is a key of ``LAYOUTS`` or ``fsdp_engine``."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -77,6 +74,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ceiling-flops", type=float, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)  # set by the launcher
     args = p.parse_args(argv)
+    known = [*LAYOUTS, "fsdp_engine"]
+    assert all(n in known for runs in RUNS.values() for n in runs), f"RUNS names a run outside {known}"
+    unknown = [n for n in (args.runs or "").split(",") if n and n not in known]
+    if unknown:
+        raise SystemExit(f"--runs: unknown run name(s) {unknown}; choose from {known}")
     args.steps = args.steps or (2 if args.tiny else 6)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
     args.tokens = args.tokens or (256 if args.tiny else 16384)

@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-
-sys.path.insert(0, str(Path(__file__).parent))
-from ckpt_testlib import (  # noqa: E402
+from ckpt_testlib import (
     K_STEPS,
     N_STEPS,
     TinyLM,
@@ -32,8 +27,10 @@ from ckpt_testlib import (  # noqa: E402
     rng_equal,
     train_step,
 )
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
-from posttrain.ckpt import (  # noqa: E402
+from posttrain.ckpt import (
     CheckpointManager,
     RoleInfo,
     RoleState,
@@ -44,7 +41,7 @@ from posttrain.ckpt import (  # noqa: E402
     prepare_role,
     save_role,
 )
-from posttrain.core.config import CheckpointConfig  # noqa: E402
+from posttrain.core.config import CheckpointConfig
 
 ALL = ["model", "optimizer", "extra", "hf_model"]
 

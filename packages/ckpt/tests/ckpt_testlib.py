@@ -8,28 +8,17 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from posttrain.core.testing import save_tiny_model
+
 K_STEPS, N_STEPS = 2, 4
 
 
 def make_model_dir(path: Path, tie: bool = False) -> Path:
     """A tiny Qwen2 checkpoint (random init, dropout on) with a word-level tokenizer, saved to ``path``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+    from transformers import PreTrainedTokenizerFast
 
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attention_dropout=0.1,
-        tie_word_embeddings=tie,
-    )
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
+    save_tiny_model(path, max_position_embeddings=64, attention_dropout=0.1, tie_word_embeddings=tie)
     vocab = {f"w{i}": i for i in range(250)} | {"<unk>": 250}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -5,10 +5,6 @@ Two torchrun launches in all (see ckpt_dist_worker.py); the 1-process checks run
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,17 +13,14 @@ from ckpt_testlib import K_STEPS, assert_identical, build, full_state, rng_equal
 
 from posttrain.ckpt import RoleState, capture_rng, find_latest, load_full_model_state, load_role
 from posttrain.ckpt.cli import main as ckpt_cli
+from posttrain.core.testing import torchrun
 
 WORKER = Path(__file__).parent / "ckpt_dist_worker.py"
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def _torchrun(phase: str, out: Path) -> None:
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", str(WORKER), phase, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{phase} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    torchrun(WORKER, phase, out, timeout=600)
     assert all((out / f"{phase}_ok_rank{r}").is_file() for r in range(2))
 
 

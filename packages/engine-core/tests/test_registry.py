@@ -62,11 +62,3 @@ def test_lazy_import_on_first_use():
     assert reg.names() == ["language_model.ghost"]  # building the registry imported nothing
     with pytest.raises(ModuleNotFoundError):
         reg.get_engine_cls("language_model", "ghost")
-
-
-def test_entry_points_of_this_distribution_are_well_formed():
-    reg = EngineRegistry.from_entry_points()
-    for name in reg.names():
-        model_type, backend = name.split(".")
-        assert model_type in ("language_model", "value_model")
-        assert backend in reg.configs.names(), f"{name} has no posttrain.engine_configs entry"

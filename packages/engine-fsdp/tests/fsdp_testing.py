@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from posttrain.core import testing
 from posttrain.core.batch import LossContext, PackedBatch
 from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from posttrain.fsdp.config import FSDPEngineConfig
@@ -15,34 +16,15 @@ VOCAB = 256
 
 
 def tiny_config(tie: bool = True) -> Any:
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie,
-    )
+    """The shared tiny Qwen2 (``posttrain.core.testing``) with tied embeddings and 512 positions."""
+    return testing.tiny_config(max_position_embeddings=512, tie_word_embeddings=tie)
 
 
 def save_tiny_model(path: str | Path, *, value_model: bool = False, tie: bool = True, seed: int = 0) -> str:
-    """A random tiny Qwen2 (causal LM or one-label token classifier) saved as an HF directory."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-    torch.manual_seed(seed)
-    config = tiny_config(tie)
-    if value_model:
-        config.num_labels = 1
-        config.classifier_dropout = 0.0
-        model = AutoModelForTokenClassification.from_config(config)
-    else:
-        model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(str(path))
-    return str(path)
+    """A random :func:`tiny_config` model (causal LM or one-label token classifier) saved as an HF directory."""
+    return testing.save_tiny_model(
+        path, seed=seed, value_model=value_model, max_position_embeddings=512, tie_word_embeddings=tie
+    )
 
 
 def make_batch(lengths: list[int], seed: int = 0, with_temperature: bool = True) -> PackedBatch:

@@ -3,9 +3,6 @@ loaded on 2 ranks by FSDP2 and FSDP1 engines and in one process by a plain engin
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +10,7 @@ import torch
 from fsdp_testing import save_tiny_model
 
 from posttrain.core.config import CheckpointConfig
+from posttrain.core.testing import torchrun
 from posttrain.fsdp.checkpoint import load_fsdp_checkpoint
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -22,19 +20,7 @@ def test_fsdp2_checkpoint_loads_on_2_ranks_and_on_1(tmp_path: Path) -> None:
     from checkpoint_dist_worker import engine, full_state
 
     save_tiny_model(tmp_path / "lm")
-    worker = Path(__file__).with_name("checkpoint_dist_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(worker),
-    ]
-    proc = subprocess.run([*cmd, str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(Path(__file__).with_name("checkpoint_dist_worker.py"), tmp_path, timeout=600)
     assert (tmp_path / "ok_rank0").is_file() and (tmp_path / "ok_rank1").is_file()
 
     ref = torch.load(tmp_path / "ref.pt", weights_only=False)

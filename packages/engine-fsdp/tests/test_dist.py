@@ -4,9 +4,6 @@ same step in one process (grads and params to 1e-6), with unequal micro-batch co
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +18,8 @@ from fsdp_testing import (
     save_tiny_model,
     train_step,
 )
+
+from posttrain.core.testing import torchrun
 
 pytestmark = [
     pytest.mark.dist,
@@ -39,25 +38,7 @@ def test_two_rank_layouts_equal_single_process(tmp_path: Path) -> None:
         got = train_step(case_engine(case, strategy=False), batch, case_loss(case))
         refs[name] = {k: got[k] for k in ("grads", "params", "norm")}
     torch.save(refs, tmp_path / "ref.pt")
-    worker = Path(__file__).with_name("dist_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--standalone",
-            str(worker),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(Path(__file__).with_name("dist_worker.py"), tmp_path, timeout=600)
     results = json.loads((tmp_path / "results.json").read_text())
     for name, diffs in results.items():
         assert diffs["params"] < 1e-6, (name, diffs)

@@ -3,14 +3,13 @@ bf16 engine log-probs against an fp32 HF forward, and offload to host memory and
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from fsdp_testing import make_batch, make_engine, pg_loss, save_tiny_model
+
+from posttrain.core.testing import torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -103,22 +102,5 @@ def test_fsdp2_under_nccl(tmp_path) -> None:
     """One process per GPU (at most two): see gpu_worker.py for what each rank checks."""
     path = save_tiny_model(tmp_path / "lm")
     nproc = min(2, torch.cuda.device_count())
-    worker = Path(__file__).with_name("gpu_worker.py")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            str(worker),
-            path,
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = torchrun(Path(__file__).with_name("gpu_worker.py"), path, nproc=nproc, timeout=600)
     assert proc.stdout.count(": ok") == nproc

@@ -15,8 +15,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 LENGTHS = (7, 13, 5, 11, 9)
 
 

@@ -20,8 +20,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 LAYOUTS = {
     "tp2": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "pp2": {"pipeline_model_parallel_size": 2},

@@ -15,8 +15,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 
 def _check_infer(name, eng, hf_path, batch, results):
     from megatron_cpu import hf_log_probs

@@ -16,8 +16,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 
 def _engine(hf_path):
     from megatron_cpu import make_engine

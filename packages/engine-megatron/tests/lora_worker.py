@@ -18,8 +18,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 LAYOUTS = {
     "tp2": (dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
     "pp2": (dict(pipeline_model_parallel_size=2), {}),

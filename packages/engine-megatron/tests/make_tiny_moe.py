@@ -1,4 +1,4 @@
-"""Write a random-init tiny Qwen3-MoE (:data:`moe_worker.TINY_QWEN3_MOE`) that uses the tokenizer of a
+"""Write a random-init tiny Qwen3-MoE (:data:`posttrain.core.testing.TINY_QWEN3_MOE`) that uses the tokenizer of a
 ``posttrain model init`` directory, so the RL loop can run on an MoE model offline.
 
 Usage: ``python make_tiny_moe.py TOKENIZER_DIR OUT_DIR``.
@@ -6,25 +6,19 @@ Usage: ``python make_tiny_moe.py TOKENIZER_DIR OUT_DIR``.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from posttrain.core.testing import tiny_model
 
 
 def make_tiny_moe(tokenizer_dir: str | Path, out_dir: str | Path, seed: int = 0) -> Path:
     """Save the tiny Qwen3-MoE with ``tokenizer_dir``'s tokenizer, vocabulary size and special ids."""
-    from moe_worker import TINY_QWEN3_MOE
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen3MoeConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     base = AutoConfig.from_pretrained(tokenizer_dir)
     special = dict(eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id, bos_token_id=None)
-    config = Qwen3MoeConfig(**{**TINY_QWEN3_MOE, "vocab_size": base.vocab_size}, **special)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = tiny_model("qwen3_moe", seed=seed, vocab_size=base.vocab_size, **special)
     model.generation_config = GenerationConfig(**special)
     out = Path(out_dir)
     model.save_pretrained(out)

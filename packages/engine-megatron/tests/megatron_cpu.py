@@ -20,16 +20,7 @@ import types
 
 import torch
 
-TINY_QWEN2 = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
+from posttrain.core.testing import tiny_model
 
 
 class _Unavailable:
@@ -175,11 +166,9 @@ def init_single_process() -> None:
 
 
 def make_tiny_qwen2(path: str, seed: int = 0, **overrides) -> str:
-    """Save a randomly initialised tiny Qwen2 (fp32) to ``path``."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**{**TINY_QWEN2, **overrides}), dtype=torch.float32)
+    """Save ``posttrain.core.testing``'s tiny Qwen2 (fp32, ``overrides`` applied) to ``path``, its biases and norms
+    perturbed."""
+    model = tiny_model(seed=seed, **overrides)
     with torch.no_grad():  # non-trivial biases and norms, so a wrong mapping cannot hide
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

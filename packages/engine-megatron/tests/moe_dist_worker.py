@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from posttrain.core.testing import save_tiny_model
 
 LAYOUTS = {
     "ep2": dict(expert_model_parallel_size=2),
@@ -86,7 +86,6 @@ def _check(name: str, eng, path: str, batch, ref, results: dict) -> None:
 def main() -> None:
     from megatron.core import parallel_state as mpu
     from megatron_cpu import make_engine, prepare_environment, reference_step, sample_batch
-    from moe_worker import TINY_QWEN3_MOE
 
     out_dir = sys.argv[1]
     prepare_environment()
@@ -97,10 +96,7 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     path = os.path.join(out_dir, "tiny_qwen3_moe")
     if rank == 0:
-        from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(Qwen3MoeConfig(**TINY_QWEN3_MOE)).save_pretrained(path)
+        save_tiny_model(path, "qwen3_moe")
     torch.distributed.barrier()
     batch = sample_batch()
     ref = reference_step(path, batch, lr=1e-3, clip=1.0)

@@ -11,25 +11,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-TINY_QWEN3_MOE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    norm_topk_prob=True,
-)
+from posttrain.core.testing import TINY_QWEN3_MOE, save_tiny_model
 
 
 def main() -> None:
@@ -43,10 +25,7 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     path = "/tmp/tiny_qwen3_moe"
     if rank == 0:
-        from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(Qwen3MoeConfig(**TINY_QWEN3_MOE)).save_pretrained(path)
+        save_tiny_model(path, "qwen3_moe")
     torch.distributed.barrier()
     prepare_environment()
     eng = make_engine(path, expert_model_parallel_size=2, router_replay=RouterReplayConfig(mode="R2"))

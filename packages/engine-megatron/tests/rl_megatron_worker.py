@@ -19,8 +19,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 CPU_DEFAULTS = [
     "model_engine=megatron",
     "model.enable_gradient_checkpointing=false",

@@ -10,15 +10,13 @@ and of plain HF + torch.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from posttrain.core.testing import torchrun
 from posttrain.megatron.context_parallel import plan_split, varlen_causal_attention
 
 CU = torch.tensor([0, 7, 20, 25, 36, 45])
@@ -81,21 +79,7 @@ def test_all_gather_kv_attention_equals_causal_attention(cp):
 @pytest.fixture(scope="module")
 def cp_run(tiny_qwen2, tmp_path_factory):
     out = tmp_path_factory.mktemp("cp")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(Path(__file__).with_name("cp_worker.py")),
-        tiny_qwen2,
-        str(out),
-        "float32",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(Path(__file__).with_name("cp_worker.py"), tiny_qwen2, out, "float32")
     return json.loads((out / "cp_results.json").read_text())["float32"]
 
 

@@ -12,14 +12,13 @@ with an async portable save.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from cross_backend_worker import ASYNC_ROUND_TRIP, LAYOUTS, ROUND_TRIP, batch, optim
+
+from posttrain.core.testing import torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -157,12 +156,7 @@ def _two_rank_resume(hf_path: str, tmp_path: Path) -> None:
     want4 = _step(fsdp, 3)
     want4_params = _params(fsdp)
 
-    worker = Path(__file__).with_name("cross_backend_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(worker), hf_path, str(role), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(Path(__file__).with_name("cross_backend_worker.py"), hf_path, role, out)
     for name in LAYOUTS:
         got = torch.load(out / f"{name}.pt")
         assert got["lr_step"] == 3, name

@@ -5,13 +5,12 @@ resharding)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from posttrain.core.testing import torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -19,21 +18,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def two_rank_run(tiny_qwen2, tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    worker = Path(__file__).with_name("dist_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(worker),
-        tiny_qwen2,
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(Path(__file__).with_name("dist_worker.py"), tiny_qwen2, out)
     results = {}
     for rank in (0, 1):
         results.update(json.loads((out / f"results_rank{rank}.json").read_text()))

@@ -6,13 +6,12 @@ round-trips at DP=2 and reshards to DP=1. Run by the lead on the GPU machine:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from posttrain.core.testing import torchrun
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,22 +24,10 @@ HERE = Path(__file__).parent
 
 
 def _torchrun(script: str, *args: str, nproc: int = 2) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        str(HERE / script),
-        *args,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ})
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    torchrun(HERE / script, *args, nproc=nproc, timeout=600)
 
 
 def test_tp2_pp2_megatron_fsdp_equal_hf_reference(tmp_path):
-    sys.path.insert(0, str(HERE))
     from megatron_cpu import make_tiny_qwen2
 
     hf = make_tiny_qwen2(str(tmp_path / "hf"))
@@ -71,7 +58,6 @@ def test_moe_ep2_router_replay(tmp_path):
 
 def test_megatron_fsdp_checkpoint_round_trip_and_dp_resharding(tmp_path):
     """fsdp_dtensor save at DP=2; load at DP=2 and DP=1: same params, Adam moments and next step."""
-    sys.path.insert(0, str(HERE))
     from megatron_cpu import make_tiny_qwen2
 
     hf = make_tiny_qwen2(str(tmp_path / "hf"))

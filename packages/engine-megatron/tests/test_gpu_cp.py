@@ -9,13 +9,12 @@ GPU machine: ``eval "$(bash scripts/install_megatron_wheels.sh)"; pytest package
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from posttrain.core.testing import torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -47,20 +46,17 @@ def test_varlen_flash_is_bottom_right_causal():
 @pytest.mark.dist
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_cp2_bf16_equals_cp1_on_two_gpus(tmp_path):
-    sys.path.insert(0, str(HERE))
     from megatron_cpu import make_tiny_qwen2
 
     hf = make_tiny_qwen2(str(tmp_path / "hf"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [
-        str(HERE / "cp_worker.py"),
+    torchrun(
+        HERE / "cp_worker.py",
         hf,
-        str(tmp_path),
+        tmp_path,
         "bfloat16",
         json.dumps({"use_distributed_optimizer": True}),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ})
-    assert proc.returncode == 0, proc.stderr[-6000:]
+        timeout=600,
+    )
     res = json.loads((tmp_path / "cp_results.json").read_text())["bfloat16"]
     assert res["cp2_cp_size"] == 2
     for key in (

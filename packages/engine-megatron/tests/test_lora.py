@@ -7,13 +7,12 @@ the HF model, which is the reference for the engine's log-probs, its merged stre
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from posttrain.core.testing import torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -223,16 +222,7 @@ def two_rank_results(tiny_qwen2, tmp_path_factory):
     """``lora_worker.py`` on 2 gloo ranks: TP=2 with sequence parallelism, PP=2 (one layer per stage), PP=2 with
     adapters in the second stage only."""
     out = tmp_path_factory.mktemp("lora_dist")
-    worker = Path(__file__).with_name("lora_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.run(
-        [*cmd, str(worker), tiny_qwen2, str(out)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(Path(__file__).with_name("lora_worker.py"), tiny_qwen2, out)
     results = {}
     for rank in (0, 1):
         results.update(json.loads((out / f"results_rank{rank}.json").read_text()))

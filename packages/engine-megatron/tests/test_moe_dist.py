@@ -4,25 +4,19 @@ plain HF + torch: log-probs, loss, grad norm and every updated parameter (expert
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from posttrain.core.testing import torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 HERE = Path(__file__).parent
 
 
 def _run(out: Path) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(HERE / "moe_dist_worker.py"), str(out)]
-    proc = subprocess.run(
-        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(HERE / "moe_dist_worker.py", out, timeout=600)
     results: dict[str, float] = {}
     for rank in (0, 1):
         results.update(json.loads((out / f"moe_dist_rank{rank}.json").read_text()))

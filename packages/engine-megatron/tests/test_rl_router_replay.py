@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from posttrain.core.testing import TINY_QWEN3_MOE
+
 pytestmark = pytest.mark.slow
 
 REPLAY = [
@@ -99,7 +101,6 @@ def as_maps(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", ["R2", "R3"])
 def test_grpo_updates_replay_routing(megatron_env, assets, mode):
-    from moe_worker import TINY_QWEN3_MOE
     from rl_megatron_worker import CPU_DEFAULTS
 
     from posttrain.trainers.logging import read_metrics

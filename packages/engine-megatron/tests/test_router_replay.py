@@ -10,18 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from posttrain.core.testing import TINY_QWEN3_MOE, save_tiny_model
+
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
-    from moe_worker import TINY_QWEN3_MOE
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    path = str(tmp_path_factory.mktemp("qwen3moe"))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(Qwen3MoeConfig(**TINY_QWEN3_MOE)).save_pretrained(path)
-    return path
+    return save_tiny_model(tmp_path_factory.mktemp("qwen3moe"), "qwen3_moe")
 
 
 def capture_by_token(batch, loss_fn):
@@ -41,7 +37,6 @@ def capture_by_token(batch, loss_fn):
 
 def test_r2_records_and_replays_routing(megatron_env, tiny_moe, packed_batch):
     from megatron_cpu import hf_log_probs, make_engine, nll_loss
-    from moe_worker import TINY_QWEN3_MOE
     from transformers import AutoModelForCausalLM
 
     from posttrain.core.config import RouterReplayConfig
@@ -154,7 +149,6 @@ def as_maps(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def test_r3_replays_hf_rollout_routing(megatron_env, tiny_moe):
     from megatron_cpu import hf_log_probs, make_engine
-    from moe_worker import TINY_QWEN3_MOE
 
     from posttrain.core import RolloutConfig, SamplingConfig
     from posttrain.core.batch import PackedBatch

@@ -10,8 +10,6 @@ state dict, then one training step against the plain HF + AdamW reference step.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -19,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from posttrain.core.testing import torchrun
 
 
 def compare_with_hf(eng, hf_path: str) -> dict | None:
@@ -84,15 +82,7 @@ def test_tp1_log_probs_export_and_one_step_equal_hf(tp1):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_tp2_sequence_parallel_equals_hf(tiny_qwen2, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.run(
-        [*cmd, __file__, tiny_qwen2, str(tmp_path)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(__file__, tiny_qwen2, tmp_path)
     check(json.loads((tmp_path / "results.json").read_text()))
 
 

@@ -7,40 +7,17 @@ import pytest
 import torch
 
 from posttrain.core import RolloutConfig, SamplingConfig
+from posttrain.core.testing import TINY_QWEN3_MOE, save_tiny_model
 from posttrain.core.weight_sync import WeightSyncError
 from posttrain.rollout_hf import HFRollout
-
-TINY_QWEN3_MOE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    norm_topk_prob=True,
-)
-"""The engine-megatron tests' tiny Qwen3-MoE (``moe_worker.TINY_QWEN3_MOE``)."""
 
 PROMPTS = [[5, 17, 33, 101, 7], [9, 250], [44, 45, 46, 200, 201, 202, 203, 12]]
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    config = Qwen3MoeConfig(**TINY_QWEN3_MOE, eos_token_id=2, pad_token_id=0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    return str(path)
+    return save_tiny_model(path, "qwen3_moe", eos_token_id=2, pad_token_id=0)
 
 
 def reference_routing(model, ids: list[int]) -> torch.Tensor:
@@ -96,11 +73,9 @@ def test_sync_of_per_expert_names_fills_the_fused_experts(moe_dir, tmp_path):
     """A stream named like the checkpoint (one tensor per expert projection, as the trainer exports it) loads
     into transformers' fused expert parameters as transformers' own checkpoint loader does."""
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(1)
-    config = Qwen3MoeConfig(**TINY_QWEN3_MOE, eos_token_id=2, pad_token_id=0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    save_tiny_model(tmp_path, "qwen3_moe", seed=1, eos_token_id=2, pad_token_id=0)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         stream = [(name, f.get_tensor(name)) for name in f.keys()]
     assert any(".experts.0.gate_proj." in name for name, _ in stream)

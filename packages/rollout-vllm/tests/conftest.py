@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from vllm_testing import save_tiny_model, vllm_skip_reason  # noqa: E402
+from vllm_testing import save_tiny_model, vllm_skip_reason
 
 _REASON = vllm_skip_reason()
 

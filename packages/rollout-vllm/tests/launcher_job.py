@@ -7,13 +7,9 @@ greedy tokens and log-probs against the HF model with the trained weights. Print
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from vllm_testing import ROLLOUT_DTYPE, check_greedy, engine_weights, hf_model, make_engine, train_step  # noqa: E402
+from vllm_testing import ROLLOUT_DTYPE, check_greedy, engine_weights, hf_model, make_engine, train_step
 
 
 def main(model_dir: str) -> None:

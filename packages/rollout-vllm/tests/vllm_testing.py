@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from posttrain.core import testing
+
 VOCAB = 256
 EOS = 255
 ON_GPU = torch.cuda.is_available()
@@ -45,14 +47,13 @@ def vllm_skip_reason() -> str | None:
 
 
 def save_tiny_model(path: str | Path, seed: int = 0, tie_word_embeddings: bool = False) -> str:
-    """A random tiny Qwen2 (hidden 128, 2 heads of 64, 1 kv head, 2 layers, vocab 256) saved in float32."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=VOCAB,
+    """``posttrain.core.testing``'s tiny Qwen2 widened for vLLM: hidden 128, 2 heads of 64, 1 kv head, vocab 256,
+    saved in float32."""
+    return testing.save_tiny_model(
+        path,
+        seed=seed,
         hidden_size=128,
         intermediate_size=1024 if ON_GPU else 256,  # bf16 on a GPU: still more than one 1 MiB bucket
-        num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,
@@ -62,10 +63,6 @@ def save_tiny_model(path: str | Path, seed: int = 0, tie_word_embeddings: bool =
         bos_token_id=EOS - 1,
         initializer_range=INIT_STD,
     )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).float()
-    model.save_pretrained(str(path))
-    return str(path)
 
 
 def _rounded(t: torch.Tensor) -> torch.Tensor:

@@ -1,20 +1,37 @@
-"""`posttrain demo` plumbing, shortened: model init -> data -> SFT (HF export) -> GRPO from that export."""
+"""`posttrain demo` as it ships: model init -> data -> SFT (HF export) -> GRPO from that export, and GRPO must
+raise the held-out reward.
+
+The run uses the demo's defaults (100 SFT steps, 40 GRPO steps, 100 held-out questions) on one torch thread:
+the thread count picks the CPU kernels, and so the sampled tokens, which makes the run reproducible. Measured
+with torch 2.14 on CPU: SFT model 0.50 -> GRPO model 0.76 (the reward is still 0.48 at GRPO steps 10 to 30),
+so the required gain of 0.15 leaves a margin of 0.11 (one held-out question is 0.01).
+"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from posttrain.trainers.demo import DemoConfig, run
 from posttrain.trainers.logging import read_metrics
 
+MIN_GAIN = 0.15
+
 
 @pytest.mark.slow
-def test_demo_pipeline_end_to_end(tmp_path):
-    cfg = DemoConfig(out_dir=str(tmp_path), num_train=64, num_test=16, sft_steps=3, grpo_steps=2)
-    result = run(cfg)
-    assert set(result) == {"test_reward_sft", "test_reward_grpo", "seconds"}
-    assert 0.0 <= result["test_reward_sft"] <= 1.0 and 0.0 <= result["test_reward_grpo"] <= 1.0
-    assert (tmp_path / "sft" / "global_step_3" / "actor" / "huggingface" / "config.json").is_file()
+def test_demo_grpo_improves_the_held_out_reward(tmp_path):
+    cfg = DemoConfig(out_dir=str(tmp_path))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    sft, grpo = result["test_reward_sft"], result["test_reward_grpo"]
+    assert grpo >= sft + MIN_GAIN, f"GRPO did not raise the held-out reward: SFT {sft:.3f} -> GRPO {grpo:.3f}"
+    sft_dir = tmp_path / "sft" / f"global_step_{cfg.sft_steps}" / "actor" / "huggingface"
+    assert (sft_dir / "model.safetensors").is_file()
     rows = read_metrics(tmp_path / "grpo" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2] and "reward/mean" in rows[-1]
-    assert (tmp_path / "grpo" / "metrics.png").is_file() and (tmp_path / "grpo" / "global_step_2").is_dir()
+    assert [r["step"] for r in rows] == list(range(cfg.grpo_steps + 1)) and "reward/mean" in rows[-1]
+    grpo_dir = tmp_path / "grpo" / f"global_step_{cfg.grpo_steps}"
+    assert (tmp_path / "grpo" / "metrics.png").is_file() and grpo_dir.is_dir()

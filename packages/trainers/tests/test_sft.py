@@ -7,9 +7,6 @@ position, final weights), and a 2-process torchrun must give the same first-step
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ import torch
 from sft_fixtures import make_arithmetic, make_tiny_model
 
 from posttrain.ckpt import load_full_model_state, load_trainer_state
+from posttrain.core.testing import torchrun
 from posttrain.trainers import cli
 from posttrain.trainers.logging import read_metrics
 from posttrain.trainers.sft import run
@@ -120,15 +118,7 @@ def test_resume_auto_continues_from_latest(assets, reference, tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_two_processes_match_one_process(assets, reference, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
+    torchrun(
         "posttrain.trainers.sft",
         *sft_args(assets, tmp_path / "dp2"),
         "trainer.n_gpus_per_node=2",
@@ -136,9 +126,9 @@ def test_two_processes_match_one_process(assets, reference, tmp_path):
         "trainer.total_training_steps=2",
         "trainer.save_freq=-1",
         "trainer.test_freq=-1",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+        module=True,
+        timeout=300,
+    )
     one = read_metrics(reference / "metrics.jsonl")[:2]
     two = read_metrics(tmp_path / "dp2" / "metrics.jsonl")
     assert [r["step"] for r in two] == [1, 2] and two[0]["train/loss_tokens"] == one[0]["train/loss_tokens"]

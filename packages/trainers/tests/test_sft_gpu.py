@@ -5,14 +5,11 @@ Skipped without CUDA. The tiny offline model keeps these to seconds of GPU time.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from sft_fixtures import make_arithmetic, make_tiny_model
 
+from posttrain.core.testing import torchrun
 from posttrain.trainers.logging import read_metrics
 from posttrain.trainers.sft import run
 
@@ -48,20 +45,13 @@ def test_two_gpus_match_one_gpu_first_step(tmp_path):
     model = make_tiny_model(tmp_path)
     fp32 = ("actor.engine.dtype=float32", "trainer.total_training_steps=1")
     run(gpu_args(model, train, tmp_path / "one", *fp32))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
+    torchrun(
         "posttrain.trainers.sft",
         *gpu_args(model, train, tmp_path / "two", *fp32),
         "trainer.n_gpus_per_node=2",
-    ]
-    proc = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+        module=True,
+        timeout=300,
+    )
     one = read_metrics(tmp_path / "one" / "metrics.jsonl")[0]
     two = read_metrics(tmp_path / "two" / "metrics.jsonl")[0]
     assert abs(one["train/loss"] - two["train/loss"]) < 1e-4

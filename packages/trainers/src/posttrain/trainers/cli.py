@@ -1,17 +1,18 @@
 """The ``posttrain`` command: a table of subcommands, each a module with ``main(argv) -> int``.
 
 Subcommands of other installed posttrain packages (``posttrain ckpt``, ``posttrain convert``) come from the
-``posttrain.commands`` entry-point group and are imported only when called.
+``posttrain.commands`` entry-point group and are imported only when called: ``posttrain --help`` imports no
+torch. ``posttrain --timing <command> ...`` prints to stderr how long the command's imports took and how long
+it ran (``python -X importtime -m posttrain.trainers.cli ...`` says which imports).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+import time
 from collections.abc import Sequence
 from importlib.metadata import entry_points
-
-from posttrain.core.config.loader import ConfigError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": (
@@ -49,13 +50,16 @@ def _plugin_commands() -> dict[str, tuple[str, str]]:
 
 
 def _usage(commands: dict[str, tuple[str, str]]) -> str:
-    lines = ["usage: posttrain <command> [args]", "", "commands:"]
+    lines = ["usage: posttrain [--timing] <command> [args]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in sorted(commands.items())]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    start = time.perf_counter()
     args = list(sys.argv[1:] if argv is None else argv)
+    timing = bool(args) and args[0] == "--timing"
+    args = args[1:] if timing else args
     commands = {**_plugin_commands(), **COMMANDS}
     if not args or args[0] in ("-h", "--help", "help"):
         print(_usage(commands))
@@ -65,11 +69,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"posttrain: unknown command {name!r}\n\n{_usage(commands)}", file=sys.stderr)
         return 2
     module, _, func = commands[name][0].partition(":")
+    from posttrain.core.config.loader import ConfigError  # imports torch (posttrain.core): not for --help
+
+    command = getattr(importlib.import_module(module), func)
+    loaded = time.perf_counter()
     try:
-        return int(getattr(importlib.import_module(module), func)(rest) or 0)
+        return int(command(rest) or 0)
     except ConfigError as exc:
         print(f"posttrain {name}: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if timing:
+            done = time.perf_counter()
+            print(
+                f"[posttrain] {name}: imports {loaded - start:.2f} s, run {done - loaded:.2f} s",
+                file=sys.stderr,
+            )
 
 
 if __name__ == "__main__":
