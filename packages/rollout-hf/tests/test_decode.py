@@ -1,0 +1,99 @@
+"""The device-side decode loop: greedy tokens equal ``model.generate``'s for every cache and mask path, rows
+that finish early leave the others untouched, sampling is multinomial's draw, and bad options are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_tiny_model
+
+from posttrain.core import RolloutConfig, SamplingConfig
+from posttrain.rollout_hf import HFRollout
+from posttrain.rollout_hf.decode import HFRolloutOptions, prepared_masks_supported
+from posttrain.rollout_hf.sampling import process_logits, select_tokens
+
+PROMPTS = [[5, 17, 33, 101, 7], [9, 250], [44, 45, 46, 300, 301, 302, 303, 12]]
+
+
+def generate_reference(model, prompt: list[int], steps: int) -> list[int]:
+    """HF's own greedy ``generate`` on one unpadded prompt (it stops on the model's eos)."""
+    out = model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=steps, pad_token_id=0, eos_token_id=2
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def sliding_dir(tmp_path_factory) -> str:
+    """The tiny model with every layer a (wide) sliding-window layer: HF builds its masks, static cache too."""
+    from transformers import AutoModelForCausalLM
+
+    model = build_tiny_model()
+    model.config.use_sliding_window, model.config.sliding_window, model.config.max_window_layers = (
+        True,
+        512,
+        0,
+    )
+    model.config.layer_types = ["sliding_attention"] * model.config.num_hidden_layers
+    path = tmp_path_factory.mktemp("sliding")
+    model.save_pretrained(path)
+    assert not prepared_masks_supported(AutoModelForCausalLM.from_pretrained(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("variant", ["static", "dynamic", "eager", "sliding"])
+def test_greedy_equals_hf_generate(tiny_model_dir, sliding_dir, variant):
+    path = sliding_dir if variant == "sliding" else tiny_model_dir
+    options = HFRolloutOptions(cache="dynamic" if variant == "dynamic" else "static", stop_check_interval=3)
+    rollout = HFRollout(RolloutConfig(dtype="float32"), path, options=options)
+    if variant == "eager":  # additive float masks instead of sdpa's boolean ones
+        rollout.model.set_attn_implementation("eager")
+        assert prepared_masks_supported(rollout.model)
+    model = build_tiny_model()
+    samples = rollout.generate(PROMPTS * 2, SamplingConfig(temperature=0, max_new_tokens=12))
+    for prompt, sample in zip(PROMPTS * 2, samples):
+        want = generate_reference(model, prompt, 12)
+        assert sample.response_ids == want
+        assert sample.finish_reason == ("stop" if want[-1] == 2 else "length")
+
+
+def test_rows_that_stop_early_leave_the_others_unchanged(tiny_model_dir):
+    rollout = HFRollout(
+        RolloutConfig(dtype="float32"), tiny_model_dir, options=HFRolloutOptions(stop_check_interval=1)
+    )
+    free = rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10))
+    stops = sorted({s.response_ids[1] for s in free})  # every row stops by its second token
+    cut = rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10, stop_token_ids=stops))
+    assert all(c.finish_reason == "stop" and len(c.response_ids) <= 2 for c in cut)
+    for f, c in zip(free, cut):
+        assert c.response_ids == f.response_ids[: len(c.response_ids)]
+        torch.testing.assert_close(c.log_probs, f.log_probs[: len(c.log_probs)])
+
+
+def test_sampling_is_multinomials_draw():
+    """The same tokens as ``torch.multinomial`` on the same probabilities and generator (the old loop's draw)."""
+    gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(1)) * 3
+    sampling = SamplingConfig(temperature=0.8, top_k=50)
+    for _ in range(3):
+        tokens, _ = select_tokens(logits, sampling, gen_a)
+        probs = torch.log_softmax(process_logits(logits, sampling), -1).exp()
+        assert torch.equal(tokens, torch.multinomial(probs, 1, generator=gen_b).squeeze(-1))
+
+
+def test_bad_options_name_the_fix(tiny_model_dir):
+    with pytest.raises(ValueError, match="unknown to the hf rollout"):
+        HFRollout(RolloutConfig(dtype="float32", engine_kwargs={"cuda_graphs": True}), tiny_model_dir)
+    with pytest.raises(ValueError, match="needs cache=static"):
+        HFRolloutOptions(compile=True, cache="dynamic")
+    with pytest.raises(ValueError, match="cache='paged'"):
+        HFRolloutOptions(cache="paged")
+    with pytest.raises(ValueError, match="stop_check_interval=0"):
+        HFRolloutOptions(stop_check_interval=0)
+    with pytest.raises(ValueError, match="router hooks"):
+        HFRollout(
+            RolloutConfig(dtype="float32", return_routed_experts=True, engine_kwargs={"compile": True}),
+            tiny_model_dir,
+        )
+    rollout = HFRollout(RolloutConfig(dtype="float32", engine_kwargs={"cache": "dynamic"}), tiny_model_dir)
+    assert rollout.options.cache == "dynamic"
