@@ -95,34 +95,38 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> dict[str
     return {"best_s": min(times), "median_s": statistics.median(times), "peak_gib": peak}
 
 
-def main() -> None:
-    from posttrain.core import RolloutConfig, SamplingConfig
+def build_rollout(
+    args: argparse.Namespace, shape: dict[str, Any], device: torch.device, dtype: torch.dtype
+) -> Any:
+    """An HFRollout over a freshly saved random model of ``shape``, with no eos token."""
+    from posttrain.core import RolloutConfig
     from posttrain.rollout_hf import HFRollout
     from posttrain.rollout_hf.decode import HFRolloutOptions
 
-    args = parse_args()
-    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    shape = TINY if args.tiny else QWEN25_05B
-    rows = args.prompts or (8 if args.tiny else 256)
-    plen = args.prompt_len or (16 if args.tiny else 256)
-    new = args.new_tokens or (32 if args.tiny else 256)
-    gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(1, shape["vocab_size"], (rows, plen), generator=gen)
     with tempfile.TemporaryDirectory() as path:
         save_random_model(shape, dtype, device, path)
         config = RolloutConfig(
-            dtype=str(dtype).removeprefix("torch."), prompt_length=plen, response_length=new
+            dtype=str(dtype).removeprefix("torch."),
+            prompt_length=args.prompt_len,
+            response_length=args.new_tokens,
         )
         options = HFRolloutOptions(cache=args.cache, compile=args.compile)
         rollout = HFRollout(config, path, device=device, options=options)
-    assert not rollout.eos_ids, "the benchmark model must have no eos token (both run to --new-tokens)"
-    rollout_prompts = prompts.tolist()
-    ids = prompts.to(device)
-    calls = iter(range(1_000_000))
+    if rollout.eos_ids:
+        raise RuntimeError("the benchmark model must have no eos token (both run to --new-tokens)")
+    return rollout
+
+
+def calls(rollout: Any, prompts: torch.Tensor, new: int) -> dict[str, Callable[[], None]]:
+    """The two generation calls on the same batch, each checking that it made every token."""
+    from posttrain.core import SamplingConfig
+
+    rows, plen = prompts.shape
+    as_lists, ids = prompts.tolist(), prompts.to(rollout.device)
+    seeds = iter(range(1_000_000))
 
     def run_rollout() -> None:
-        samples = rollout.generate(rollout_prompts, SamplingConfig(max_new_tokens=new, seed=next(calls)))
+        samples = rollout.generate(as_lists, SamplingConfig(max_new_tokens=new, seed=next(seeds)))
         assert sum(len(s.response_ids) for s in samples) == rows * new
 
     def run_generate() -> None:
@@ -140,33 +144,41 @@ def main() -> None:
             )
         assert out.shape == (rows, plen + new)
 
+    return {"generate": run_generate, "rollout": run_rollout}
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    shape = TINY if args.tiny else QWEN25_05B
+    args.prompts = args.prompts or (8 if args.tiny else 256)
+    args.prompt_len = args.prompt_len or (16 if args.tiny else 256)
+    args.new_tokens = args.new_tokens or (32 if args.tiny else 256)
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, shape["vocab_size"], (args.prompts, args.prompt_len), generator=gen)
+    rollout = build_rollout(args, shape, device, dtype)
     results = {
-        "generate": timed(run_generate, device, args.repeats),
-        "rollout": timed(run_rollout, device, args.repeats),
-    }
-    for res in results.values():
-        res["new_tokens_per_s"] = rows * new / res["best_s"]
-    ratio = results["rollout"]["best_s"] / results["generate"]["best_s"]
-    report = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "shape": "tiny" if args.tiny else "qwen2.5-0.5b",
-        "dtype": str(dtype),
-        "rows": rows,
-        "prompt_len": plen,
-        "new_tokens": new,
-        "cache": args.cache,
-        "compile": args.compile,
-        "results": results,
-        "ratio_rollout_over_generate": ratio,
+        name: timed(fn, device, args.repeats) for name, fn in calls(rollout, prompts, args.new_tokens).items()
     }
     for name, res in results.items():
+        res["new_tokens_per_s"] = args.prompts * args.new_tokens / res["best_s"]
         print(
             f"{name:9s} best {res['best_s']:8.3f} s  median {res['median_s']:8.3f} s  "
             f"{res['new_tokens_per_s']:10.0f} new tok/s  peak {res['peak_gib']:6.2f} GiB"
         )
+    ratio = results["rollout"]["best_s"] / results["generate"]["best_s"]
     print(f"ratio rollout / generate: {ratio:.2f} (target <= 1.5)")
     if args.json:
+        report = {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "shape": "tiny" if args.tiny else "qwen2.5-0.5b",
+            "dtype": str(dtype),
+            **{k: getattr(args, k) for k in ("prompts", "prompt_len", "new_tokens", "cache", "compile")},
+            "results": results,
+            "ratio_rollout_over_generate": ratio,
+        }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
 
