@@ -134,3 +134,33 @@ def test_cuda_compiled_step_gives_the_eager_tokens(tiny_model_dir):
         sampling = SamplingConfig(temperature=0, max_new_tokens=24)
         want = [s.response_ids for s in eager.generate(prompts, sampling)]
         assert [s.response_ids for s in compiled.generate(prompts, sampling)] == want
+
+
+class GroupedAttention(torch.nn.Module):
+    num_key_value_groups = 7
+    is_causal = True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_decode_attention_equals_hf_sdpa(dtype):
+    """A masked one-token query over 7 query heads per kv head: the same output as HF's repeat_kv + SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from posttrain.rollout_hf.attention import rollout_attention_forward
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 14, 1, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(3, 2, 40, 64, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.rand(3, 1, 1, 40, generator=gen) > 0.3
+    got, _ = rollout_attention_forward(GroupedAttention(), q, k, v, mask, scaling=0.125)
+    want, _ = sdpa_attention_forward(GroupedAttention(), q, k, v, mask, scaling=0.125)
+    assert got.shape == want.shape == (3, 1, 14, 64)
+    torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+
+
+def test_rollout_model_uses_the_folded_attention(tiny_model_dir):
+    from posttrain.rollout_hf.attention import ATTN_IMPLEMENTATION
+
+    rollout = HFRollout(RolloutConfig(dtype="float32"), tiny_model_dir)
+    assert rollout.model.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert prepared_masks_supported(rollout.model)

@@ -8,7 +8,8 @@ and its later outputs are dropped), so shapes never change and nothing per token
   ``dynamic`` uses the ``DynamicCache`` that grows by one slot a step);
 - the attention masks are built here as 4-D tensors (sdpa's boolean or eager's additive form) from the prompt
   mask and the step's cache slot, so HF's mask code, which reads mask values on the host, is skipped; models
-  with sliding-window layers or another attention implementation get the 2-D mask and HF's own masks;
+  with sliding-window layers or another attention implementation get the 2-D mask and HF's own masks; a masked
+  one-token step attends without copying the cache per query head (:mod:`posttrain.rollout_hf.attention`);
 - sampling, log-probs (:mod:`posttrain.rollout_hf.sampling`), the stop test and the finished mask are device ops;
   whether every row has finished is read only every ``stop_check_interval`` steps.
 
@@ -27,6 +28,7 @@ import torch
 
 from posttrain.core import SamplingConfig
 
+from .attention import ATTN_IMPLEMENTATION
 from .routing import RoutingRecorder
 from .sampling import select_tokens
 
@@ -91,7 +93,7 @@ def prepared_masks_supported(model: torch.nn.Module) -> bool:
     text = config.get_text_config(decoder=True)
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     full = layer_types == {"full_attention"} and getattr(text, "sliding_window", None) is None
-    return full and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+    return full and getattr(config, "_attn_implementation", None) in ("sdpa", ATTN_IMPLEMENTATION, "eager")
 
 
 class StepMasks:
@@ -206,7 +208,7 @@ class Decoder:
         ids, prompt_mask = left_pad(rows, width or max(len(r) for r in rows), self.pad, device)
         width = ids.shape[1]
         prepared = prepared_masks_supported(model)
-        mask_dtype = torch.bool if model.config._attn_implementation == "sdpa" else dtype
+        mask_dtype = dtype if model.config._attn_implementation == "eager" else torch.bool
         masks = StepMasks(prompt_mask, max_new, self.options.cache == "static", prepared, mask_dtype)
         cache = self._new_cache(model, num, width + max_new)
         stops = torch.tensor(stop_ids, dtype=torch.long, device=device)

@@ -39,6 +39,7 @@ from posttrain.core.weight_sync import (
     WeightSyncError,
 )
 
+from .attention import register as register_attention
 from .decode import Decoder, HFRolloutOptions
 from .experts import expert_slot
 from .lora import AdapterMerger, check_peft_config
@@ -102,6 +103,8 @@ class HFRollout(BaseRollout):
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=self.dtype, trust_remote_code=trust_remote_code
         )
+        if self.model.config._attn_implementation == "sdpa":  # same kernels, no per-head cache copy
+            self.model.set_attn_implementation(register_attention())
         self.model.to(self.device).eval()
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.eos_ids = eos_token_ids(self.model)
