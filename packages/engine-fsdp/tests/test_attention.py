@@ -21,6 +21,8 @@ def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def bf16_step(path: str, monkeypatch: pytest.MonkeyPatch) -> tuple[AttentionCalls, list[float], torch.Tensor]:
+    """A bf16 train step and forward; the returned counts cover this engine's calls only."""
+    monkeypatch.undo()  # drop an earlier run's counting wrappers
     calls = AttentionCalls(monkeypatch)
     eng = make_engine(path, dtype="bfloat16")
     batch = make_batch(LENGTHS)

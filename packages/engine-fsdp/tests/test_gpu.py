@@ -69,6 +69,7 @@ def test_one_process_takes_varlen_and_matches_one_rank_fsdp2(tmp_path, monkeypat
     batch = make_batch([40, 200, 9, 130])
     runs = {}
     for name, group in (("one_process", contextlib.nullcontext()), ("fsdp2", one_rank_group("nccl"))):
+        monkeypatch.undo()  # count this engine's calls only
         calls = AttentionCalls(monkeypatch)
         with group:
             eng = make_engine(path, dtype="bfloat16")
