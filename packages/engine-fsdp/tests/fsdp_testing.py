@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from posttrain.core import testing
 from posttrain.core.batch import LossContext, PackedBatch
@@ -219,3 +222,34 @@ def case_engine(case: dict[str, Any], strategy: bool = True) -> Any:
 
 def case_loss(case: dict[str, Any]) -> Any:
     return value_loss if case.get("value_model") else pg_loss
+
+
+@contextlib.contextmanager
+def one_rank_group(backend: str) -> Iterator[None]:
+    """A 1-rank default process group in this process (what ``torchrun --nproc-per-node 1`` gives an engine),
+    destroyed on exit so later tests run without one."""
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class AttentionCalls:
+    """Counts packed-attention calls per path and the q/k/v dtypes they saw (wraps, then calls through)."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        from posttrain.fsdp import attention
+
+        self.calls: dict[str, int] = {"varlen": 0, "per_sequence": 0}
+        self.dtypes: set[tuple[torch.dtype, ...]] = set()
+        for path, name in (("varlen", "_varlen"), ("per_sequence", "_per_sequence")):
+            monkeypatch.setattr(attention, name, self._wrap(path, getattr(attention, name)))
+
+    def _wrap(self, path: str, fn: Any) -> Any:
+        def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any) -> torch.Tensor:
+            self.calls[path] += 1
+            self.dtypes.add((q.dtype, k.dtype, v.dtype))
+            return fn(q, k, v, *args)
+
+        return counted

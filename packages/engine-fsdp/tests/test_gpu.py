@@ -1,13 +1,23 @@
 """CUDA-only checks (run on the GPU machine): the variable-length attention kernel against per-sequence SDPA,
-bf16 engine log-probs against an fp32 HF forward, and offload to host memory and back."""
+bf16 engine log-probs against an fp32 HF forward, a one-process engine against FSDP2 with one rank (the varlen
+path, no fallback), the fp32 fallback's warning, and offload to host memory and back."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
 import torch
-from fsdp_testing import make_batch, make_engine, pg_loss, save_tiny_model
+from fsdp_testing import (
+    AttentionCalls,
+    make_batch,
+    make_engine,
+    one_rank_group,
+    pg_loss,
+    save_tiny_model,
+    train_step,
+)
 
 from posttrain.core.testing import torchrun
 
@@ -48,6 +58,45 @@ def test_bf16_log_probs_close_to_fp32_hf(tmp_path) -> None:
             logp = torch.log_softmax(model(ids.cuda()[None]).logits[0].float() / temp[0], -1)
             want = logp[:-1].gather(-1, ids.cuda()[1:, None])[:, 0].cpu()
             torch.testing.assert_close(lp[1:], want, atol=5e-2, rtol=0)
+
+
+def test_one_process_takes_varlen_and_matches_one_rank_fsdp2(tmp_path, monkeypatch) -> None:
+    """No process group (fp32 module under autocast) vs torchrun-style FSDP2 with one rank (bf16 mixed
+    precision): both run every packed attention call through the varlen kernel in bf16, and one train step
+    gives the same loss, log-probs, gradients and updated params up to bf16 rounding."""
+    path = save_tiny_model(tmp_path / "lm")
+    batch = make_batch([40, 200, 9, 130])
+    runs = {}
+    for name, group in (("one_process", contextlib.nullcontext()), ("fsdp2", one_rank_group("nccl"))):
+        monkeypatch.undo()  # count this engine's calls only
+        calls = AttentionCalls(monkeypatch)
+        with group:
+            eng = make_engine(path, dtype="bfloat16")
+            assert eng.fsdp_version == (2 if name == "fsdp2" else 0)
+            step = train_step(eng, batch, pg_loss)
+        assert calls.calls["per_sequence"] == 0 and calls.calls["varlen"] > 0, (name, calls.calls)
+        assert calls.dtypes == {(torch.bfloat16,) * 3}, (name, calls.dtypes)
+        runs[name] = step
+    one, fsdp = runs["one_process"], runs["fsdp2"]
+    torch.testing.assert_close(one["loss"], fsdp["loss"], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(one["output"]["log_probs"], fsdp["output"]["log_probs"], atol=0.1, rtol=0)
+    g1 = torch.cat([one["grads"][k].flatten().float() for k in sorted(fsdp["grads"])])
+    g2 = torch.cat([fsdp["grads"][k].flatten().float() for k in sorted(fsdp["grads"])])
+    assert float((g1 - g2).norm() / g2.norm()) < 3e-2
+    for name in fsdp["params"]:  # one Adam step moves a param by ~lr = 1e-4
+        torch.testing.assert_close(one["params"][name], fsdp["params"][name], atol=3e-4, rtol=0, msg=name)
+
+
+def test_fp32_packed_attention_on_cuda_warns_once(tmp_path, monkeypatch) -> None:
+    from posttrain.fsdp import attention
+
+    monkeypatch.setattr(attention, "_WARNED", set())
+    eng = make_engine(save_tiny_model(tmp_path / "lm"))  # fp32 compute: no varlen kernel
+    with pytest.warns(RuntimeWarning, match="engine.dtype=bfloat16") as record:
+        with eng.eval_mode():
+            for _ in range(2):
+                eng.infer_batch(make_batch([40, 9]))
+    assert sum("engine.dtype=bfloat16" in str(w.message) for w in record) == 1
 
 
 def test_compiled_layers_equal_eager(tmp_path) -> None:

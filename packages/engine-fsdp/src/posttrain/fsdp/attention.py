@@ -9,7 +9,14 @@ here under :data:`ATTN_IMPLEMENTATION`. That function attends causally inside ea
   ``window_size=(-1, 0)``; the signature is inspected once to pick the right one. When the installed torch has no
   ``enable_gqa`` argument the key/value heads are repeated to the query heads first.
 - elsewhere (CPU, fp32) it loops over the sequences and calls ``scaled_dot_product_attention(is_causal=True)``
-  on each, which is exact and never builds a ``T x T`` mask.
+  on each, which is exact and never builds a ``T x T`` mask. On CUDA that loop is slow (a kernel per sequence
+  and layer, and a host sync for the boundaries), so taking it there warns once, naming the cause and the fix
+  (:func:`fallback_reason`).
+
+Under autocast q, k and v are first cast to the autocast dtype, as autocast does for SDPA. This is what makes a
+one-process engine (no process group: the fp32 module runs under ``torch.autocast``) attend like FSDP2's
+mixed precision: HF's RoPE multiplies the bf16 projections by fp32 cos/sin (computed in the dtype of the fp32
+residual stream), so q and k would otherwise reach attention in fp32 and miss the varlen kernel.
 
 Without ``cu_seq_lens_q`` (the padded path, used to check the packed one) the call goes to HF's SDPA attention
 with whatever 4-D mask the caller built. Because the implementation name is not registered with HF's mask
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -62,6 +70,41 @@ def _varlen_api() -> tuple[Any, bool, bool] | None:
 def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
     """True when packed attention on ``device`` in ``dtype`` runs through the variable-length kernel."""
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_api() is not None
+
+
+def fallback_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why packed attention in ``dtype`` on ``device`` would take the slow per-sequence loop where it should not,
+    and the fix; None when it runs the varlen kernel, or off CUDA (where the loop is the implementation)."""
+    if device.type != "cuda" or varlen_available(device, dtype):
+        return None
+    if _varlen_api() is None:
+        return (
+            f"torch {torch.__version__} has no torch.nn.attention.varlen, so packed attention on CUDA runs "
+            "one SDPA call per sequence (slow): install torch >= 2.10"
+        )
+    return (
+        f"packed attention on CUDA got {dtype} q/k/v; the varlen kernel takes only float16/bfloat16, so it runs "
+        "one SDPA call per sequence (slow): set engine.dtype=bfloat16 (the compute dtype; engine.model_dtype "
+        "keeps the fp32 master weights)"
+    )
+
+
+_WARNED: set[str] = set()
+"""Fallback reasons already warned about in this process."""
+
+
+def _warn_fallback(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(reason, RuntimeWarning, stacklevel=3)
+
+
+def _compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in: autocast's on this device when it is enabled, else the query's."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return query.dtype
 
 
 def _varlen(
@@ -128,7 +171,9 @@ def packed_attention_forward(
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got batch size {query.shape[0]}")
-    if varlen_available(query.device, query.dtype):
+    dtype = _compute_dtype(query)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if varlen_available(query.device, dtype):
         if dropout > 0:
             raise ValueError(
                 f"attention dropout {dropout} is not supported by the varlen kernel: set the model "
@@ -144,5 +189,8 @@ def packed_attention_forward(
             scaling,
         )
     else:
+        reason = fallback_reason(query.device, dtype)
+        if reason is not None:
+            _warn_fallback(reason)
         out = _per_sequence(query, key, value, cu.tolist(), scaling, dropout)
     return out.unsqueeze(0), None

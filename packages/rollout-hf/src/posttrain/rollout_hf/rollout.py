@@ -1,12 +1,13 @@
 """HFRollout: batched generation with a transformers causal LM, the CPU default rollout.
 
-Generation is a decode loop over the HF model's own forward with a ``DynamicCache`` (the KV cache that
-``model.generate`` uses) rather than ``model.generate`` itself, so that sampling draws from a
-``torch.Generator`` (reproducible from ``SamplingConfig.seed`` or the rollout seed without touching the global
-RNG) and the reported log-probs are exactly those of :mod:`posttrain.rollout_hf.sampling`. Prompts are
-repeated ``n`` times (prompt 0's samples first), left-padded into one batch with an attention mask and
-positions that start at 0 on each prompt's first real token, prefilled once, then decoded one token per step
-until every row has produced a stop token (eos always counts) or ``max_new_tokens`` tokens. With
+Generation runs the HF model's own forward in a decode loop (:mod:`posttrain.rollout_hf.decode`) rather than
+``model.generate``, so that sampling draws from a ``torch.Generator`` (reproducible from ``SamplingConfig.seed`` or
+the rollout seed without touching the global RNG) and the reported log-probs are exactly those of
+:mod:`posttrain.rollout_hf.sampling`. Prompts are repeated ``n`` times (prompt 0's samples first), left-padded into
+one batch with positions that start at 0 on each prompt's first real token, prefilled once into a static KV cache,
+then decoded one token per step until every row has produced a stop token (eos always counts) or
+``max_new_tokens`` tokens; the loop stays on the device (no host sync per token). ``rollout.engine_kwargs`` sets
+:class:`~posttrain.rollout_hf.decode.HFRolloutOptions` (cache kind, ``torch.compile`` of the decode step). With
 ``rollout.return_routed_experts`` (MoE models) each sample also carries the experts every MoE layer chose for
 its tokens (:mod:`posttrain.rollout_hf.routing`).
 
@@ -39,10 +40,11 @@ from posttrain.core.weight_sync import (
     WeightSyncError,
 )
 
+from .attention import register as register_attention
+from .decode import Decoder, HFRolloutOptions
 from .experts import expert_slot
 from .lora import AdapterMerger, check_peft_config
 from .routing import RoutingRecorder
-from .sampling import select_tokens
 
 
 def eos_token_ids(model: Any) -> set[int]:
@@ -65,8 +67,18 @@ class HFRollout(BaseRollout):
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
         trust_remote_code: bool = False,
+        *,
+        options: HFRolloutOptions | None = None,
     ) -> None:
+        """``options`` default to ``HFRolloutOptions(**config.engine_kwargs)``."""
         from transformers import AutoModelForCausalLM
+
+        self.options = options or HFRolloutOptions.from_kwargs(config.engine_kwargs)
+        if self.options.compile and config.return_routed_experts:
+            raise ValueError(
+                "rollout.engine_kwargs.compile=true with rollout.return_routed_experts=true: the router hooks "
+                "must run eagerly; set one of them to false"
+            )
 
         self.config = config
         self.device = torch.device(device)
@@ -74,11 +86,14 @@ class HFRollout(BaseRollout):
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=self.dtype, trust_remote_code=trust_remote_code
         )
+        if self.model.config._attn_implementation == "sdpa":  # same kernels, no per-head cache copy
+            self.model.set_attn_implementation(register_attention())
         self.model.to(self.device).eval()
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.eos_ids = eos_token_ids(self.model)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
+        self._decoder = Decoder(self.options, self.pad_token_id)
         self._weights_valid = True
         self._asleep = False
         self._synced: set[int] = set()
@@ -116,76 +131,21 @@ class HFRollout(BaseRollout):
         routing = None
         if self.config.return_routed_experts:
             routing = RoutingRecorder(self.model, len(rows), sampling.max_new_tokens)
+        stop_ids = sorted(self.eos_ids | set(sampling.stop_token_ids))
+        width = limit - sampling.max_new_tokens if self.options.compile else None  # one shape for every call
         with torch.no_grad(), routing or contextlib.nullcontext():
-            tokens, log_probs, lengths, stopped = self._decode(rows, sampling, generator, routing)
+            out = self._decoder.run(self.model, rows, sampling, generator, stop_ids, routing, width=width)
         return [
             RolloutSample(
                 prompt_index=i // sampling.n,
                 prompt_ids=rows[i],
-                response_ids=tokens[i, : lengths[i]].tolist(),
-                log_probs=log_probs[i, : lengths[i]].float().cpu(),
-                finish_reason="stop" if stopped[i] else "length",
-                routed_experts=routing.sample(i, len(rows[i]), lengths[i]) if routing else None,
+                response_ids=out.tokens[i, : out.lengths[i]].tolist(),
+                log_probs=out.log_probs[i, : out.lengths[i]].clone(),
+                finish_reason="stop" if out.stopped[i] else "length",
+                routed_experts=routing.sample(i, len(rows[i]), out.lengths[i]) if routing else None,
             )
             for i in range(len(rows))
         ]
-
-    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, width - len(r) :] = torch.tensor(r)
-            mask[i, width - len(r) :] = 1
-        return ids.to(self.device), mask.to(self.device)
-
-    def _decode(
-        self,
-        rows: list[list[int]],
-        sampling: SamplingConfig,
-        generator: torch.Generator,
-        routing: RoutingRecorder | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
-        """Prefill, then one token per step for the rows still running; finished rows leave the batch and
-        its KV cache. ``routing`` files the experts each forward chose."""
-        from transformers import DynamicCache
-
-        step_ids, mask = self._left_pad(rows)
-        step_pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        stop_ids = torch.tensor(sorted(self.eos_ids | set(sampling.stop_token_ids)), device=self.device)
-        num = len(rows)
-        out_tokens = torch.full((num, sampling.max_new_tokens), self.pad_token_id, device=self.device)
-        out_logps = torch.zeros((num, sampling.max_new_tokens), device=self.device)
-        lengths = torch.full((num,), sampling.max_new_tokens, dtype=torch.long, device=self.device)
-        stopped = torch.zeros(num, dtype=torch.bool, device=self.device)
-        active = torch.arange(num, device=self.device)
-        cache = DynamicCache(config=self.model.config)
-        for step in range(sampling.max_new_tokens):
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=step_pos,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            if routing is not None:
-                routing.record(step, active, tuple(step_ids.shape))
-            token, logp = select_tokens(out.logits[:, -1, :], sampling, generator)
-            out_tokens[active, step], out_logps[active, step] = token, logp
-            hit_stop = torch.isin(token, stop_ids)
-            stopped[active[hit_stop]] = True
-            lengths[active[hit_stop]] = step + 1
-            keep = (~hit_stop).nonzero().squeeze(-1)
-            if keep.numel() == 0:
-                break
-            cache = out.past_key_values
-            if keep.numel() < active.numel():
-                cache.batch_select_indices(keep)
-                active, token, mask, step_pos = active[keep], token[keep], mask[keep], step_pos[keep]
-            step_ids, step_pos = token.unsqueeze(-1), step_pos[:, -1:] + 1
-            mask = torch.cat([mask, mask.new_ones((active.numel(), 1))], dim=-1)
-        return out_tokens.cpu(), out_logps.cpu(), lengths.tolist(), stopped.tolist()
 
     # ------------------------------------------------------------------ weights
     def _named_tensors(self) -> dict[str, torch.Tensor]:
@@ -281,6 +241,7 @@ class HFRollout(BaseRollout):
         """Offload the weights to CPU memory (on CPU there is nothing to free); the KV cache lives only inside
         ``generate``. Level 2 does the same (the weights are kept, not discarded). Until :meth:`wake_up` brings the
         weights back, ``generate`` and ``update_weights`` refuse to run, on CPU too."""
+        self._decoder.reset()
         if self.device.type != "cpu":
             self.model.to("cpu")
             torch.cuda.empty_cache()
@@ -298,6 +259,7 @@ class HFRollout(BaseRollout):
 
     def release(self) -> None:
         """Drop the model; the rollout cannot be used afterwards."""
+        self._decoder.reset()
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -8,8 +8,8 @@ a recomputation of it. The routers are found by class name (``*TopKRouter``), in
 order: the layout Megatron-Core's router replay expects.
 
 One :class:`RoutingRecorder` covers one batched generation: the prefill forward over the left-padded prompts,
-then one forward per decode step over the rows still running (each feeding the token sampled at the step
-before). A sample's record is its prompt's rows of the prefill, then one row per fed response token, then a row
+then one forward per decode step over every row (each feeding the token sampled at the step before; a finished
+row's record past its end is never read). A sample's record is its prompt's rows of the prefill, then one row per fed response token, then a row
 of -1 for the last response token, which was sampled but never fed to the model.
 """
 
@@ -58,9 +58,9 @@ class RoutingRecorder:
     def _hook(self, module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> None:
         self._seen.append(output[-1])
 
-    def record(self, step: int, active: torch.Tensor, input_shape: tuple[int, ...]) -> None:
-        """File what the forward of decode ``step`` chose (step 0: the prefill); ``active`` holds the rows that
-        forward ran on and ``input_shape`` its (rows, tokens) input."""
+    def record(self, step: int, input_shape: tuple[int, ...]) -> None:
+        """File what the forward of decode ``step`` chose (step 0: the prefill); ``input_shape`` is its
+        (rows, tokens) input."""
         assert len(self._seen) == len(self.routers), "one router call per MoE layer and forward"
         routed = torch.stack(self._seen, dim=1).to(torch.int32)  # (rows * tokens, layers, k)
         self._seen = []
@@ -69,7 +69,7 @@ class RoutingRecorder:
             self.prefill = routed
             self.decoded = routed.new_full((self.num_rows, self.max_new_tokens, *routed.shape[2:]), -1)
         else:
-            self.decoded[active, step - 1] = routed[:, 0]
+            self.decoded[:, step - 1] = routed[:, 0]
 
     def sample(self, row: int, prompt_len: int, response_len: int) -> torch.Tensor:
         """(prompt_len + response_len, layers, k) int32 on the CPU for ``row``; the last row is -1."""

@@ -2,8 +2,9 @@
 
 Processing follows the order of HF's logits warpers and vLLM's sampler: divide the logits by the temperature,
 keep the ``top_k`` largest, then keep the smallest set of tokens whose probability mass (renormalised over
-what top-k left) reaches ``top_p``; removed tokens get ``-inf``. A token is drawn from the softmax of the
-processed logits with a ``torch.Generator``.
+what top-k left) reaches ``top_p``; removed tokens get ``-inf``. A token is drawn from the softmax ``p`` of the
+processed logits with a ``torch.Generator`` as ``argmax(p / q)``, ``q ~ Exp(1)``: the draw ``torch.multinomial``
+makes for one sample (the same generator use, so the same tokens), without its two host syncs that check ``p``.
 
 The log-prob reported for a sampled token is ``log_softmax(processed logits)[token]`` in float32: its
 log-probability under the distribution it was actually drawn from (vLLM's ``logprobs_mode=processed_logprobs``).
@@ -24,7 +25,8 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     logits = logits.float()
     if sampling.temperature == 0:
         return logits
-    logits = logits / sampling.temperature
+    if sampling.temperature != 1.0:
+        logits = logits / sampling.temperature
     vocab = logits.shape[-1]
     if 0 < sampling.top_k < vocab:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
@@ -49,5 +51,7 @@ def select_tokens(
     if sampling.temperature == 0:
         tokens = torch.argmax(processed, dim=-1)
     else:
-        tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+        probs = log_probs.exp()
+        noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+        tokens = torch.argmax(probs / noise, dim=-1)
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
