@@ -169,6 +169,10 @@ def test_lora_wrapped_layers_expose_their_base_parameters_only_while_loading():
     before = dict(model.named_parameters())
     with lora_base_aliases(model):
         during = dict(model.named_parameters())
-        assert during["0.weight"] is model[0].base_layer.weight and during["0.bias"] is model[0].base_layer.bias
-        assert "0.base_layer.weight" not in during, "named_parameters lists each Parameter once, under the alias"
+        assert (
+            during["0.weight"] is model[0].base_layer.weight and during["0.bias"] is model[0].base_layer.bias
+        )
+        assert "0.base_layer.weight" not in during, (
+            "named_parameters lists each Parameter once, under the alias"
+        )
     assert dict(model.named_parameters()).keys() == before.keys()

@@ -20,7 +20,9 @@ def test_installed_engine_entry_points_load_engines():
         assert model_type in ("language_model", "value_model"), ep.name
         cls = ep.load()
         assert isinstance(cls, type) and issubclass(cls, BaseEngine), ep
-        assert backend in configs, f"{ep.name}: backend {backend!r} registers no posttrain.engine_configs entry"
+        assert backend in configs, (
+            f"{ep.name}: backend {backend!r} registers no posttrain.engine_configs entry"
+        )
         assert issubclass(configs[backend].load(), EngineConfig), configs[backend]
 
 

@@ -171,3 +171,10 @@ def test_reward_metrics():
     assert m["reward/group_all_same"] == pytest.approx(2 / 3)
     assert reward_metrics([]) == {}
     assert "reward/a/mean" not in reward_metrics([1.0], ["a"])
+
+
+def test_numeric_reward_extras_become_means_and_others_are_left_out():
+    from posttrain.trainers.rl.trainer import extra_means
+
+    extras = {"acc": [1.0, 0.0, None, True], "note": ["a", "b", None, None], "len": [None, None, None, None]}
+    assert extra_means(extras) == {"reward/extra/acc/mean": 2 / 3}

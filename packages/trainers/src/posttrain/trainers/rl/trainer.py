@@ -53,6 +53,18 @@ from .batch import build_batch
 from .dataset import PromptDataset
 
 
+def extra_means(extras: dict[str, list]) -> dict[str, float]:
+    """``reward/extra/<key>/mean`` of every numeric value a reward function returned beside its score (a dict
+    ``{"score": ..., "acc": ...}``); samples without the key, and non-numeric values, are left out. Computed on
+    each data-parallel rank for its own samples and logged unreduced (ranks may see different keys)."""
+    out = {}
+    for key, values in extras.items():
+        numbers = [float(v) for v in values if isinstance(v, (int, float))]
+        if numbers:
+            out[f"reward/extra/{key}/mean"] = sum(numbers) / len(numbers)
+    return out
+
+
 class Timer(dict):
     """``with timer("gen"): ...`` records seconds under ``timing_s/gen``."""
 
@@ -267,12 +279,13 @@ class RLTrainer(StepLoop):
     # ------------------------------------------------------------------ generation and rewards
     def generate(
         self, prompts: list, validate: bool = False, step: int = 0
-    ) -> tuple[list, list[float], list]:
-        """(samples grouped by prompt, scores, data sources), made on the replica group's source rank."""
+    ) -> tuple[list, list[float], list, dict[str, float]]:
+        """(samples grouped by prompt, scores, data sources, reward extras), made on the replica group's source
+        rank."""
         result = self._generate(prompts, validate, step) if self.replicas.is_src else None
         return self.replicas.broadcast(result)
 
-    def _generate(self, prompts: list, validate: bool, step: int) -> tuple[list, list[float], list]:
+    def _generate(self, prompts: list, validate: bool, step: int) -> tuple[list, list[float], list, dict]:
         self.check_weight_version()
         sampling = self.cfg.rollout.sampling(validate=validate)
         sampling.seed = (self.cfg.trainer.seed * 1_000_003 + step * 7919 + self.dp_rank * 131) % (2**31)
@@ -288,14 +301,14 @@ class RLTrainer(StepLoop):
             [p.ground_truth for p in owners],
             [p.extra_info for p in owners],
         )
-        return samples, result.scores, [p.data_source for p in owners]
+        return samples, result.scores, [p.data_source for p in owners], extra_means(result.extras)
 
     def _greedy_baselines(self, prompts: list, n: int, step: int) -> torch.Tensor:
         """(B,) the reward of one greedy response per prompt, repeated for its ``n`` samples."""
         greedy = dataclasses.replace(self.cfg.rollout, temperature=0.0, n=1)
         saved, self.cfg.rollout = self.cfg.rollout, greedy
         try:
-            _, scores, _ = self.generate(prompts, step=step)
+            _, scores, _, _ = self.generate(prompts, step=step)
         finally:
             self.cfg.rollout = saved
         return torch.tensor(scores, dtype=torch.float32).repeat_interleave(n)
@@ -309,7 +322,7 @@ class RLTrainer(StepLoop):
         prompts = [self.train_set[i] for i in local]
         n = cfg.rollout.n
         with timer("gen"):
-            samples, scores, sources = self.generate(prompts, step=self.global_step)
+            samples, scores, sources, reward_extras = self.generate(prompts, step=self.global_step)
         uids = [self.dp_rank * len(local) + s.prompt_index for s in samples]
         batch = build_batch(samples, scores, uids, cfg.rollout.temperature)
         if self.replay_mode == "R3":
@@ -337,7 +350,7 @@ class RLTrainer(StepLoop):
         metrics.update(self._update_models(batch, timer))
         metrics.update(timer)
         metrics.update(self._batch_metrics(batch, scores, sources, uids, time.perf_counter() - step_start))
-        return self._reduce(metrics)
+        return {**self._reduce(metrics), **reward_extras}
 
     def _update_models(self, batch, timer: Timer) -> dict[str, float]:
         """Critic update, then (after the warmup) actor update and weight sync."""
@@ -410,7 +423,7 @@ class RLTrainer(StepLoop):
         if self.val_set is None:
             return {}
         mine = [self.val_set[i] for i in range(len(self.val_set))][self.dp_rank :: self.dp_size]
-        _, scores, sources = self.generate(mine, validate=True) if mine else ([], [], [])
+        _, scores, sources, _ = self.generate(mine, validate=True) if mine else ([], [], [], {})
         total, count = pdist.all_reduce([sum(scores), len(scores)])
         return {"val/reward/mean": total / max(count, 1.0)}
 
