@@ -130,14 +130,18 @@ def test_per_role_strategy_still_wins():
 
 
 def test_replay_mode_names_the_fix():
+    from posttrain.core import EngineRegistry
     from posttrain.trainers.config import load_config
     from posttrain.trainers.rl.router_replay import replay_mode
 
+    megatron = EngineRegistry.from_entry_points().get_engine_cls("language_model", "megatron")
+    assert megatron.supports_router_replay
     r3 = ["model_engine=megatron", "actor.engine.router_replay.mode=R3"]
     with pytest.raises(ValueError, match="set rollout.return_routed_experts=true"):
-        replay_mode(load_config(r3))
-    assert replay_mode(load_config([*r3, "rollout.return_routed_experts=true"])) == "R3"
-    assert replay_mode(load_config(["model_engine=megatron", "actor.engine.router_replay.mode=R2"])) == "R2"
+        replay_mode(load_config(r3), megatron)
+    assert replay_mode(load_config([*r3, "rollout.return_routed_experts=true"]), megatron) == "R3"
+    r2 = load_config(["model_engine=megatron", "actor.engine.router_replay.mode=R2"])
+    assert replay_mode(r2, megatron) == "R2"
 
 
 def test_tp2_from_the_command_line_keeps_sequence_parallel():

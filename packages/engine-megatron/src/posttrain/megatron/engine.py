@@ -52,6 +52,8 @@ class MegatronEngine(BaseEngine):
     """Megatron-Core model + optimizer behind the backend-neutral engine interface."""
 
     is_value_model = False
+    supports_router_replay = True
+    """Replays recorded MoE routing (R2, R3) through :mod:`.router_replay`."""
     peft_merge = False
     """Default of ``get_per_tensor_param(peft_merge=...)``: stream LoRA merged into the base weights."""
 
