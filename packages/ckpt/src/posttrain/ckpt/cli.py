@@ -17,13 +17,11 @@ import json
 import sys
 from pathlib import Path
 
-import torch
+from posttrain.core.dtypes import DTYPES
 
 from .hf import export_hf, tensor_table
 from .layout import DIST_CKPT, ROLE_MANIFEST, STEP_MANIFEST, TRACKER, dir_size, read_json
 from .manager import find_latest
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("out_dir", type=Path, help="output directory (created)")
     exp.add_argument(
         "--dtype",
-        choices=sorted(_DTYPES),
+        choices=sorted(DTYPES),
         default=None,
         help="cast the weights (default: keep the checkpoint's dtype)",
     )
@@ -59,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             files = export_hf(
                 args.role_dir,
                 args.out_dir,
-                _DTYPES.get(args.dtype),
+                DTYPES.get(args.dtype),
                 int(args.max_shard_size_gb * (1 << 30)),
                 adapter_only=args.adapter_only,
             )

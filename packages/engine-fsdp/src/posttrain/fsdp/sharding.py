@@ -64,7 +64,9 @@ def build_mesh(device_type: str, fsdp_size: int) -> Any:
 
 
 def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(name, name))
+    from posttrain.core.dtypes import parse_dtype
+
+    return parse_dtype(name)
 
 
 def mixed_precision_dtypes(cfg: FSDPEngineConfig) -> tuple[torch.dtype, torch.dtype, torch.dtype]:

@@ -16,12 +16,11 @@ from typing import Any
 import torch
 
 from posttrain.core.config import OptimizerConfig
+from posttrain.core.dtypes import parse_dtype
 
 from . import _deps
 from .attention import layer_spec
 from .config import McoreEngineConfig
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CPU_OFF_FUSIONS = (
     "gradient_accumulation_fusion",
@@ -121,7 +120,7 @@ def make_provider(
     A value model never ties its output layer to the embeddings (the value head replaces that layer), even
     when the HF config ties them."""
     provider = bridge.to_megatron_provider(load_weights=False)
-    dtype = TORCH_DTYPES[cfg.dtype]
+    dtype = parse_dtype(cfg.dtype)
     use_te = _deps.has_transformer_engine()
     for name, value in dict(
         **parallel_sizes(cfg),
@@ -202,7 +201,7 @@ def build_optimizer(chunks: list[torch.nn.Module], optim: OptimizerConfig, cfg: 
     from megatron.core.optimizer import OptimizerConfig as MOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
-    dtype = TORCH_DTYPES[cfg.dtype]
+    dtype = parse_dtype(cfg.dtype)
     mcfg = MOptimizerConfig(
         optimizer="adam",
         lr=optim.lr,

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from posttrain.core.dtypes import DTYPES
+
 from . import build, checkpoint
 from .config import McoreEngineConfig
 
@@ -26,7 +28,7 @@ from .config import McoreEngineConfig
 def _dtype_of(hf_dir: Path) -> str:
     cfg = json.loads((hf_dir / "config.json").read_text())
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return name if name in build.TORCH_DTYPES else "float32"
+    return name if name in DTYPES else "float32"
 
 
 def ensure_process_group(world_size: int) -> None:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from posttrain.core.dtypes import parse_dtype
+
 from . import _deps, build
 from .config import McoreEngineConfig
 
@@ -160,7 +162,7 @@ class VanillaBridge:
         self.model_path = model_path
         self.cfg = cfg
         self.bridge = mbridge.AutoBridge.from_pretrained(
-            model_path, trust_remote_code=trust_remote_code, dtype=build.TORCH_DTYPES[cfg.dtype]
+            model_path, trust_remote_code=trust_remote_code, dtype=parse_dtype(cfg.dtype)
         )
         _copy_rope_theta(self.bridge.hf_config)
         use_te = _deps.has_transformer_engine()

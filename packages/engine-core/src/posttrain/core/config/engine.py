@@ -16,22 +16,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .checkpoint import CheckpointConfig
 
-DTYPES = ("bfloat16", "float16", "float32")
-_DTYPE_ALIASES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "float": "float32",
-}
-
 
 def normalize_dtype(value: str, key: str) -> str:
-    """Map ``bf16``/``fp16``/``fp32`` spellings onto torch names; raise on anything else."""
-    name = _DTYPE_ALIASES.get(value, value)
-    if name not in DTYPES:
-        raise ValueError(f"{key}={value!r} is not supported: use one of {', '.join(DTYPES)}")
-    return name
+    """The canonical torch name of a config dtype (:func:`posttrain.core.dtypes.dtype_name`, the one table)."""
+    from ..dtypes import dtype_name
+
+    return dtype_name(value, key)
 
 
 @dataclass(kw_only=True)
