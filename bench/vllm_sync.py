@@ -32,34 +32,13 @@ import time
 from typing import Any
 
 import torch
-
-QWEN25_15B = dict(
-    vocab_size=151936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rope_theta=1_000_000.0,
-    tie_word_embeddings=True,
+from weight_sync import (  # the shapes and helpers of the receiving-process bench beside this one
+    QWEN25_15B,
+    sync,
 )
-TINY = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=704,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
+from weight_sync import TINY as WEIGHT_SYNC_TINY
 
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+TINY = {**WEIGHT_SYNC_TINY, "head_dim": 64}  # vLLM's CPU attention takes no smaller heads
 
 
 def save_model(shape: dict[str, Any]) -> str:
