@@ -136,6 +136,7 @@ class RLTrainer(StepLoop):
             "language_model", cfg.actor.engine.strategy
         )
         self.replay_mode = router_replay.replay_mode(cfg, actor_cls)
+        phases.check_behaviour_old_log_probs(cfg.algorithm.rollout_correction, cfg.rollout, self.replay_mode)
         cfg.data.max_prompt_length = cfg.data.prompt_length(cfg.rollout.prompt_length)
         for role in ("actor", "ref", "critic"):
             fill_token_budget(
@@ -328,8 +329,7 @@ class RLTrainer(StepLoop):
         if self.replay_mode == "R3":
             router_replay.require_rollout_routing(batch, cfg.rollout.name)
         metrics: dict[str, float] = {"train/epoch": epoch}
-        with timer("old_log_prob"):
-            metrics.update(phases.compute_old_log_probs(self.actor, batch, self.replicas, self.replay_mode))
+        metrics.update(self._old_log_probs(batch, timer))
         if self.use_ref:
             with timer("ref"):
                 phases.compute_ref_log_probs(
@@ -351,6 +351,19 @@ class RLTrainer(StepLoop):
         metrics.update(timer)
         metrics.update(self._batch_metrics(batch, scores, sources, uids, time.perf_counter() - step_start))
         return {**self._reduce(metrics), **reward_extras}
+
+    def _old_log_probs(self, batch, timer: Timer) -> dict[str, float]:
+        """The proximal policy's log-probs (the old-log-prob pass, or the rollout's with
+        ``old_log_prob=behaviour``), then the rollout correction's weights when it is on."""
+        correction = self.cfg.algorithm.rollout_correction
+        if correction.old_log_prob == "behaviour":
+            phases.behaviour_old_log_probs(batch)
+            return {}
+        with timer("old_log_prob"):
+            metrics = phases.compute_old_log_probs(self.actor, batch, self.replicas, self.replay_mode)
+        if correction.enabled:
+            metrics.update(phases.compute_rollout_correction(batch, correction))
+        return metrics
 
     def _update_models(self, batch, timer: Timer) -> dict[str, float]:
         """Critic update, then (after the warmup) actor update and weight sync."""
