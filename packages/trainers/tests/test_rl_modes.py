@@ -26,14 +26,14 @@ COMPARED = (
 GRPO = ("algorithm.adv_estimator=grpo",)
 
 
-def assert_same_run(a, b, steps) -> None:
+def assert_same_run(a, b, steps, last: int = STEPS) -> None:
     rows_a = {r["step"]: r for r in read_metrics(a / "metrics.jsonl")}
     rows_b = {r["step"]: r for r in read_metrics(b / "metrics.jsonl")}
     for step in steps:
         for key in COMPARED + (("val/reward/mean",) if "val/reward/mean" in rows_a[step] else ()):
             assert rows_a[step][key] == rows_b[step][key], (step, key, rows_a[step][key], rows_b[step][key])
-    wa = load_full_model_state(a / f"global_step_{STEPS}" / "actor" / "dist_ckpt")
-    wb = load_full_model_state(b / f"global_step_{STEPS}" / "actor" / "dist_ckpt")
+    wa = load_full_model_state(a / f"global_step_{last}" / "actor" / "dist_ckpt")
+    wb = load_full_model_state(b / f"global_step_{last}" / "actor" / "dist_ckpt")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -170,3 +170,26 @@ def test_remax_is_refused_outside_sync(assets, tmp_path):  # noqa: F811
     )
     with pytest.raises(ValueError, match="greedy baseline inside the step"):
         RLTrainer(cfg)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_processes_async_staleness_zero_equals_sync_and_one_step_off_runs(assets, tmp_path):  # noqa: F811
+    """Two gloo ranks, each with its rollout thread: async max_staleness=0 equals sync bitwise (every rank makes
+    the same collective calls in both), and one_step_off trains on one-version-old samples."""
+    from posttrain.core.testing import torchrun
+
+    common = [*GRPO, "trainer.n_gpus_per_node=2", "trainer.save_freq=-1", "data.val_files=[]"]
+    common += ["trainer.total_training_steps=2"]
+    runs = {
+        "sync": [],
+        "async0": ["trainer.mode=async", "trainer.max_staleness=0"],
+        "one_step_off": ["trainer.mode=one_step_off"],
+    }
+    for name, extra in runs.items():
+        torchrun(
+            "posttrain.trainers.main_ppo", *grpo_args(assets, tmp_path / name, *common, *extra), module=True
+        )
+    assert_same_run(tmp_path / "sync", tmp_path / "async0", [1, 2], last=2)
+    rows = read_metrics(tmp_path / "one_step_off" / "metrics.jsonl")
+    assert [r["rollout/staleness/mean"] for r in rows] == [0.0, 1.0]

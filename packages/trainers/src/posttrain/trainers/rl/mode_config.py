@@ -27,6 +27,9 @@ class RolloutModeConfig:
     """async: wait (the rollout generates batch j with version j - max_staleness, waiting for it: nothing is
     discarded) or drop (the rollout runs one batch further ahead and a group found staler than max_staleness is
     discarded and replaced by a fresher one: generation is spent to keep the rollout busy)."""
+    rollout_threads: int = 1
+    """one_step_off / async: torch intra-op threads of the rollout's thread (0: torch's default, every core). On
+    a CPU, 1 keeps the rollout from oversubscribing the cores the trainer's ops use."""
 
     def check_mode(self) -> None:
         if self.mode not in MODES:
@@ -34,6 +37,10 @@ class RolloutModeConfig:
         if self.stale_policy not in STALE_POLICIES:
             raise ValueError(
                 f"trainer.stale_policy={self.stale_policy!r}: choose one of {', '.join(STALE_POLICIES)}"
+            )
+        if self.rollout_threads < 0:
+            raise ValueError(
+                f"trainer.rollout_threads={self.rollout_threads} must be >= 0 (0 = torch's default)"
             )
         if self.max_staleness < 0:
             raise ValueError(f"trainer.max_staleness={self.max_staleness} must be >= 0 (0 = sync)")

@@ -34,16 +34,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from posttrain.core.weight_sync import WeightSyncError
 
 from .buffer import Group, RolloutBuffer, split_groups, staleness_metrics
 
 
 class RolloutWorker:
-    """Runs rollout jobs on one background thread, in submission order, and counts its busy seconds."""
+    """Runs rollout jobs on one background thread, in submission order, and counts its busy seconds; ``threads``
+    > 0 sets that thread's torch intra-op threads (OpenMP's thread count is per calling thread)."""
 
-    def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-rollout")
+    def __init__(self, threads: int = 0) -> None:
+        init = (lambda: torch.set_num_threads(threads)) if threads > 0 else None
+        self.pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="posttrain-rollout", initializer=init
+        )
         self.busy_s = 0.0
 
     def submit(self, fn, *args: Any) -> Future:
@@ -106,7 +112,7 @@ class RolloutAhead:
         cfg = trainer.cfg.trainer
         self.trainer, self.lookahead, self.bound = trainer, cfg.lookahead, cfg.staleness_bound
         self.n = trainer.cfg.rollout.n
-        self.worker = RolloutWorker()
+        self.worker = RolloutWorker(cfg.rollout_threads)
         self.buffer = RolloutBuffer()
         self.pending: deque[Pending] = deque()
         self.launched = 0
@@ -114,6 +120,7 @@ class RolloutAhead:
         self.popped = 0
         """Groups that have left the buffer (trained or dropped)."""
         self.restored = False
+        """True once a checkpoint's counters were loaded."""
         self.version = 0
         """Version of the last push queued into the rollout."""
         self.push_s: list[Future] = []
@@ -183,16 +190,15 @@ class RolloutAhead:
         return groups, metrics
 
     def _timing(self, wait: float, rollout_idle: float) -> dict[str, float]:
-        pushes = [f.result() for f in self.push_s if f.done()]
+        """The same keys on every rank and step (the trainer all-reduces them by key)."""
+        done = [f for f in self.push_s if f.done()]
         self.push_s = [f for f in self.push_s if not f.done()]
-        out = {
+        return {
             "timing_s/wait_rollout": wait,
+            "timing_s/update_weights": sum(f.result() for f in done),
             "perf/trainer_idle_s": wait,
             "perf/rollout_idle_s": rollout_idle,
         }
-        if pushes:
-            out["timing_s/update_weights"] = sum(pushes)
-        return out
 
     def drain(self, version: int | None = None) -> None:
         """Wait for every queued job (their batches go to the buffer); with ``version``, push it first, so the
