@@ -51,6 +51,9 @@ class DemoConfig:
     """GRPO learning rate."""
     seed: int = 0
     """Seed of the model init and the data."""
+    trainer_mode: str = "sync"
+    """GRPO's ``trainer.mode``: sync, one_step_off (the next step's rollout generates while this step trains) or
+    async (see docs/rl.md)."""
 
 
 def _last(metrics_path: Path, key: str) -> tuple[float | None, float | None]:
@@ -101,6 +104,7 @@ def run(cfg: DemoConfig) -> dict[str, float]:
             "actor.use_kl_loss=true",
             "actor.kl_loss_coef=0.001",
             "trainer.test_freq=10",
+            f"trainer.mode={cfg.trainer_mode}",
         ],
         "grpo",
     )

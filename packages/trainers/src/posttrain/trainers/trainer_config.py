@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .rl.mode_config import RolloutModeConfig
+
 LOGGERS = ("console", "file", "tensorboard", "wandb", "mlflow")
 
 
 @dataclass(kw_only=True)
-class TrainerConfig:
-    """How long to train, how often to validate and save, where to write."""
+class TrainerConfig(RolloutModeConfig):
+    """How long to train, how often to validate and save, where to write (and, inherited, how the RL rollout
+    interleaves with training)."""
 
     project_name: str = "posttrain"
     """Project name for loggers."""
@@ -45,6 +48,7 @@ class TrainerConfig:
     """Peak dense TFLOP/s of one device for perf/mfu; None looks known GPUs up (a CPU run reports no MFU)."""
 
     def __post_init__(self) -> None:
+        self.check_mode()
         unknown = [x for x in self.logger if x not in LOGGERS]
         if unknown:
             raise ValueError(

@@ -35,9 +35,11 @@ from .policy import (
     get_policy_loss,
     register_policy_loss,
 )
+from .rollout_correction import CORRECTIONS, RolloutCorrectionConfig, rollout_is_weights
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "CORRECTIONS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -52,6 +54,7 @@ __all__ = [
     "LossTokens",
     "PolicyLossConfig",
     "PolicyLossInputs",
+    "RolloutCorrectionConfig",
     "adv_estimator_traits",
     "agg_loss",
     "align_values",
@@ -68,6 +71,7 @@ __all__ = [
     "register_adv_estimator",
     "register_kl_estimator",
     "register_policy_loss",
+    "rollout_is_weights",
     "scores_to_token_rewards",
     "value_loss",
 ]

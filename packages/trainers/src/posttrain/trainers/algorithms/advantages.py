@@ -31,6 +31,7 @@ from .packed import (
     to_padded,
 )
 from .registry import FunctionRegistry
+from .rollout_correction import RolloutCorrectionConfig
 
 
 @dataclass(kw_only=True)
@@ -51,6 +52,8 @@ class AlgorithmConfig:
     """KL estimator for the in-reward penalty: k1/kl, k2/mse, k3/low_var_kl, abs (``+`` = straight-through)."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """How beta evolves."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights from the rollout's behaviour policy to the proximal one (off-policy samples)."""
 
     def __post_init__(self) -> None:
         if self.adv_estimator not in ADV_ESTIMATORS:

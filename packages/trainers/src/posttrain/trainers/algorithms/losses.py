@@ -3,7 +3,8 @@
 Actor (verl ``ppo_loss``): ``policy_loss - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl(logp, ref))``,
 every term aggregated with ``actor.loss_agg_mode`` and the step's global counts. It reads
 ``model_output["log_probs"]`` (and ``["entropy"]`` when ``entropy_coeff != 0`` or when the engine returns it)
-and the micro-batch fields ``old_log_probs``, ``advantages`` and, with ``use_kl_loss``, ``ref_log_probs``.
+and the micro-batch fields ``old_log_probs``, ``advantages``, ``is_weights`` when the rollout correction made
+them, and, with ``use_kl_loss``, ``ref_log_probs``.
 
 Critic (verl ``compute_value_loss``): ``0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2))`` with
 ``c = cliprange_value``; it reads ``model_output["values"]`` (value-head outputs, aligned onto the next token with
@@ -56,6 +57,7 @@ def make_actor_loss(cfg: ActorLossConfig, loss_scale_factor: float | None = None
             old_log_prob=old,
             log_prob=log_prob,
             advantages=adv,
+            is_weights=micro.fields.get("is_weights"),
             mask=mask,
             cu_seqlens=cu,
             ctx=ctx,

@@ -2,7 +2,8 @@
 
 Every loss is ``fn(inputs, cfg)``: :class:`PolicyLossInputs` holds per-token (T,) ``old_log_prob`` (the policy
 that sampled, recomputed by the actor before the update), ``log_prob`` (the policy being trained, with grad) and
-``advantages``, plus the micro-batch's loss tokens (:class:`~.agg.LossTokens`: mask, ``cu_seqlens``, the step's
+``advantages``, optional ``is_weights`` (the rollout correction, multiplying each token's loss), plus the
+micro-batch's loss tokens (:class:`~.agg.LossTokens`: mask, ``cu_seqlens``, the step's
 :class:`~posttrain.core.batch.LossContext`, the scale factor); ``cfg`` is the :class:`ActorLossConfig`. It returns this micro-batch's
 share of the globally aggregated loss (see :mod:`.agg`) and local metrics (floats, means over this
 micro-batch's loss tokens): ``actor/pg_clipfrac``, ``actor/ppo_kl`` (mean of ``old - new`` log-probs),
@@ -98,6 +99,13 @@ class PolicyLossInputs(LossTokens):
     """(T,) log-probs of the policy being trained (with grad)."""
     advantages: torch.Tensor
     """(T,) advantages."""
+    is_weights: torch.Tensor | None = None
+    """(T,) rollout-correction weights (no grad) multiplying each token's loss before aggregation, or None
+    (see :mod:`.rollout_correction`)."""
+
+    def weighted(self, per_token: torch.Tensor) -> torch.Tensor:
+        """``per_token`` times the rollout-correction weights (unchanged without them)."""
+        return per_token if self.is_weights is None else per_token * self.is_weights
 
 
 PolicyLossFn = Callable[[PolicyLossInputs, ActorLossConfig], tuple[torch.Tensor, dict[str, Any]]]
@@ -128,7 +136,7 @@ def vanilla(x: PolicyLossInputs, cfg: ActorLossConfig) -> tuple[torch.Tensor, di
     clipped = torch.maximum(loss1, loss2)
     loss3 = -adv * cfg.clip_ratio_c
     per_token = torch.where(adv < 0, torch.minimum(loss3, clipped), clipped)
-    loss = x.agg(per_token, cfg.loss_agg_mode)
+    loss = x.agg(x.weighted(per_token), cfg.loss_agg_mode)
     with torch.no_grad():
         metrics = _metrics(
             x.mean((loss2 > loss1).float()),
@@ -155,7 +163,7 @@ def gspo(x: PolicyLossInputs, cfg: ActorLossConfig) -> tuple[torch.Tensor, dict[
     ratio = torch.exp(log_ratio)
     loss1 = -x.advantages * ratio
     loss2 = -x.advantages * torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
-    loss = x.agg(torch.maximum(loss1, loss2), "seq-mean-token-mean")
+    loss = x.agg(x.weighted(torch.maximum(loss1, loss2)), "seq-mean-token-mean")
     with torch.no_grad():
         metrics = _metrics(x.mean((loss2 > loss1).float()), x.mean(-neg_kl), torch.zeros(()))
     return loss, metrics
@@ -171,7 +179,7 @@ def cispo(x: PolicyLossInputs, cfg: ActorLossConfig) -> tuple[torch.Tensor, dict
     ratio = torch.exp(neg_kl)
     clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high).detach()
     per_token = -clipped * x.advantages * x.log_prob
-    loss = x.agg(per_token, cfg.loss_agg_mode)
+    loss = x.agg(x.weighted(per_token), cfg.loss_agg_mode)
     with torch.no_grad():
         metrics = _metrics(x.mean((ratio != clipped).float()), x.mean(-neg_kl), torch.zeros(()))
     return loss, metrics

@@ -20,9 +20,11 @@ from ..algorithms import (
     AdvantageInputs,
     AlgorithmConfig,
     FixedKLController,
+    RolloutCorrectionConfig,
     align_values,
     apply_kl_penalty,
     compute_advantage,
+    rollout_is_weights,
 )
 from ..algorithms.packed import masked_mean
 from ..distributed import Replicas
@@ -77,6 +79,42 @@ def compute_old_log_probs(
     if rollout_lp is not None:
         metrics.update(logprob_diff_metrics(rollout_lp, batch.fields["old_log_probs"], batch.loss_mask))
     return metrics
+
+
+def behaviour_old_log_probs(batch: PackedBatch) -> None:
+    """``rollout_correction.old_log_prob=behaviour``: the rollout's log-probs of its samples ->
+    ``fields['old_log_probs']``, in place of the old-log-prob pass."""
+    batch.fields["old_log_probs"] = batch.fields["rollout_log_probs"] * batch.loss_mask
+
+
+def compute_rollout_correction(batch: PackedBatch, cfg: RolloutCorrectionConfig) -> dict[str, float]:
+    """The behaviour -> proximal importance weights -> ``fields['is_weights']`` (the actor loss multiplies each
+    token's policy loss by them); returns their statistics."""
+    weights, metrics = rollout_is_weights(
+        batch.fields["old_log_probs"],
+        batch.fields["rollout_log_probs"],
+        batch.loss_mask,
+        batch.cu_seqlens,
+        cfg,
+    )
+    batch.fields["is_weights"] = weights
+    return metrics
+
+
+def check_behaviour_old_log_probs(cfg: RolloutCorrectionConfig, rollout: Any, replay_mode: str) -> None:
+    """Refuse ``old_log_prob=behaviour`` where the rollout's log-probs are not the trainer's policy at the
+    sampling temperature (nucleus or top-k sampling renormalises over fewer tokens) or where the old-log-prob
+    pass does more than log-probs (router replay R2 records its experts)."""
+    if cfg.old_log_prob != "behaviour":
+        return
+    key = "algorithm.rollout_correction.old_log_prob=behaviour"
+    if rollout.top_p < 1.0 or rollout.top_k != -1:
+        raise ValueError(
+            f"{key} with rollout.top_p={rollout.top_p}, rollout.top_k={rollout.top_k}: the rollout's log-probs are "
+            "then of the truncated distribution, not of the policy; use old_log_prob=recompute or top_p=1, top_k=-1"
+        )
+    if replay_mode == "R2":
+        raise ValueError(f"{key} skips the pass that records router replay R2's experts: use recompute or R3")
 
 
 def logprob_diff_metrics(

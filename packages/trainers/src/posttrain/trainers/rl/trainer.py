@@ -50,35 +50,10 @@ from ..roles import fill_token_budget
 from ..sft import load_tokenizer, require_model_weights
 from . import phases, router_replay
 from .batch import build_batch
+from .buffer import merge_groups
 from .dataset import PromptDataset
-
-
-def extra_means(extras: dict[str, list]) -> dict[str, float]:
-    """``reward/extra/<key>/mean`` of every numeric value a reward function returned beside its score (a dict
-    ``{"score": ..., "acc": ...}``); samples without the key, and non-numeric values, are left out. Computed on
-    each data-parallel rank for its own samples and logged unreduced (ranks may see different keys)."""
-    out = {}
-    for key, values in extras.items():
-        numbers = [float(v) for v in values if isinstance(v, (int, float))]
-        if numbers:
-            out[f"reward/extra/{key}/mean"] = sum(numbers) / len(numbers)
-    return out
-
-
-class Timer(dict):
-    """``with timer("gen"): ...`` records seconds under ``timing_s/gen``."""
-
-    def __call__(self, name: str):
-        timer = self
-
-        class _Span:
-            def __enter__(self):
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer[f"timing_s/{name}"] = time.perf_counter() - self.start
-
-        return _Span()
+from .modes import RolloutAhead, check_mode_supported
+from .step_metrics import Timer, extra_means
 
 
 class RLTrainer(StepLoop):
@@ -110,6 +85,7 @@ class RLTrainer(StepLoop):
         self.dp_rank = self.actor.get_data_parallel_rank()
         self.replicas = self._replica_groups()
         self._check_batch_sizes()
+        self.prompts_per_rank = cfg.data.train_batch_size // self.dp_size
         self.rollout = RolloutRegistry.from_entry_points().get_rollout_cls(cfg.rollout.name)(
             cfg.rollout, cfg.model.path, device=self.actor.device
         )
@@ -120,9 +96,12 @@ class RLTrainer(StepLoop):
         self.base_synced = False
         self.weight_version: int | None = None
         self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, cfg.checkpoint)
+        self.ahead = RolloutAhead(self) if cfg.trainer.mode != "sync" else None
         self.global_step = self._resume()
         self.tracker = self.make_tracker()
         self.sync_weights(version=self.global_step)
+        if self.ahead is not None:
+            self.ahead.start(self.global_step)
 
     # ------------------------------------------------------------------ set-up
     def _check_config(self) -> None:
@@ -136,6 +115,8 @@ class RLTrainer(StepLoop):
             "language_model", cfg.actor.engine.strategy
         )
         self.replay_mode = router_replay.replay_mode(cfg, actor_cls)
+        check_mode_supported(cfg.trainer, self.estimator)
+        phases.check_behaviour_old_log_probs(cfg.algorithm.rollout_correction, cfg.rollout, self.replay_mode)
         cfg.data.max_prompt_length = cfg.data.prompt_length(cfg.rollout.prompt_length)
         for role in ("actor", "ref", "critic"):
             fill_token_budget(
@@ -212,6 +193,8 @@ class RLTrainer(StepLoop):
         state = load_trainer_state(path)
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.ahead is not None and (path / f"data_rank_{pdist.rank()}.pt").is_file():
+            self.ahead.load_state_dict(load_trainer_state(path, rank=pdist.rank())["rollout_ahead"])
         if pdist.rank() == 0:
             print(f"resumed from {path} (step {step})", file=sys.stderr)
         return step
@@ -231,6 +214,9 @@ class RLTrainer(StepLoop):
             step,
             {"global_step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()},
         )
+        if self.ahead is not None:  # this rank's generated, not yet trained groups, with their versions
+            self.ahead.drain()
+            self.ckpt.save_trainer_state(step, {"rollout_ahead": self.ahead.state_dict()}, per_rank=True)
         return self.ckpt.commit(step)
 
     # ------------------------------------------------------------------ weight sync
@@ -256,6 +242,18 @@ class RLTrainer(StepLoop):
             "sync/megabytes": report.num_bytes / 2**20,
         }
 
+    def weight_snapshot(self) -> tuple[list, Any, bool]:
+        """(a copy of the actor's weights as the rollout takes them, peft config, base_sync_done) for a push the
+        rollout's thread runs while the actor trains on (:mod:`.modes`)."""
+        merge = not getattr(self.rollout, "supports_lora_adapters", False)
+        with self.actor.eval_mode():
+            stream, peft_config = self.actor.get_per_tensor_param(
+                base_sync_done=self.base_synced, dtype=self.cfg.rollout.dtype, peft_merge=merge
+            )
+            snapshot = [(name, t.detach().clone()) for name, t in stream]
+        base_done, self.base_synced = self.base_synced, peft_config is not None
+        return snapshot, peft_config, base_done
+
     def check_weight_version(self) -> None:
         """Refuse to roll out unless the rollout serves the weights of the last sync (the actor's step)."""
         served = self.rollout.weight_version()
@@ -270,7 +268,7 @@ class RLTrainer(StepLoop):
         """Free the rollout's memory for training (``rollout.free_cache_engine``): sleep level 2 (weights and KV
         cache dropped) when the next sync carries every weight, level 1 (weights kept) when it carries a LoRA
         adapter only."""
-        if not self.cfg.rollout.free_cache_engine:
+        if not self.cfg.rollout.free_cache_engine or self.ahead is not None:  # it generates while we train
             return {}
         self.rollout.sleep(level=1 if self.base_synced else 2)
         stats = getattr(self.rollout, "memory_stats", {})
@@ -287,6 +285,14 @@ class RLTrainer(StepLoop):
 
     def _generate(self, prompts: list, validate: bool, step: int) -> tuple[list, list[float], list, dict]:
         self.check_weight_version()
+        samples, scores, sources, extras = self.sample_and_score(prompts, validate, step)
+        return samples, scores, sources, extra_means(extras)
+
+    def sample_and_score(
+        self, prompts: list, validate: bool, step: int
+    ) -> tuple[list, list[float], list, dict]:
+        """(samples grouped by prompt, scores, data sources, per-sample reward extras), sampled with the seed of
+        ``step``."""
         sampling = self.cfg.rollout.sampling(validate=validate)
         sampling.seed = (self.cfg.trainer.seed * 1_000_003 + step * 7919 + self.dp_rank * 131) % (2**31)
         sampling.stop_token_ids = (
@@ -301,7 +307,7 @@ class RLTrainer(StepLoop):
             [p.ground_truth for p in owners],
             [p.extra_info for p in owners],
         )
-        return samples, result.scores, [p.data_source for p in owners], extra_means(result.extras)
+        return samples, result.scores, [p.data_source for p in owners], result.extras
 
     def _greedy_baselines(self, prompts: list, n: int, step: int) -> torch.Tensor:
         """(B,) the reward of one greedy response per prompt, repeated for its ``n`` samples."""
@@ -313,23 +319,43 @@ class RLTrainer(StepLoop):
             self.cfg.rollout = saved
         return torch.tensor(scores, dtype=torch.float32).repeat_interleave(n)
 
+    def draw_prompts(self) -> tuple[int, list]:
+        """(epoch, this rank's prompts) of the sampler's next batch."""
+        epoch, indices = self.sampler.next_batch()
+        return epoch, [self.train_set[i] for i in rank_slice(indices, self.dp_rank, self.dp_size)]
+
+    def _rollouts(self, timer: Timer) -> tuple[list, dict[str, Any], dict[str, float]]:
+        """(prompts or None, rollouts: samples, scores, sources, reward extras, epoch, versions or None, metrics):
+        generated now (sync) or taken from the rollout buffer (one_step_off, async)."""
+        if self.ahead is None:
+            epoch, prompts = self.draw_prompts()
+            with timer("gen"):
+                samples, scores, sources, extras = self.generate(prompts, step=self.global_step)
+            return (
+                prompts,
+                dict(samples=samples, scores=scores, sources=sources, extras=extras, epoch=epoch),
+                {},
+            )
+        groups, metrics = self.ahead.next_groups(self.global_step)
+        rollouts = merge_groups(groups)
+        rollouts["extras"] = extra_means(rollouts["extras"])
+        return None, rollouts, metrics
+
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
         cfg, timer = self.cfg, Timer()
         step_start = time.perf_counter()
-        epoch, indices = self.sampler.next_batch()
-        local = rank_slice(indices, self.dp_rank, self.dp_size)
-        prompts = [self.train_set[i] for i in local]
         n = cfg.rollout.n
-        with timer("gen"):
-            samples, scores, sources, reward_extras = self.generate(prompts, step=self.global_step)
-        uids = [self.dp_rank * len(local) + s.prompt_index for s in samples]
+        prompts, got, metrics = self._rollouts(timer)
+        samples, scores, sources, reward_extras = got["samples"], got["scores"], got["sources"], got["extras"]
+        uids = [self.dp_rank * self.prompts_per_rank + s.prompt_index for s in samples]
         batch = build_batch(samples, scores, uids, cfg.rollout.temperature)
+        if got.get("versions") is not None:
+            batch.seq_fields["policy_version"] = torch.tensor(got["versions"], dtype=torch.long)
         if self.replay_mode == "R3":
             router_replay.require_rollout_routing(batch, cfg.rollout.name)
-        metrics: dict[str, float] = {"train/epoch": epoch}
-        with timer("old_log_prob"):
-            metrics.update(phases.compute_old_log_probs(self.actor, batch, self.replicas, self.replay_mode))
+        metrics["train/epoch"] = got["epoch"]
+        metrics.update(self._old_log_probs(batch, timer))
         if self.use_ref:
             with timer("ref"):
                 phases.compute_ref_log_probs(
@@ -351,6 +377,19 @@ class RLTrainer(StepLoop):
         metrics.update(timer)
         metrics.update(self._batch_metrics(batch, scores, sources, uids, time.perf_counter() - step_start))
         return {**self._reduce(metrics), **reward_extras}
+
+    def _old_log_probs(self, batch, timer: Timer) -> dict[str, float]:
+        """The proximal policy's log-probs (the old-log-prob pass, or the rollout's with
+        ``old_log_prob=behaviour``), then the rollout correction's weights when it is on."""
+        correction = self.cfg.algorithm.rollout_correction
+        if correction.old_log_prob == "behaviour":
+            phases.behaviour_old_log_probs(batch)
+            return {}
+        with timer("old_log_prob"):
+            metrics = phases.compute_old_log_probs(self.actor, batch, self.replicas, self.replay_mode)
+        if correction.enabled:
+            metrics.update(phases.compute_rollout_correction(batch, correction))
+        return metrics
 
     def _update_models(self, batch, timer: Timer) -> dict[str, float]:
         """Critic update, then (after the warmup) actor update and weight sync."""
@@ -388,7 +427,8 @@ class RLTrainer(StepLoop):
                     **common,
                 )
             )
-        metrics.update(self.sync_weights(version=self.global_step + 1))
+        if self.ahead is None:  # otherwise the next step queues the push (see .modes)
+            metrics.update(self.sync_weights(version=self.global_step + 1))
         return metrics
 
     def _batch_metrics(self, batch, scores, sources, uids, step_s: float) -> dict[str, float]:
@@ -422,10 +462,15 @@ class RLTrainer(StepLoop):
         """Greedy (rollout.val_temperature) reward over the whole validation set."""
         if self.val_set is None:
             return {}
+        if self.ahead is not None:  # the rollout finishes its queue, then serves the current weights
+            self.ahead.drain(version=self.global_step)
+            self.weight_version = self.global_step
         mine = [self.val_set[i] for i in range(len(self.val_set))][self.dp_rank :: self.dp_size]
         _, scores, sources, _ = self.generate(mine, validate=True) if mine else ([], [], [], {})
         total, count = pdist.all_reduce([sum(scores), len(scores)])
         return {"val/reward/mean": total / max(count, 1.0)}
 
     def release(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
         self.rollout.release()

@@ -1,0 +1,60 @@
+"""How generation and training interleave: ``trainer.mode``, ``trainer.max_staleness``, ``trainer.stale_policy``.
+
+Owned by :mod:`.modes` (which runs them) and mixed into :class:`~posttrain.trainers.trainer_config.TrainerConfig`
+so the keys sit under ``trainer``. Kept free of heavy imports: the config tree imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("sync", "one_step_off", "async")
+STALE_POLICIES = ("wait", "drop")
+
+
+@dataclass(kw_only=True)
+class RolloutModeConfig:
+    """When the rollout generates relative to the updates, and how old its samples may be."""
+
+    mode: str = "sync"
+    """sync (generate, then train on it, every step), one_step_off (step k+1's rollout is generated while step k
+    trains: every sample is one policy version old) or async (the rollout runs up to max_staleness versions
+    ahead). The RL trainers read it; SFT ignores it."""
+    max_staleness: int = 1
+    """async: the most policy versions a sample may lag the policy it trains (0 reproduces sync bitwise;
+    one_step_off is async with 1 and stale_policy=wait)."""
+    stale_policy: str = "wait"
+    """async: wait (the rollout generates batch j with version j - max_staleness, waiting for it: nothing is
+    discarded) or drop (the rollout runs one batch further ahead and a group found staler than max_staleness is
+    discarded and replaced by a fresher one: generation is spent to keep the rollout busy)."""
+    rollout_threads: int = 1
+    """one_step_off / async: torch intra-op threads of the rollout's thread (0: torch's default, every core). On
+    a CPU, 1 keeps the rollout from oversubscribing the cores the trainer's ops use."""
+
+    def check_mode(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"trainer.mode={self.mode!r}: choose one of {', '.join(MODES)}")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ValueError(
+                f"trainer.stale_policy={self.stale_policy!r}: choose one of {', '.join(STALE_POLICIES)}"
+            )
+        if self.rollout_threads < 0:
+            raise ValueError(
+                f"trainer.rollout_threads={self.rollout_threads} must be >= 0 (0 = torch's default)"
+            )
+        if self.max_staleness < 0:
+            raise ValueError(f"trainer.max_staleness={self.max_staleness} must be >= 0 (0 = sync)")
+
+    @property
+    def lookahead(self) -> int:
+        """Batches the rollout generates ahead of the one being trained (0 in sync mode)."""
+        if self.mode == "sync":
+            return 0
+        if self.mode == "one_step_off":
+            return 1
+        return self.max_staleness + (1 if self.stale_policy == "drop" else 0)
+
+    @property
+    def staleness_bound(self) -> int:
+        """The most versions a trained sample may lag (0 in sync mode)."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
