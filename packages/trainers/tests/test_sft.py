@@ -146,6 +146,12 @@ def test_cli_reports_config_errors(assets, tmp_path, capsys):
     assert "unknown config key 'trainer.no_such_key'" in capsys.readouterr().err
 
 
+def test_an_rl_trainer_mode_is_refused_by_sft(assets, tmp_path):
+    with pytest.raises(ValueError, match=r"trainer\.mode='one_step_off' is an RL setting"):
+        run(sft_args(assets, tmp_path / "run", "trainer.mode=one_step_off"))
+    assert not (tmp_path / "run").exists()
+
+
 def test_truncation_error_names_the_sample_before_training(assets, tmp_path):
     with pytest.raises(
         ValueError, match=r"train\.parquet row \d+ has \d+ tokens, more than data\.max_length=20"

@@ -92,6 +92,11 @@ class SFTTrainer(StepLoop):
     """The SFT loop over one engine (the ``actor`` role)."""
 
     def __init__(self, cfg: PostTrainConfig) -> None:
+        if cfg.trainer.mode != "sync":
+            raise ValueError(
+                f"trainer.mode={cfg.trainer.mode!r} is an RL setting (the rollout runs ahead of the updates): SFT "
+                "has no rollout; drop the key or set trainer.mode=sync"
+            )
         self.cfg = cfg
         self.owns_group = pdist.init_distributed()
         pdist.check_world_size(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)

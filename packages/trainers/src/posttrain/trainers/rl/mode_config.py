@@ -19,7 +19,7 @@ class RolloutModeConfig:
     mode: str = "sync"
     """sync (generate, then train on it, every step), one_step_off (step k+1's rollout is generated while step k
     trains: every sample is one policy version old) or async (the rollout runs up to max_staleness versions
-    ahead). The RL trainers read it; SFT ignores it."""
+    ahead). The RL trainers read it; SFT refuses any mode but sync."""
     max_staleness: int = 1
     """async: the most policy versions a sample may lag the policy it trains (0 reproduces sync bitwise;
     one_step_off is async with 1 and stale_policy=wait)."""
