@@ -90,6 +90,19 @@ def test_resumed_one_step_off_equals_the_uninterrupted_run(assets, one_step_off_
     assert_same_run(one_step_off_run, tmp_path, [3, 4])
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+def test_one_step_off_with_the_rollout_in_a_process_equals_colocated_bitwise(
+    assets, one_step_off_run, tmp_path
+):  # noqa: F811
+    """The worker process builds the same rollout, takes the same weights (over gloo instead of in-process) and
+    samples with the same seeds on as many threads (trainer.rollout_threads=1) as the colocated rollout's
+    thread: metrics, validation and final weights are equal bitwise."""
+    placement = ["trainer.mode=one_step_off", "trainer.rollout_placement=process"]
+    run(grpo_args(assets, tmp_path, *GRPO, *placement), "grpo")
+    assert_same_run(one_step_off_run, tmp_path, range(1, STEPS + 1))
+
+
 def _hand_log_probs(model, batch) -> torch.Tensor:
     """(T,) float64 log-probs of every response token under ``model`` at the batch's temperature, 0 elsewhere."""
     out = torch.zeros(batch.input_ids.numel(), dtype=torch.float64)
@@ -154,6 +167,14 @@ def test_drop_policy_drops_groups_staler_than_the_bound(assets, tmp_path):  # no
         (["trainer.mode=offpolicy"], r"trainer.mode='offpolicy': choose one of sync, one_step_off, async"),
         (["trainer.stale_policy=skip"], r"trainer.stale_policy='skip'"),
         (["trainer.max_staleness=-1"], r"trainer.max_staleness=-1 must be >= 0"),
+        (
+            ["trainer.rollout_placement=remote"],
+            r"trainer.rollout_placement='remote': choose one of colocated",
+        ),
+        (
+            ["trainer.rollout_placement=process"],
+            r"process with trainer.mode=sync.*set trainer.mode=one_step_off",
+        ),
     ],
 )
 def test_mode_config_refusals(overrides, match):

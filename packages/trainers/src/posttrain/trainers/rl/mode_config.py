@@ -1,4 +1,5 @@
-"""How generation and training interleave: ``trainer.mode``, ``trainer.max_staleness``, ``trainer.stale_policy``.
+"""How generation and training interleave: ``trainer.mode``, ``trainer.max_staleness``, ``trainer.stale_policy``,
+and where the rollout runs: ``trainer.rollout_placement``.
 
 Owned by :mod:`.modes` (which runs them) and mixed into :class:`~posttrain.trainers.trainer_config.TrainerConfig`
 so the keys sit under ``trainer``. Kept free of heavy imports: the config tree imports it.
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 MODES = ("sync", "one_step_off", "async")
 STALE_POLICIES = ("wait", "drop")
+PLACEMENTS = ("colocated", "process")
 
 
 @dataclass(kw_only=True)
@@ -28,8 +30,15 @@ class RolloutModeConfig:
     discarded) or drop (the rollout runs one batch further ahead and a group found staler than max_staleness is
     discarded and replaced by a fresher one: generation is spent to keep the rollout busy)."""
     rollout_threads: int = 1
-    """one_step_off / async: torch intra-op threads of the rollout's thread (0: torch's default, every core). On
-    a CPU, 1 keeps the rollout from oversubscribing the cores the trainer's ops use."""
+    """one_step_off / async: torch intra-op threads of the rollout's thread, or of the rollout process with
+    rollout_placement=process (0: torch's default, every core). On a CPU, 1 keeps the rollout from
+    oversubscribing the cores the trainer's ops use."""
+
+    rollout_placement: str = "colocated"
+    """colocated (the rollout lives in each trainer process, on the actor's device) or process (one_step_off /
+    async only: each trainer rank starts a child process that builds the rollout on the CPU, generates there, and
+    takes weights through the bucketed, checksummed push over a private gloo pair; see
+    :mod:`posttrain.trainers.rl.remote`)."""
 
     def check_mode(self) -> None:
         if self.mode not in MODES:
@@ -37,6 +46,16 @@ class RolloutModeConfig:
         if self.stale_policy not in STALE_POLICIES:
             raise ValueError(
                 f"trainer.stale_policy={self.stale_policy!r}: choose one of {', '.join(STALE_POLICIES)}"
+            )
+        if self.rollout_placement not in PLACEMENTS:
+            raise ValueError(
+                f"trainer.rollout_placement={self.rollout_placement!r}: choose one of {', '.join(PLACEMENTS)}"
+            )
+        if self.rollout_placement == "process" and self.mode == "sync":
+            raise ValueError(
+                "trainer.rollout_placement=process with trainer.mode=sync: a rollout process only pays off when "
+                "it generates while the trainer trains; set trainer.mode=one_step_off (or async), or "
+                "trainer.rollout_placement=colocated"
             )
         if self.rollout_threads < 0:
             raise ValueError(

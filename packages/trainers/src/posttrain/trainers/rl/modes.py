@@ -21,9 +21,11 @@ reproducible and every rank makes the same collective calls:
    the buffer is empty (that wait is the trainer's idle time).
 
 Validation and checkpoints first wait for every queued job (the checkpoint then holds the buffer and the
-counters, so a resumed run continues exactly). Departures from verl's one-step-off and AReaL: the rollout is
-colocated in the trainer's process (a thread, not a separate worker group), and its lookahead is fixed, not
-bounded by a free-running producer's speed.
+counters, so a resumed run continues exactly). With ``trainer.rollout_placement=process`` the rollout is a
+:class:`~.remote.RemoteRollout`: the same jobs, run on the same thread, are calls into a rollout worker process
+that generates on its own cores, and the push goes to it over gloo. Departures from verl's one-step-off and
+AReaL: by default the rollout is colocated in the trainer's process (a thread, not a separate worker group), and
+its lookahead is fixed, not bounded by a free-running producer's speed.
 """
 
 from __future__ import annotations
@@ -224,6 +226,17 @@ class RolloutAhead:
 
     def close(self) -> None:
         self.worker.close()
+
+
+def build_rollout(cfg: Any, device: Any) -> Any:
+    """The trainer's rollout: built here on ``device`` (``trainer.rollout_placement=colocated``), or a handle on a
+    rollout worker process this rank starts (``process``, :mod:`.remote`)."""
+    from .remote import RemoteRollout, new_rollout
+
+    if cfg.trainer.rollout_placement == "process":
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return RemoteRollout(cfg.rollout, cfg.model.path, threads=cfg.trainer.rollout_threads, rank=rank)
+    return new_rollout(cfg.rollout, cfg.model.path, device)
 
 
 def check_mode_supported(cfg: Any, estimator: Any) -> None:

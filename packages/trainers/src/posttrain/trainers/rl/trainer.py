@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from posttrain.ckpt import CheckpointManager, load_trainer_state
-from posttrain.core import EngineRegistry, RolloutRegistry
+from posttrain.core import EngineRegistry
 from posttrain.core.weight_sync import WeightSyncError
 
 from .. import distributed as pdist
@@ -52,7 +52,7 @@ from . import phases, router_replay
 from .batch import build_batch
 from .buffer import merge_groups
 from .dataset import PromptDataset
-from .modes import RolloutAhead, check_mode_supported
+from .modes import RolloutAhead, build_rollout, check_mode_supported
 from .step_metrics import Timer, extra_means
 
 
@@ -86,9 +86,7 @@ class RLTrainer(StepLoop):
         self.replicas = self._replica_groups()
         self._check_batch_sizes()
         self.prompts_per_rank = cfg.data.train_batch_size // self.dp_size
-        self.rollout = RolloutRegistry.from_entry_points().get_rollout_cls(cfg.rollout.name)(
-            cfg.rollout, cfg.model.path, device=self.actor.device
-        )
+        self.rollout = build_rollout(cfg, self.actor.device)
         self.rewards = RewardManager(cfg.reward)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
         self.actor_loss = make_actor_loss(cfg.actor, loss_scale_factor=float(cfg.rollout.response_length))

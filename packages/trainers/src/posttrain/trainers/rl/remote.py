@@ -1,0 +1,288 @@
+"""``trainer.rollout_placement=process``: the rollout in a child process of each trainer rank, on the CPU.
+
+:class:`RemoteRollout` is the trainer's side: a :class:`~posttrain.core.rollout.BaseRollout` whose every call
+runs in a child process started with ``torch.multiprocessing`` (spawn), which builds the rollout by name through
+the rollout registry, as the colocated trainer does, on ``device="cpu"``. Calls and their results travel over a
+multiprocessing pipe, pickled (prompts and sampling in; samples, with their log-probs as CPU tensors, out).
+
+Weights go over a private 2-member gloo group (:mod:`posttrain.core.dist_transport`: trainer rank 0 of the pair,
+worker rank 1, rendezvous on a ``TCPStore`` on a free port; the trainer's own process group is not touched).
+The push is the bucketed, checksummed protocol of :mod:`posttrain.core.weight_sync`: the trainer's
+:class:`~posttrain.core.weight_sync.BucketSender` packs the stream into CPU buckets; the worker's
+:class:`~posttrain.core.weight_sync.BucketReceiver` verifies every bucket's checksums and hands the tensors, a
+bucket at a time, to the rollout's own ``update_weights`` (which loads them and, once the sync is complete,
+serves the version). A refused bucket fails that sync in the worker; the worker still receives the remaining
+buckets, so the trainer's send never blocks, and the trainer raises the worker's
+:class:`~posttrain.core.weight_sync.WeightSyncError`.
+
+Each trainer rank starts its own worker: a rank's rollout generates only that rank's prompts (seeded with its
+data-parallel rank), so the worker is a drop-in for the colocated rollout and the trainer gathers nothing. A
+worker that dies, or does not answer within ``timeout_s``, raises :class:`RolloutWorkerError` naming it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+import traceback
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from posttrain.core import RolloutRegistry
+from posttrain.core.dist_transport import GlooBucketTransport, pair_group, pair_store
+from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
+from posttrain.core.weight_sync import Bucket, BucketReceiver, BucketSender, WeightSyncError
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout worker process died, did not answer in time, or failed a call (its traceback included)."""
+
+
+def new_rollout(config: RolloutConfig, model_path: str, device: Any) -> BaseRollout:
+    """The rollout ``rollout.name`` names, built through the registry (colocated and in the worker alike)."""
+    return RolloutRegistry.from_entry_points().get_rollout_cls(config.name)(config, model_path, device=device)
+
+
+# ---------------------------------------------------------------------- the worker process
+class ReceivedWeights:
+    """The worker's weight stream: buckets received over the gloo transport, verified by a
+    :class:`BucketReceiver`, their tensors (copies) yielded a bucket at a time."""
+
+    def __init__(self, transport: GlooBucketTransport) -> None:
+        self.transport, self.done, self.pending = transport, False, []
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        receiver = BucketReceiver(lambda tensors: self.pending.extend((n, t.clone()) for n, t in tensors))
+        while not self.done:
+            bucket = self.transport.recv()
+            self.done = bucket.is_last
+            receiver(bucket)  # raises WeightSyncError on a bad checksum, a lost or reordered bucket
+            yield from self.pending
+            self.pending.clear()
+        receiver.finish()
+
+    def drain(self) -> None:
+        """Receive (and discard) the buckets left of this sync, so the trainer's send completes."""
+        while not self.done:
+            self.done = self.transport.recv().is_last
+
+
+def _update_weights(rollout: BaseRollout, transport, peft_config, base_sync_done, version) -> dict:
+    stream = ReceivedWeights(transport)
+    try:
+        report = rollout.update_weights(
+            iter(stream), peft_config=peft_config, base_sync_done=base_sync_done, version=version
+        )
+    finally:
+        stream.drain()
+    return {"version": rollout.weight_version(), "timings": report.timings}
+
+
+_OPS = {
+    "generate": lambda rollout, transport, prompts, sampling: rollout.generate(prompts, sampling),
+    "update_weights": _update_weights,
+    "weight_version": lambda rollout, transport: rollout.weight_version(),
+    "sleep": lambda rollout, transport, level: rollout.sleep(level),
+    "wake_up": lambda rollout, transport, tags: rollout.wake_up(tags),
+}
+
+
+def _error(exc: BaseException) -> tuple:
+    return ("error", type(exc).__name__, str(exc), traceback.format_exc())
+
+
+def worker_main(
+    conn, config: RolloutConfig, model_path: str, port: int, threads: int, timeout_s: float
+) -> None:
+    """The worker process: build the rollout, report ready, join the gloo pair, then serve calls until
+    ``close`` (or the trainer's end of the pipe closes)."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        rollout = new_rollout(config, model_path, device="cpu")
+    except Exception as exc:  # reported to the trainer, which raises it
+        conn.send_bytes(pickle.dumps(_error(exc)))
+        return
+    ready = {"supports_lora_adapters": bool(getattr(rollout, "supports_lora_adapters", False))}
+    conn.send_bytes(pickle.dumps(("ok", ready)))
+    store = pair_store(1, port, timeout_s=timeout_s)
+    transport = GlooBucketTransport(pair_group(store, 1, timeout_s), 0)
+    while True:
+        try:
+            op, args = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            break
+        if op == "close":
+            rollout.release()
+            conn.send_bytes(pickle.dumps(("ok", None)))
+            break
+        try:
+            reply = ("ok", _OPS[op](rollout, transport, *args))
+        except Exception as exc:
+            reply = _error(exc)
+        conn.send_bytes(pickle.dumps(reply))
+
+
+# ---------------------------------------------------------------------- the trainer's side
+class RemoteRollout(BaseRollout):
+    """The trainer's handle on a rollout worker process (see the module docstring). Calls are serialized by a
+    lock, so the trainer's thread and the rollout thread of :mod:`.modes` may both use it."""
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        model_path: str,
+        *,
+        threads: int = 0,
+        rank: int = 0,
+        timeout_s: float = 600.0,
+        bucket_bytes: int | None = None,
+    ) -> None:
+        """Start the worker and wait until its rollout is built and the gloo pair joined. ``threads``: the
+        worker's torch intra-op threads (0: torch's default); ``rank`` names it; ``bucket_bytes``: the push's
+        bucket size (default ``rollout.update_weights_bucket_megabytes``)."""
+        ctx = mp.get_context("spawn")
+        self.config, self.timeout_s, self.lock = config, timeout_s, threading.Lock()
+        self.store = pair_store(0, timeout_s=timeout_s)
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=worker_main,
+            args=(child, config, model_path, self.store.port, threads, timeout_s),
+            name=f"posttrain-rollout-worker-{rank}",
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+        self.name = f"rollout worker of trainer rank {rank} (pid {self.process.pid})"
+        try:
+            ready = self._reply("start-up")
+        except BaseException:
+            self._stop()
+            raise
+        self.supports_lora_adapters = ready["supports_lora_adapters"]
+        group = pair_group(self.store, 0, timeout_s)
+        self.transport = GlooBucketTransport(group, 1)
+        self.bucket_bytes = bucket_bytes or config.update_weights_bucket_megabytes << 20
+        self._weight_version: int | None = None
+
+    # ------------------------------------------------------------------ the pipe
+    def _send(self, op: str, *args: Any) -> None:
+        if self.process is None or not self.process.is_alive():
+            raise RolloutWorkerError(
+                f"{self.name} is not running (exit code {self._exitcode()}): cannot {op}"
+            )
+        try:
+            self.conn.send_bytes(pickle.dumps((op, args)))
+        except (BrokenPipeError, ConnectionError, OSError) as exc:
+            raise RolloutWorkerError(
+                f"{self.name} closed its pipe (exit code {self._exitcode()}) at {op}"
+            ) from exc
+
+    def _reply(self, op: str) -> Any:
+        """The worker's answer to ``op``; raises if it reports an error, dies, or exceeds the timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.conn.poll(0.2):
+            if not self.process.is_alive():
+                raise self._died(op)
+            if time.monotonic() > deadline:
+                raise RolloutWorkerError(f"{self.name} did not answer {op} within {self.timeout_s:.0f} s")
+        try:
+            reply = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError) as exc:  # its end closed: it exited, or is exiting
+            raise self._died(op) from exc
+        if reply[0] == "ok":
+            return reply[1]
+        _, kind, message, worker_tb = reply
+        if kind == "WeightSyncError":
+            raise WeightSyncError(f"{self.name}: {message}")
+        raise RolloutWorkerError(
+            f"{self.name} failed in {op}: {kind}: {message}\n--- worker traceback ---\n{worker_tb}"
+        )
+
+    def _call(self, op: str, *args: Any) -> Any:
+        with self.lock:
+            self._send(op, *args)
+            return self._reply(op)
+
+    def _died(self, op: str) -> RolloutWorkerError:
+        self.process.join(timeout=5)  # reap it, for its exit code
+        return RolloutWorkerError(f"{self.name} exited with code {self._exitcode()} during {op}")
+
+    def _exitcode(self) -> int | None:
+        return None if self.process is None else self.process.exitcode
+
+    # ------------------------------------------------------------------ the rollout
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
+        return self._call("generate", [list(p) for p in prompts], sampling)
+
+    def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        peft_config: dict[str, Any] | None = None,
+        base_sync_done: bool = False,
+        version: int | None = None,
+    ) -> SyncReport:
+        """Push the stream to the worker in checksummed CPU buckets (tensors sent as they come, no cast: the
+        worker's rollout casts); returns what was sent. The version is served once the worker says so."""
+        with self.lock:
+            self._weight_version = None
+            self._send("update_weights", peft_config, base_sync_done, version)
+            try:
+                report = BucketSender(self.transport, self.bucket_bytes, device="cpu").send(weights)
+            except Exception:
+                self._abort_sync()
+                raise
+            answer = self._reply("update_weights")
+        self._weight_version = answer["version"]
+        report.timings.update(answer["timings"])
+        return report
+
+    def _abort_sync(self) -> None:
+        """After a failure on the trainer's side mid-push: end the worker's stream with an out-of-order bucket
+        (the worker refuses it, so its rollout does not serve a partial sync) and consume its answer."""
+        if not self.process.is_alive():
+            raise self._died("update_weights")
+        self.transport.send(Bucket(torch.empty(0, dtype=torch.uint8), [], -1, is_last=True))
+        try:
+            self._reply("update_weights")
+        except WeightSyncError:
+            pass
+
+    def weight_version(self) -> int | None:
+        """The version the worker's rollout serves (asked of the worker)."""
+        return self._call("weight_version")
+
+    def sleep(self, level: int = 1) -> None:
+        self._call("sleep", level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._call("wake_up", list(tags) if tags is not None else None)
+
+    def release(self) -> None:
+        """Ask the worker to release its rollout and exit, and wait for it: raises unless it exited with code
+        0 (a worker that does not exit within ``timeout_s`` is killed). Does nothing once released."""
+        process, closed = self.process, False
+        if process is None:
+            return
+        try:
+            if process.is_alive():
+                self._call("close")
+                closed = True
+        finally:
+            self._stop()
+        if closed and process.exitcode != 0:
+            raise RolloutWorkerError(f"{self.name} exited with code {process.exitcode} after close")
+
+    def _stop(self) -> None:
+        process, self.process = self.process, None
+        process.join(timeout=self.timeout_s)
+        self.conn.close()
+        if process.is_alive():
+            process.kill()
+            process.join()
+            raise RolloutWorkerError(f"{self.name} did not exit within {self.timeout_s:.0f} s and was killed")

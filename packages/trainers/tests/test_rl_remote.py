@@ -1,0 +1,117 @@
+"""trainer.rollout_placement=process, below the trainer: a real rollout worker process (the HF rollout on the tiny
+model) takes weights over the gloo pair and generates what the colocated rollout generates, refuses a bucket
+whose bytes were corrupted in the transport, reports its own errors, exits with code 0 at release, and a killed
+worker raises an error naming it instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from sft_fixtures import make_tiny_model
+
+from posttrain.core.rollout import RolloutConfig
+from posttrain.core.weight_sync import WeightSyncError
+from posttrain.trainers.rl.remote import RemoteRollout, RolloutWorkerError, new_rollout
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+CONFIG = RolloutConfig(response_length=8, update_weights_bucket_megabytes=1)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("remote")))
+
+
+@pytest.fixture(scope="module")
+def worker(model_path):
+    remote = RemoteRollout(CONFIG, model_path, threads=1, timeout_s=120, bucket_bytes=1 << 18)
+    yield remote
+    remote.release()
+
+
+def _trained_weights(model_path) -> dict[str, torch.Tensor]:
+    """The tiny model's weights, moved off their initial values (so a push visibly changes the rollout)."""
+    local = new_rollout(CONFIG, model_path, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    return {
+        k: v + 0.05 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
+        for k, v in local.model.state_dict().items()
+    }
+
+
+class CorruptingTransport:
+    """Flips one byte of each bucket after the sender computed its checksums, then sends it on."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def send(self, bucket) -> None:
+        bucket.buffer[bucket.metas[0].offset] ^= 0xFF
+        self.inner.send(bucket)
+
+
+def _sampling(seed: int):
+    sampling = CONFIG.sampling()
+    sampling.seed = seed
+    return sampling
+
+
+def test_pushed_weights_are_served_and_generate_like_the_colocated_rollout(worker, model_path):
+    weights = _trained_weights(model_path)
+    report = worker.update_weights(iter(weights.items()), version=7)
+    assert worker.weight_version() == 7
+    assert report.num_buckets > 1 and report.num_tensors == len(weights)  # 256 KiB buckets: several
+    local = new_rollout(CONFIG, model_path, "cpu")
+    local.update_weights(iter(weights.items()), version=7)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    torch.set_num_threads(1)  # the worker's thread count: the same ops on the same threads are bitwise equal
+    ours, theirs = local.generate(prompts, _sampling(11)), worker.generate(prompts, _sampling(11))
+    assert [s.response_ids for s in ours] == [s.response_ids for s in theirs]
+    assert all(torch.equal(a.log_probs, b.log_probs) for a, b in zip(ours, theirs))
+
+
+def test_a_bucket_corrupted_in_the_transport_is_refused(worker, model_path):
+    weights = _trained_weights(model_path)
+    worker.update_weights(iter(weights.items()), version=1)
+    clean, worker.transport = worker.transport, CorruptingTransport(worker.transport)
+    try:
+        with pytest.raises(WeightSyncError, match=r"rollout worker .*pid .*checksum mismatch"):
+            worker.update_weights(iter(weights.items()), version=2)
+    finally:
+        worker.transport = clean
+    assert worker.weight_version() is None, "a refused sync leaves no version served"
+    with pytest.raises(RolloutWorkerError, match="last weight sync into the HF rollout failed"):
+        worker.generate([[1, 2, 3]], _sampling(0))
+    worker.update_weights(iter(weights.items()), version=3)  # the pair is still in step: a clean push works
+    assert worker.weight_version() == 3
+
+
+def test_an_error_in_the_worker_names_it_and_the_worker_serves_on(worker):
+    with pytest.raises(
+        RolloutWorkerError, match=r"rollout worker of trainer rank 0 .*ValueError.*at least one"
+    ):
+        worker.generate([[]], _sampling(0))
+    assert worker.weight_version() is not None
+
+
+def test_a_killed_worker_raises_an_error_naming_it(model_path):
+    remote = RemoteRollout(CONFIG, model_path, threads=1, timeout_s=60)
+    pid = remote.process.pid
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RolloutWorkerError, match=rf"rollout worker .*pid {pid}.* -9"):
+        remote.generate([[1, 2, 3]], _sampling(0))
+    assert time.monotonic() - start < 10
+    remote.release()  # nothing left to close: returns
+
+
+def test_release_exits_the_worker_with_code_zero(worker):
+    process = worker.process
+    worker.release()
+    assert process.exitcode == 0 and worker.process is None
+    worker.release()  # idempotent
