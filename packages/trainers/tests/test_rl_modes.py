@@ -92,9 +92,7 @@ def test_resumed_one_step_off_equals_the_uninterrupted_run(assets, one_step_off_
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_one_step_off_with_the_rollout_in_a_process_equals_colocated_bitwise(
-    assets, one_step_off_run, tmp_path
-):  # noqa: F811
+def test_one_step_off_in_a_rollout_process_equals_colocated(assets, one_step_off_run, tmp_path):  # noqa: F811
     """The worker process builds the same rollout, takes the same weights (over gloo instead of in-process) and
     samples with the same seeds on as many threads (trainer.rollout_threads=1) as the colocated rollout's
     thread: metrics, validation and final weights are equal bitwise."""
