@@ -167,7 +167,6 @@ class RemoteRollout(BaseRollout):
         group = pair_group(self.store, 0, timeout_s)
         self.transport = GlooBucketTransport(group, 1)
         self.bucket_bytes = bucket_bytes or config.update_weights_bucket_megabytes << 20
-        self._weight_version: int | None = None
 
     # ------------------------------------------------------------------ the pipe
     def _send(self, op: str, *args: Any) -> None:
@@ -228,9 +227,8 @@ class RemoteRollout(BaseRollout):
         version: int | None = None,
     ) -> SyncReport:
         """Push the stream to the worker in checksummed CPU buckets (tensors sent as they come, no cast: the
-        worker's rollout casts); returns what was sent. The version is served once the worker says so."""
+        worker's rollout casts); returns what was sent. Raises unless the worker's rollout then serves ``version``."""
         with self.lock:
-            self._weight_version = None
             self._send("update_weights", peft_config, base_sync_done, version)
             try:
                 report = BucketSender(self.transport, self.bucket_bytes, device="cpu").send(weights)
@@ -238,7 +236,10 @@ class RemoteRollout(BaseRollout):
                 self._abort_sync()
                 raise
             answer = self._reply("update_weights")
-        self._weight_version = answer["version"]
+        if answer["version"] != version:
+            raise WeightSyncError(
+                f"{self.name} serves version {answer['version']} after the push of {version}"
+            )
         report.timings.update(answer["timings"])
         return report
 
