@@ -264,7 +264,12 @@ class VLLMRollout(BaseRollout):
         from vllm.sampling_params import RequestOutputKind
 
         # FINAL_ONLY: one output per request holding all n samples (the async engine otherwise streams them).
+        # The trainer reads token ids and the sampled tokens' log-probs only: no detokenizing (vLLM would decode
+        # every token of every sample on the host), and the log-probs as one flat list per sample instead of a
+        # {token: Logprob} dict per token.
         return SamplingParams(
+            detokenize=False,
+            flat_logprobs=True,
             output_kind=RequestOutputKind.FINAL_ONLY,
             n=sampling.n,
             temperature=sampling.temperature,
@@ -308,7 +313,7 @@ class VLLMRollout(BaseRollout):
         prompt = list(out.prompt_token_ids)
         for comp in sorted(out.outputs, key=lambda c: c.index):
             ids = list(comp.token_ids)
-            lps = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(ids)], dtype=torch.float32)
+            lps = torch.tensor(_sampled_logprobs(comp.logprobs, ids), dtype=torch.float32)
             routed = getattr(comp, "routed_experts", None)
             samples.append(
                 RolloutSample(
@@ -448,3 +453,13 @@ class VLLMRollout(BaseRollout):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def _sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
+    """The sampled tokens' log-probs from vLLM's per-sample record: with ``flat_logprobs`` and ``logprobs=0``
+    each position holds exactly the sampled token, so the flat list is the answer; otherwise (a dict per
+    position) each position's entry for its token."""
+    flat = getattr(logprobs, "logprobs", None)
+    if isinstance(flat, list) and len(flat) == len(ids) and list(logprobs.token_ids) == ids:
+        return flat
+    return [logprobs[i][t].logprob for i, t in enumerate(ids)]
