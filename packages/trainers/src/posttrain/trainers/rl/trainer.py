@@ -87,7 +87,10 @@ class RLTrainer(StepLoop):
         self._check_batch_sizes()
         self.prompts_per_rank = cfg.data.train_batch_size // self.dp_size
         self.rollout = RolloutRegistry.from_entry_points().get_rollout_cls(cfg.rollout.name)(
-            cfg.rollout, cfg.model.path, device=self.actor.device
+            cfg.rollout,
+            cfg.model.path,
+            device=self.actor.device,
+            deterministic=cfg.actor.engine.full_determinism,  # vLLM: batch-invariant mode
         )
         self.rewards = RewardManager(cfg.reward)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
