@@ -208,7 +208,9 @@ def test_lora_wrapped_fused_layers_lend_their_base_load_weights_while_loading():
     q, k = torch.ones(2, 3), torch.full((1, 3), 2.0)
     q.shard_id, k.shard_id = "q", "k"
     with lora_base_aliases(model):
-        assert "0.weight" not in dict(model.named_parameters()), "a layer with its own loader lends no aliases"
+        assert "0.weight" not in dict(model.named_parameters()), (
+            "a layer with its own loader lends no aliases"
+        )
         assert list(model[0].load_weights([("weight", q), ("weight", k)])) == ["weight", "weight"]
     assert torch.equal(model[0].base_layer.weight, torch.cat([q, k]))
     assert not hasattr(model[0], "load_weights")
