@@ -81,7 +81,7 @@ def test_gsm8k_preset_runs_either_rollout(trainers_config):
     """grpo_gsm8k holds only the keys every rollout shares; vllm_gpu adds vLLM's GPU settings on top."""
     tuned = trainers_config.load_config([], ["grpo_gsm8k", "vllm_gpu"]).rollout
     assert type(tuned) is VLLMRolloutConfig
-    assert (tuned.enforce_eager, tuned.gpu_memory_utilization, tuned.n) == (False, 0.6, 5)
+    assert (tuned.enforce_eager, tuned.gpu_memory_utilization, tuned.n) == (None, 0.6, 5)
     hf = trainers_config.load_config(["rollout.name=hf"], ["grpo_gsm8k"]).rollout
     assert hf.name == "hf" and not hasattr(hf, "enforce_eager") and hf.response_length == 1024
 

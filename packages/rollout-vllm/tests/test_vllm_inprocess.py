@@ -66,6 +66,7 @@ def sync_engine(rollout, engine):
 
 
 def test_generation_matches_hf_before_any_sync(rollout, model_dir):
+    assert rollout.started_with["enforce_eager"] is (rollout.device.type != "cuda"), "enforce_eager=None"
     check_greedy(rollout, hf_model(model_dir), PROMPTS)
 
 

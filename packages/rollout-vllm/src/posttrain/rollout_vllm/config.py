@@ -38,8 +38,9 @@ class VLLMRolloutConfig(RolloutConfig):
     trainer's memory is left out, so 0.5 means half of what the trainer left."""
     gpu_memory_gib: float = 0.0
     """An explicit vLLM memory budget in GiB (weights + KV cache); 0 = use ``gpu_memory_utilization``."""
-    enforce_eager: bool = True
-    """Disable CUDA graphs in vLLM."""
+    enforce_eager: bool | None = None
+    """Disable CUDA graphs in vLLM. None: graphs on a CUDA device (the decode of a small model is bound by kernel
+    launches without them), eager elsewhere (vLLM's CPU backend would compile for minutes first)."""
     max_num_batched_tokens: int = 8192
     """vLLM scheduler token budget."""
     max_num_seqs: int = 1024

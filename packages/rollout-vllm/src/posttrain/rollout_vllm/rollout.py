@@ -209,7 +209,7 @@ class VLLMRollout(BaseRollout):
             dtype=self.dtype,
             tensor_parallel_size=cfg.tensor_model_parallel_size,
             gpu_memory_utilization=self.memory_share(),
-            enforce_eager=cfg.enforce_eager,
+            enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.device.type != "cuda",
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len or cfg.prompt_length + cfg.response_length,
