@@ -64,6 +64,13 @@ def test_registry_finds_hf_rollout_and_its_config():
     assert registry.get_config_cls("hf") is HFRolloutConfig
 
 
+def test_async_mode_is_refused_with_the_fix():
+    from posttrain.rollout_hf.config import HFRolloutConfig
+
+    with pytest.raises(ValueError, match=r"rollout.mode='async': the hf rollout has no server .* trainer.mode="):
+        HFRolloutConfig(mode="async")
+
+
 def test_greedy_matches_hand_written_loop(tiny_model_dir):
     rollout = make_rollout(tiny_model_dir)
     model = build_tiny_model()

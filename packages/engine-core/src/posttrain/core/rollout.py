@@ -68,7 +68,7 @@ class RolloutConfig(SamplingKnobs):
     name: str = "hf"
     """Backend: ``hf`` (transformers generate, the CPU default), ``vllm``, or another installed rollout."""
     mode: str = "sync"
-    """``sync`` (colocated SPMD) or ``async`` (server)."""
+    """``sync`` (colocated SPMD) or ``async`` (a server: vLLM's AsyncLLM; the hf rollout refuses it)."""
     prompt_length: int = 512
     """Longest prompt in tokens."""
     response_length: int = 512
