@@ -99,19 +99,19 @@ def build_rollout(
     args: argparse.Namespace, shape: dict[str, Any], device: torch.device, dtype: torch.dtype
 ) -> Any:
     """An HFRollout over a freshly saved random model of ``shape``, with no eos token."""
-    from posttrain.core import RolloutConfig
     from posttrain.rollout_hf import HFRollout
-    from posttrain.rollout_hf.decode import HFRolloutOptions
+    from posttrain.rollout_hf.config import HFRolloutConfig
 
     with tempfile.TemporaryDirectory() as path:
         save_random_model(shape, dtype, device, path)
-        config = RolloutConfig(
+        config = HFRolloutConfig(
             dtype=str(dtype).removeprefix("torch."),
             prompt_length=args.prompt_len,
             response_length=args.new_tokens,
+            cache=args.cache,
+            compile=args.compile,
         )
-        options = HFRolloutOptions(cache=args.cache, compile=args.compile)
-        rollout = HFRollout(config, path, device=device, options=options)
+        rollout = HFRollout(config, path, device=device)
     if rollout.eos_ids:
         raise RuntimeError("the benchmark model must have no eos token (both run to --new-tokens)")
     return rollout

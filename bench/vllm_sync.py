@@ -75,18 +75,18 @@ def build_engine(model_dir: str) -> Any:
 
 
 def build_rollout(model_dir: str, executor: str, bucket_mb: int, device: torch.device) -> Any:
-    from posttrain.core.rollout import RolloutConfig
-    from posttrain.rollout_vllm.rollout import VLLMOptions, VLLMRollout
+    from posttrain.rollout_vllm.config import VLLMRolloutConfig
+    from posttrain.rollout_vllm.rollout import VLLMRollout
 
-    config = RolloutConfig(
-        name="vllm",
+    config = VLLMRolloutConfig(
+        executor=executor,
         dtype="bfloat16",
         prompt_length=256,
         response_length=256,
         gpu_memory_utilization=0.3,
         update_weights_bucket_megabytes=bucket_mb,
     )
-    return VLLMRollout(config, model_dir, device=device, options=VLLMOptions(executor=executor))
+    return VLLMRollout(config, model_dir, device=device)
 
 
 def time_gather(engine: Any, device: torch.device) -> tuple[float, int]:

@@ -6,7 +6,8 @@
 #
 # PRESET (default grpo_gsm8k: verl's GSM8K GRPO numbers, 1024 prompts x 5 responses, lr 1e-6, KL loss 0.001,
 # bf16, vLLM rollout) sets batch sizes, lengths, the optimizer and the KL. ROLLOUT is vllm where vLLM imports and
-# a GPU is present, else hf (transformers generate).
+# a GPU is present, else hf (transformers generate); with vllm the script stacks the vllm_gpu preset and
+# rollout.tensor_model_parallel_size=$ROLLOUT_TP.
 # Data: `posttrain data gsm8k --input <local gsm8k train parquet/jsonl> --out $DATA_DIR` and again with the test
 # file (posttrain downloads nothing). No model at hand? `posttrain model init --size 0.5b --out /tmp/qwen-0.5b`
 # writes a random-init model of Qwen2.5-0.5B's shape and vocabulary (1.5b too): it runs, it does not learn.
@@ -44,8 +45,12 @@ ENGINE=(
 )
 ROLLOUT_ARGS=(
     rollout.name="$ROLLOUT"
-    rollout.tensor_model_parallel_size="$ROLLOUT_TP"
 )
+PRESETS=(--config "$PRESET")
+if [ "$ROLLOUT" = vllm ]; then  # vLLM's own keys: refused under rollout.name=hf
+    PRESETS+=(--config vllm_gpu)
+    ROLLOUT_ARGS+=(rollout.tensor_model_parallel_size="$ROLLOUT_TP")
+fi
 TRAINER=(
     trainer.default_local_dir="$SAVE_PATH"
     trainer.project_name=${PROJECT:-gsm8k-grpo}
@@ -56,5 +61,5 @@ TRAINER=(
 )
 
 torchrun --standalone --nnodes="$NNODES" --nproc_per_node="$NPROC" -m posttrain.trainers.main_ppo \
-    --config "$PRESET" algorithm.adv_estimator=grpo \
+    "${PRESETS[@]}" algorithm.adv_estimator=grpo \
     "${DATA[@]}" "${MODEL[@]}" "${ENGINE[@]}" "${ROLLOUT_ARGS[@]}" "${TRAINER[@]}" "$@"

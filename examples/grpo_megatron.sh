@@ -54,8 +54,12 @@ done
 ENGINE+=(actor.engine.use_distributed_optimizer=true)
 ROLLOUT_ARGS=(
     rollout.name="$ROLLOUT"
-    rollout.tensor_model_parallel_size="$ROLLOUT_TP"
 )
+PRESETS=(--config "$PRESET")
+if [ "$ROLLOUT" = vllm ]; then  # vLLM's own keys: refused under rollout.name=hf
+    PRESETS+=(--config vllm_gpu)
+    ROLLOUT_ARGS+=(rollout.tensor_model_parallel_size="$ROLLOUT_TP")
+fi
 TRAINER=(
     trainer.default_local_dir="$SAVE_PATH"
     trainer.project_name=${PROJECT:-gsm8k-grpo}
@@ -66,5 +70,5 @@ TRAINER=(
 )
 
 torchrun --standalone --nnodes="$NNODES" --nproc_per_node="$NPROC" -m posttrain.trainers.main_ppo \
-    --config "$PRESET" algorithm.adv_estimator=grpo \
+    "${PRESETS[@]}" algorithm.adv_estimator=grpo \
     "${DATA[@]}" "${MODEL[@]}" "${ENGINE[@]}" "${ROLLOUT_ARGS[@]}" "${TRAINER[@]}" "$@"

@@ -12,7 +12,7 @@ import pytest
 
 from posttrain.core.engine import BaseEngine
 from posttrain.core.registry import EngineRegistry, RolloutRegistry
-from posttrain.core.rollout import BaseRollout
+from posttrain.core.rollout import BaseRollout, RolloutConfig
 
 MODULE = "posttrain_test_plugin_mod"
 
@@ -34,6 +34,9 @@ def plugin(tmp_path, monkeypatch):
         "class Engine(BaseEngine):\n    pass\n"
         "@dataclass(kw_only=True)\nclass Config(EngineConfig):\n    knob: int = 1\n"
         "class Rollout(BaseRollout):\n    pass\n"
+        "from posttrain.core.rollout import RolloutConfig\n"
+        "@dataclass(kw_only=True)\nclass RolloutKnobs(RolloutConfig):\n    name: str = 'testrollout'\n"
+        "    rollout_knob: int = 2\n"
     )
     _distribution(
         tmp_path,
@@ -45,6 +48,8 @@ def plugin(tmp_path, monkeypatch):
         testbackend = {MODULE}:Config
         [posttrain.rollouts]
         testrollout = {MODULE}:Rollout
+        [posttrain.rollout_configs]
+        testrollout = {MODULE}:RolloutKnobs
         """,
     )
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -63,8 +68,11 @@ def test_installed_distribution_engine_is_found_and_imported_on_first_use(plugin
 
 
 def test_installed_distribution_rollout_is_found(plugin):
-    cls = RolloutRegistry.from_entry_points().get_rollout_cls("testrollout")
+    reg = RolloutRegistry.from_entry_points()
+    cls = reg.get_rollout_cls("testrollout")
     assert issubclass(cls, BaseRollout) and cls.__module__ == MODULE
+    config = reg.get_config_cls("testrollout")  # a third-party rollout hands out its config with its class
+    assert issubclass(config, RolloutConfig) and config().rollout_knob == 2
 
 
 def test_two_distributions_claiming_one_name_are_refused(plugin):

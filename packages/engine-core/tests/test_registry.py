@@ -6,6 +6,7 @@ import pytest
 
 from posttrain.core.config import EngineConfig
 from posttrain.core.registry import EngineRegistry, RolloutRegistry
+from posttrain.core.rollout import RolloutConfig
 
 
 @dataclass(kw_only=True)
@@ -14,6 +15,14 @@ class ToyEngineConfig(EngineConfig):
 
     strategy: str | None = "toy"
     toy_knob: int = 3
+
+
+@dataclass(kw_only=True)
+class ToyRolloutConfig(RolloutConfig):
+    """A third-party rollout's config."""
+
+    name: str = "toy"
+    toy_knob: int = 4
 
 
 def test_duplicate_name_raises():
@@ -49,6 +58,21 @@ def test_config_class_comes_from_the_config_group():
 def test_unknown_rollout_names_package():
     with pytest.raises(ValueError, match=r"posttrain-rollout-vllm"):
         RolloutRegistry({}).get_rollout_cls("vllm")
+    with pytest.raises(
+        ValueError,
+        match=r"rollout 'vllm' is not installed \(installed rollouts: none\): install "
+        r"posttrain-rollout-vllm",
+    ):
+        RolloutRegistry({}).get_config_cls("vllm")
+
+
+def test_rollout_config_class_comes_from_the_config_group():
+    reg = RolloutRegistry(
+        {"toy": "posttrain_no_such_module:Rollout"}, configs={"toy": "test_registry:ToyRolloutConfig"}
+    )
+    assert reg.get_config_cls("toy") is ToyRolloutConfig  # resolving the config imported no rollout module
+    with pytest.raises(TypeError, match="not a RolloutConfig subclass"):
+        RolloutRegistry(configs={"bad": "test_registry:ToyEngineConfig"}).get_config_cls("bad")
 
 
 def test_non_engine_target_rejected():

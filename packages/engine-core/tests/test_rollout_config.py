@@ -27,3 +27,30 @@ def test_sampling_config_is_built_from_the_rollout_config():
             RolloutConfig(**bad)
     with pytest.raises(ValueError, match="temperature=-1"):
         SamplingConfig(temperature=-1)
+
+
+def test_a_plain_rollout_config_becomes_a_rollouts_own():
+    """``cls.of``: a plain RolloutConfig keeps every shared field and takes the rollout's defaults (its name too);
+    the rollout's own config is kept; another rollout's config is refused (its knobs would be lost)."""
+    from dataclasses import dataclass, fields
+
+    from posttrain.core.rollout import RolloutConfig
+
+    @dataclass(kw_only=True)
+    class MineConfig(RolloutConfig):
+        name: str = "mine"
+        knob: int = 5
+
+    @dataclass(kw_only=True)
+    class TheirsConfig(RolloutConfig):
+        name: str = "theirs"
+
+    plain = RolloutConfig(n=3, temperature=0.5, prompt_length=7, load_format="dummy")
+    mine = MineConfig.of(plain)
+    assert type(mine) is MineConfig and (mine.name, mine.knob) == ("mine", 5)
+    assert all(
+        getattr(mine, f.name) == getattr(plain, f.name) for f in fields(RolloutConfig) if f.name != "name"
+    )
+    assert MineConfig.of(mine) is mine
+    with pytest.raises(ValueError, match="a TheirsConfig .* cannot configure a MineConfig"):
+        MineConfig.of(TheirsConfig())

@@ -143,3 +143,30 @@ def test_portable_async_save_equals_the_sync_one(megatron_env, tiny_qwen2, packe
     assert first.done() and (tmp_path / "a" / "actor" / "manifest.json").is_file()
     manager.close()
     assert (tmp_path / "b" / "actor" / "manifest.json").is_file()
+
+
+def test_direct_async_save_prunes_only_once_it_is_written(megatron_env, tiny_qwen2, tmp_path):
+    """A save straight into ``<root>/global_step_<N>/<role>`` with ``max_ckpt_to_keep``: the older checkpoint
+    is deleted behind the background write (posttrain.ckpt.retain), never while the new one is being written."""
+    from dataclasses import replace
+
+    from megatron_cpu import make_engine
+
+    from posttrain.ckpt import CheckpointManager
+    from posttrain.core.config import CheckpointConfig
+
+    sync = CheckpointConfig(max_ckpt_to_keep=1)
+    eng = make_engine(tiny_qwen2, ckpt=sync)
+    root = tmp_path / "run"
+    eng.save_checkpoint(str(root / "global_step_1" / "actor"), global_step=1)
+    eng.checkpoint_config = replace(sync, async_save=True)
+    manager = CheckpointManager(tmp_path / "manager", eng.checkpoint_config)  # only its writer is used
+    gate = threading.Event()
+    manager.writer.submit(gate.wait)  # holds the writer thread
+    eng.save_checkpoint(str(root / "global_step_2" / "actor"), global_step=2, writer=manager.writer)
+    assert (root / "global_step_1" / "actor" / "dist_ckpt" / "metadata.json").is_file()  # the last good one
+    gate.set()
+    manager.wait()
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_2"]
+    assert (root / "global_step_2" / "actor" / "dist_ckpt" / "metadata.json").is_file()
+    manager.close()

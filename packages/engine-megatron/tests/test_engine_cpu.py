@@ -170,11 +170,14 @@ def test_hf_model_export_and_retention(megatron_env, tiny_qwen2, packed_batch, t
     eng = make_engine(tiny_qwen2, ckpt=ckpt)
     with eng.train_mode():
         eng.train_batch(packed_batch, nll_loss)
+    (tmp_path / "global_step_9" / "actor").mkdir(
+        parents=True
+    )  # a save that died: neither counted nor deleted
     for step in (1, 2, 3):
         eng.save_checkpoint(
             str(tmp_path / f"global_step_{step}" / "actor"), global_step=step, max_ckpt_to_keep=2
         )
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_2", "global_step_3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_2", "global_step_3", "global_step_9"]
     hf_dir = tmp_path / "global_step_3" / "actor" / "huggingface"
     saved = {}
     for f in hf_dir.glob("*.safetensors"):

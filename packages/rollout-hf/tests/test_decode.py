@@ -3,13 +3,16 @@ that finish early leave the others untouched, sampling is multinomial's draw, an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import build_tiny_model
 
 from posttrain.core import RolloutConfig, SamplingConfig
 from posttrain.rollout_hf import HFRollout
-from posttrain.rollout_hf.decode import HFRolloutOptions, prepared_masks_supported
+from posttrain.rollout_hf.config import HFRolloutConfig
+from posttrain.rollout_hf.decode import prepared_masks_supported
 from posttrain.rollout_hf.sampling import process_logits, select_tokens
 
 PROMPTS = [[5, 17, 33, 101, 7], [9, 250], [44, 45, 46, 300, 301, 302, 303, 12]]
@@ -44,8 +47,8 @@ def sliding_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("variant", ["static", "dynamic", "eager", "sliding"])
 def test_greedy_equals_hf_generate(tiny_model_dir, sliding_dir, variant):
     path = sliding_dir if variant == "sliding" else tiny_model_dir
-    options = HFRolloutOptions(cache="dynamic" if variant == "dynamic" else "static", stop_check_interval=3)
-    rollout = HFRollout(RolloutConfig(dtype="float32"), path, options=options)
+    cache = "dynamic" if variant == "dynamic" else "static"
+    rollout = HFRollout(HFRolloutConfig(dtype="float32", cache=cache, stop_check_interval=3), path)
     if variant == "eager":  # additive float masks instead of sdpa's boolean ones
         rollout.model.set_attn_implementation("eager")
         assert prepared_masks_supported(rollout.model)
@@ -58,9 +61,7 @@ def test_greedy_equals_hf_generate(tiny_model_dir, sliding_dir, variant):
 
 
 def test_rows_that_stop_early_leave_the_others_unchanged(tiny_model_dir):
-    rollout = HFRollout(
-        RolloutConfig(dtype="float32"), tiny_model_dir, options=HFRolloutOptions(stop_check_interval=1)
-    )
+    rollout = HFRollout(HFRolloutConfig(dtype="float32", stop_check_interval=1), tiny_model_dir)
     free = rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10))
     stops = sorted({s.response_ids[1] for s in free})  # every row stops by its second token
     cut = rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10, stop_token_ids=stops))
@@ -81,22 +82,31 @@ def test_sampling_is_multinomials_draw():
         assert torch.equal(tokens, torch.multinomial(probs, 1, generator=gen_b).squeeze(-1))
 
 
+@dataclasses.dataclass(kw_only=True)
+class OtherRolloutConfig(RolloutConfig):
+    """Another rollout's config: its knobs would be lost in an HFRolloutConfig."""
+
+    name: str = "other"
+    other_knob: int = 1
+
+
 def test_bad_options_name_the_fix(tiny_model_dir):
-    with pytest.raises(ValueError, match="unknown to the hf rollout"):
-        HFRollout(RolloutConfig(dtype="float32", engine_kwargs={"cuda_graphs": True}), tiny_model_dir)
-    with pytest.raises(ValueError, match="needs cache=static"):
-        HFRolloutOptions(compile=True, cache="dynamic")
+    with pytest.raises(ValueError, match="needs rollout.cache=static"):
+        HFRolloutConfig(compile=True, cache="dynamic")
     with pytest.raises(ValueError, match="cache='paged'"):
-        HFRolloutOptions(cache="paged")
+        HFRolloutConfig(cache="paged")
     with pytest.raises(ValueError, match="stop_check_interval=0"):
-        HFRolloutOptions(stop_check_interval=0)
+        HFRolloutConfig(stop_check_interval=0)
     with pytest.raises(ValueError, match="router hooks"):
-        HFRollout(
-            RolloutConfig(dtype="float32", return_routed_experts=True, engine_kwargs={"compile": True}),
-            tiny_model_dir,
-        )
-    rollout = HFRollout(RolloutConfig(dtype="float32", engine_kwargs={"cache": "dynamic"}), tiny_model_dir)
-    assert rollout.options.cache == "dynamic"
+        HFRolloutConfig(return_routed_experts=True, compile=True)
+    with pytest.raises(ValueError, match="load_format='safetensors'.*rollout.name=vllm"):
+        HFRolloutConfig(load_format="safetensors")
+    with pytest.raises(ValueError, match="OtherRolloutConfig .* cannot configure a HFRolloutConfig"):
+        HFRolloutConfig.of(OtherRolloutConfig())
+    rollout = HFRollout(HFRolloutConfig(dtype="float32", cache="dynamic"), tiny_model_dir)
+    assert rollout.config.cache == "dynamic"
+    plain = HFRollout(RolloutConfig(dtype="float32", n=3), tiny_model_dir)  # the shared fields, HF defaults
+    assert type(plain.config) is HFRolloutConfig and (plain.config.n, plain.config.cache) == (3, "static")
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -129,7 +139,11 @@ def test_cuda_decode_has_no_host_sync_per_token(tiny_model_dir):
 def test_cuda_compiled_step_gives_the_eager_tokens(tiny_model_dir):
     config = RolloutConfig(dtype="float32", prompt_length=16, response_length=24)
     eager = HFRollout(config, tiny_model_dir, "cuda")
-    compiled = HFRollout(config, tiny_model_dir, "cuda", options=HFRolloutOptions(compile=True))
+    compiled = HFRollout(
+        HFRolloutConfig(dtype="float32", prompt_length=16, response_length=24, compile=True),
+        tiny_model_dir,
+        "cuda",
+    )
     for prompts in (PROMPTS, PROMPTS[::-1]):  # the second call reuses the graph (same padded shapes)
         sampling = SamplingConfig(temperature=0, max_new_tokens=24)
         want = [s.response_ids for s in eager.generate(prompts, sampling)]

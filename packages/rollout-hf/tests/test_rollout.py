@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -55,8 +56,19 @@ def sampled_logprob_reference(model, prompt, response, temperature, top_k, top_p
     return out
 
 
-def test_registry_finds_hf_rollout():
-    assert RolloutRegistry.from_entry_points().get_rollout_cls("hf") is HFRollout
+def test_registry_finds_hf_rollout_and_its_config():
+    from posttrain.rollout_hf.config import HFRolloutConfig
+
+    registry = RolloutRegistry.from_entry_points()
+    assert registry.get_rollout_cls("hf") is HFRollout
+    assert registry.get_config_cls("hf") is HFRolloutConfig
+
+
+def test_async_mode_is_refused_with_the_fix():
+    from posttrain.rollout_hf.config import HFRolloutConfig
+
+    with pytest.raises(ValueError, match=r"rollout.mode='async': the hf rollout has no server .* trainer.mode="):
+        HFRolloutConfig(mode="async")
 
 
 def test_greedy_matches_hand_written_loop(tiny_model_dir):
@@ -143,6 +155,38 @@ def test_update_weights_gives_the_greedy_tokens_of_the_new_model(tiny_model_dir)
     expected = [greedy_reference(new_model, p, 10)[0] for p in PROMPTS]
     assert [s.response_ids for s in after] == expected
     assert before != expected, "the perturbation must change the greedy tokens for this test to mean anything"
+
+
+def test_dummy_load_format_starts_random_and_needs_a_full_sync(tiny_model_dir):
+    """``rollout.load_format=dummy``: random weights built from the config, generation and an adapter-only sync
+    refused until every weight has arrived, then the greedy tokens of the synced model."""
+    rollout = make_rollout(tiny_model_dir, load_format="dummy")
+    name = "model.embed_tokens.weight"
+    assert not torch.equal(rollout.model.state_dict()[name], build_tiny_model().state_dict()[name])
+    with pytest.raises(RuntimeError, match=r"random weights \(rollout.load_format=dummy\)"):
+        rollout.generate(PROMPTS, SamplingConfig(temperature=0))
+    with pytest.raises(ValueError, match="before any base weights"):
+        rollout.update_weights(iter([]), peft_config={"r": 8, "lora_alpha": 16}, base_sync_done=True)
+    new_model = perturbed_state()
+    rollout.update_weights(iter(new_model.state_dict().items()))
+    after = rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10))
+    assert [s.response_ids for s in after] == [greedy_reference(new_model, p, 10)[0] for p in PROMPTS]
+
+
+def test_deterministic_turns_on_deterministic_kernels(tiny_model_dir, monkeypatch):
+    """``deterministic=True`` (the trainer's ``actor.engine.full_determinism``) makes torch raise on ops without
+    a deterministic kernel and sets cuBLAS's workspace, process-wide; restored after the test."""
+    for var in ("CUBLAS_WORKSPACE_CONFIG", "NVTE_ALLOW_NONDETERMINISTIC_ALGO"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        HFRollout(RolloutConfig(dtype="float32"), tiny_model_dir, deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_tied_embeddings_sync_once_and_partial_sync_raises(tmp_path):

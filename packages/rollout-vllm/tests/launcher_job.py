@@ -16,12 +16,11 @@ def main(model_dir: str) -> None:
     import torch.distributed as dist
 
     from posttrain.core import RolloutRegistry
-    from posttrain.core.rollout import RolloutConfig
+    from posttrain.rollout_vllm.config import VLLMRolloutConfig
 
     torch.set_num_threads(1)
     engine = make_engine(model_dir)  # initialises the gloo process group under torchrun
-    config = RolloutConfig(
-        name="vllm",
+    config = VLLMRolloutConfig(
         dtype=ROLLOUT_DTYPE,
         prompt_length=64,
         response_length=32,

@@ -91,20 +91,30 @@ def test_transport_and_payload_errors_name_the_fix():
         BucketOpener().open("not a payload")
 
 
-def test_options_are_validated():
-    from posttrain.rollout_vllm.rollout import VLLMOptions
+def test_config_is_validated():
+    from posttrain.rollout_vllm.config import VLLMRolloutConfig
 
-    with pytest.raises(ValueError, match="executor 'ray' is unknown"):
-        VLLMOptions(executor="ray")
-    with pytest.raises(ValueError, match="transport 'nccl' is unknown"):
-        VLLMOptions(transport="nccl")
+    for bad, message in (
+        ({"executor": "ray"}, "rollout.executor='ray' is unknown"),
+        ({"transport": "nccl"}, "rollout.transport='nccl' is unknown"),
+        ({"gpu_memory_utilization": 0.0}, r"gpu_memory_utilization=0.0 must be in \(0, 1\]"),
+        ({"gpu_memory_gib": -1.0}, "gpu_memory_gib=-1.0 must be >= 0"),
+        ({"tensor_model_parallel_size": 0}, "tensor_model_parallel_size=0 must be >= 1"),
+        ({"lora_int_id": 0}, "lora_int_id=0 must be >= 1"),
+        ({"top_k": 0}, "rollout.top_k=0"),  # the shared fields' checks run too
+    ):
+        with pytest.raises(ValueError, match=message):
+            VLLMRolloutConfig(**bad)
 
 
-def test_entry_point_resolves_to_the_rollout_class():
+def test_entry_points_resolve_to_the_rollout_and_its_config():
     from posttrain.core import RolloutRegistry
+    from posttrain.rollout_vllm.config import VLLMRolloutConfig
     from posttrain.rollout_vllm.rollout import VLLMRollout
 
-    assert RolloutRegistry.from_entry_points().get_rollout_cls("vllm") is VLLMRollout
+    registry = RolloutRegistry.from_entry_points()
+    assert registry.get_rollout_cls("vllm") is VLLMRollout
+    assert registry.get_config_cls("vllm") is VLLMRolloutConfig
 
 
 def test_dtype_names():
@@ -123,18 +133,19 @@ def test_sender_rejects_a_buffer_smaller_than_the_bucket():
 
 def test_executor_choices_are_checked_before_vllm_starts(tmp_path):
     from posttrain.core.rollout import RolloutConfig
-    from posttrain.rollout_vllm.rollout import VLLMOptions, VLLMRollout
+    from posttrain.rollout_vllm.config import VLLMRolloutConfig
+    from posttrain.rollout_vllm.rollout import VLLMRollout
 
     (tmp_path / "config.json").write_text("{}")
     cases = [
-        (RolloutConfig(mode="async"), VLLMOptions(executor="inprocess"), "async mode runs the server"),
-        (RolloutConfig(), VLLMOptions(executor="external_launcher"), "launch with torchrun"),
-        (RolloutConfig(), VLLMOptions(executor="multiprocess", transport="inprocess"), "use shm"),
-        (RolloutConfig(dtype="int4"), VLLMOptions(), "int4"),
+        (VLLMRolloutConfig(mode="async", executor="inprocess"), "async mode runs the server"),
+        (VLLMRolloutConfig(executor="external_launcher"), "launch with torchrun"),
+        (VLLMRolloutConfig(executor="multiprocess", transport="inprocess"), "use shm"),
+        (RolloutConfig(dtype="int4"), "int4"),  # a plain RolloutConfig takes the vLLM defaults
     ]
-    for config, options, message in cases:
+    for config, message in cases:
         with pytest.raises(ValueError, match=message):
-            VLLMRollout(config, str(tmp_path), device="cpu", options=options)
+            VLLMRollout(config, str(tmp_path), device="cpu")
     with pytest.raises(ValueError, match="not a local HF model directory"):
         VLLMRollout(RolloutConfig(), str(tmp_path / "missing"), device="cpu")
 
@@ -197,7 +208,9 @@ def test_lora_wrapped_fused_layers_lend_their_base_load_weights_while_loading():
     q, k = torch.ones(2, 3), torch.full((1, 3), 2.0)
     q.shard_id, k.shard_id = "q", "k"
     with lora_base_aliases(model):
-        assert "0.weight" not in dict(model.named_parameters()), "a layer with its own loader lends no aliases"
+        assert "0.weight" not in dict(model.named_parameters()), (
+            "a layer with its own loader lends no aliases"
+        )
         assert list(model[0].load_weights([("weight", q), ("weight", k)])) == ["weight", "weight"]
     assert torch.equal(model[0].base_layer.weight, torch.cat([q, k]))
     assert not hasattr(model[0], "load_weights")

@@ -16,7 +16,7 @@ from conftest import needs_vllm
 from vllm_testing import ROLLOUT_DTYPE, check_greedy, engine_weights, hf_model, make_engine, train_step
 
 from posttrain.core.config import ModelConfig
-from posttrain.core.rollout import RolloutConfig, SamplingConfig
+from posttrain.core.rollout import SamplingConfig
 from posttrain.core.weight_sync import WeightSyncError
 
 pytestmark = [
@@ -40,15 +40,21 @@ def _sync(rollout, engine, version: int):
 
 
 def test_colocated_budget_sleep_levels_and_sync(model_dir):
-    from posttrain.rollout_vllm.rollout import VLLMOptions, VLLMRollout
+    from posttrain.rollout_vllm.config import VLLMRolloutConfig
+    from posttrain.rollout_vllm.rollout import VLLMRollout
 
     engine = make_engine(model_dir)
     free, total = torch.cuda.mem_get_info()
-    config = RolloutConfig(
-        name="vllm", dtype=ROLLOUT_DTYPE, prompt_length=96, response_length=32, gpu_memory_utilization=0.4
+    config = VLLMRolloutConfig(
+        executor="inprocess",
+        dtype=ROLLOUT_DTYPE,
+        prompt_length=96,
+        response_length=32,
+        gpu_memory_utilization=0.4,
     )
-    rollout = VLLMRollout(config, ModelConfig(path=model_dir), options=VLLMOptions(executor="inprocess"))
+    rollout = VLLMRollout(config, ModelConfig(path=model_dir))
     try:
+        assert rollout.started_with["enforce_eager"] is False, "rollout.enforce_eager=None: CUDA graphs on a GPU"
         share = rollout.started_with["gpu_memory_utilization"]
         assert abs(share - 0.4 * free / total) < 0.02, (share, free / total)
         taken = (free - torch.cuda.mem_get_info()[0]) / GIB
@@ -71,8 +77,9 @@ def test_colocated_budget_sleep_levels_and_sync(model_dir):
 
 
 def test_a_budget_larger_than_the_free_memory_is_refused(model_dir):
+    from posttrain.rollout_vllm.config import VLLMRolloutConfig
     from posttrain.rollout_vllm.rollout import VLLMRollout
 
-    config = RolloutConfig(name="vllm", dtype=ROLLOUT_DTYPE, gpu_memory_gib=10_000.0)
+    config = VLLMRolloutConfig(dtype=ROLLOUT_DTYPE, gpu_memory_gib=10_000.0)
     with pytest.raises(ValueError, match="gpu_memory_gib=10000.0 asks for more than"):
         VLLMRollout(config, ModelConfig(path=model_dir))

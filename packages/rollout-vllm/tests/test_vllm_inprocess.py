@@ -21,7 +21,7 @@ from vllm_testing import (
 )
 
 from posttrain.core.config import ModelConfig
-from posttrain.core.rollout import RolloutConfig, SamplingConfig
+from posttrain.core.rollout import SamplingConfig
 from posttrain.core.weight_sync import BucketSender, WeightSyncError
 
 pytestmark = [needs_vllm, pytest.mark.vllm_engine, pytest.mark.slow]
@@ -31,10 +31,11 @@ PROMPTS = [[1, 2, 3, 4], [10, 20, 30], [7, 7, 7, 7, 7], [100, 3, 250, 9, 9, 41]]
 
 @pytest.fixture(scope="module")
 def rollout(model_dir: str):
-    from posttrain.rollout_vllm.rollout import VLLMOptions, VLLMRollout
+    from posttrain.rollout_vllm.config import VLLMRolloutConfig
+    from posttrain.rollout_vllm.rollout import VLLMRollout
 
-    config = RolloutConfig(
-        name="vllm",
+    config = VLLMRolloutConfig(
+        executor="inprocess",
         dtype=ROLLOUT_DTYPE,
         prompt_length=96,
         response_length=32,
@@ -43,9 +44,7 @@ def rollout(model_dir: str):
         update_weights_bucket_megabytes=1,
         engine_kwargs={"block_size": 32},
     )
-    r = VLLMRollout(
-        config, ModelConfig(path=model_dir, lora_rank=8), options=VLLMOptions(executor="inprocess")
-    )
+    r = VLLMRollout(config, ModelConfig(path=model_dir, lora_rank=8))
     yield r
     r.release()
 
@@ -67,6 +66,7 @@ def sync_engine(rollout, engine):
 
 
 def test_generation_matches_hf_before_any_sync(rollout, model_dir):
+    assert rollout.started_with["enforce_eager"] is (rollout.device.type != "cuda"), "enforce_eager=None"
     check_greedy(rollout, hf_model(model_dir), PROMPTS)
 
 

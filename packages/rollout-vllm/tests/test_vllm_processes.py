@@ -9,6 +9,7 @@ tests cover the shared-buffer path end to end, including a bucket corrupted in t
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 from conftest import needs_vllm
@@ -23,7 +24,7 @@ from vllm_testing import (
     train_step,
 )
 
-from posttrain.core.rollout import RolloutConfig, SamplingConfig
+from posttrain.core.rollout import SamplingConfig
 from posttrain.core.weight_sync import WeightSyncError
 
 pytestmark = [needs_vllm, pytest.mark.vllm_engine, pytest.mark.slow]
@@ -31,11 +32,12 @@ pytestmark = [needs_vllm, pytest.mark.vllm_engine, pytest.mark.slow]
 PROMPTS = [[1, 2, 3, 4], [10, 20, 30], [5, 6, 7, 8, 9]]
 
 
-def build(model_dir: str, executor: str):
-    from posttrain.rollout_vllm.rollout import VLLMOptions, VLLMRollout
+def build(model_dir: str, executor: str, deterministic: bool = False):
+    from posttrain.rollout_vllm.config import VLLMRolloutConfig
+    from posttrain.rollout_vllm.rollout import VLLMRollout
 
-    config = RolloutConfig(
-        name="vllm",
+    config = VLLMRolloutConfig(
+        executor=executor,
         mode="async" if executor == "server" else "sync",
         dtype=ROLLOUT_DTYPE,
         prompt_length=64,
@@ -45,7 +47,7 @@ def build(model_dir: str, executor: str):
         update_weights_bucket_megabytes=1,
         engine_kwargs={"block_size": 32},
     )
-    return VLLMRollout(config, model_dir, options=VLLMOptions(executor=executor))
+    return VLLMRollout(config, model_dir, deterministic=deterministic)
 
 
 def sync_and_check(rollout, engine, model_dir):
@@ -55,6 +57,29 @@ def sync_and_check(rollout, engine, model_dir):
     model = hf_model(model_dir, engine_weights(engine)[0])
     check_greedy(rollout, model, PROMPTS)
     return model
+
+
+def test_deterministic_rollout_runs_vllm_batch_invariant_on_a_gpu(model_dir, monkeypatch):
+    """``deterministic=True`` (the trainer's ``actor.engine.full_determinism``): on a GPU vLLM's worker, a child
+    process started after, reads ``VLLM_BATCH_INVARIANT`` as on; on a CPU the rollout warns and leaves it off
+    (with it on, vLLM's CPU worker fails at its first mean: Triton kernels). Either way the engine generates HF's
+    greedy tokens."""
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")  # recorded: unset again after the test
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # lets collective_rpc carry the probe below
+    if ON_GPU:
+        rollout = build(model_dir, "multiprocess", deterministic=True)
+    else:
+        with pytest.warns(UserWarning, match="batch-invariant mode needs a GPU"):
+            rollout = build(model_dir, "multiprocess", deterministic=True)
+    try:
+        seen = rollout.engine.collective_rpc(
+            lambda worker: (os.getpid(), __import__("vllm.envs").envs.VLLM_BATCH_INVARIANT)
+        )
+        assert [flag for _, flag in seen] == [ON_GPU] and seen[0][0] != os.getpid(), seen
+        assert rollout.batch_invariant is ON_GPU
+        check_greedy(rollout, hf_model(model_dir), PROMPTS)
+    finally:
+        rollout.release()
 
 
 def test_multiprocess_executor_syncs_through_shared_memory_or_cuda_ipc(model_dir):

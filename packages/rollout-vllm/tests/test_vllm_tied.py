@@ -17,7 +17,6 @@ from vllm_testing import (
 )
 
 from posttrain.core.config import ModelConfig
-from posttrain.core.rollout import RolloutConfig
 
 pytestmark = [needs_vllm, pytest.mark.vllm_engine, pytest.mark.slow]
 
@@ -25,11 +24,12 @@ PROMPTS = [[1, 2, 3, 4], [10, 20, 30], [100, 3, 250, 9, 9, 41]]
 
 
 def test_tied_lm_head_follows_every_sync(tmp_path):
-    from posttrain.rollout_vllm.rollout import VLLMOptions, VLLMRollout
+    from posttrain.rollout_vllm.config import VLLMRolloutConfig
+    from posttrain.rollout_vllm.rollout import VLLMRollout
 
     path = save_tiny_model(tmp_path / "tied", seed=3, tie_word_embeddings=True)
-    config = RolloutConfig(
-        name="vllm",
+    config = VLLMRolloutConfig(
+        executor="inprocess",
         dtype=ROLLOUT_DTYPE,
         prompt_length=64,
         response_length=16,
@@ -38,7 +38,7 @@ def test_tied_lm_head_follows_every_sync(tmp_path):
         update_weights_bucket_megabytes=1,
         engine_kwargs={"block_size": 32},
     )
-    rollout = VLLMRollout(config, ModelConfig(path=path), options=VLLMOptions(executor="inprocess"))
+    rollout = VLLMRollout(config, ModelConfig(path=path))
     engine = make_engine(path)
     try:
         for seed in (1, 2):

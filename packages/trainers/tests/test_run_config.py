@@ -1,4 +1,5 @@
-"""The run config in Python and from key=value strings: each role's engine becomes its backend's config class."""
+"""The run config in Python and from key=value strings: each role's engine becomes its backend's config class,
+the rollout its rollout's."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from posttrain.core.config import EngineConfig
 from posttrain.core.config.loader import ConfigError, to_dict
+from posttrain.core.rollout import RolloutConfig
 from posttrain.fsdp.config import FSDPEngineConfig
 from posttrain.trainers.config import PostTrainConfig, load_config
 from posttrain.trainers.roles import ActorConfig
@@ -52,3 +54,31 @@ def test_config_show_exits_2_naming_a_wrong_key(capsys):
 
     assert cli.main(["config", "show", "model_engine=fsdp", "actor.engine.fsdp_sise=2"]) == 2
     assert "actor.engine.fsdp_sise" in capsys.readouterr().err
+
+
+def test_rollout_config_is_the_named_rollouts_own():
+    """``rollout.name`` picks the config class its package registered (posttrain.rollout_configs): the hf
+    rollout's own keys are ``rollout.<key>`` and reach it; a plain RolloutConfig in Python becomes the same."""
+    from posttrain.rollout_hf.config import HFRolloutConfig
+
+    assert type(PostTrainConfig().rollout) is HFRolloutConfig
+    cfg = load_config(["rollout.cache=dynamic", "rollout.stop_check_interval=2", "rollout.n=3"])
+    assert type(cfg.rollout) is HFRolloutConfig
+    assert (cfg.rollout.cache, cfg.rollout.stop_check_interval, cfg.rollout.n) == ("dynamic", 2, 3)
+    python = PostTrainConfig(rollout=RolloutConfig(n=3))
+    assert type(python.rollout) is HFRolloutConfig and python.rollout.n == 3
+    with pytest.raises(ConfigError, match="rollout.compile=true needs rollout.cache=static"):
+        load_config(["rollout.compile=true", "rollout.cache=dynamic"])
+
+
+def test_rollout_keys_the_named_rollout_does_not_declare_are_refused():
+    with pytest.raises(ConfigError, match="unknown config key 'rollout.tempreature'.*temperature"):
+        load_config(["rollout.tempreature=0.5"])
+    # a rollout that is not installed: the shared keys are accepted (an SFT run needs no rollout), others refused
+    assert type(load_config(["rollout.name=sglang", "rollout.n=2"]).rollout) is RolloutConfig
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.mem_fraction is not a key every rollout shares, and rollout.name='sglang' "
+        r"is not installed: install the package that registers rollout 'sglang'",
+    ):
+        load_config(["rollout.name=sglang", "rollout.mem_fraction=0.5"])

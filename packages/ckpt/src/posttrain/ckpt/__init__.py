@@ -1,6 +1,7 @@
 """Crash-safe, reshardable DCP checkpoints and Hugging Face export for posttrain.
 
-``CheckpointManager`` stages, commits (fsync, atomic rename, then the tracker) and retains step directories;
+``CheckpointManager`` stages, commits (fsync, atomic rename, then the tracker) and retains step directories
+(``retain``: the newest N, deleted only after the new one is in place, also used by engines saving directly);
 ``save_role``/``load_role`` write and read one model's DCP shards (keyed by HF names), extra state and HF files;
 ``AsyncWriter`` runs the writes of an async save in the background (``prepare_role`` allocates its host buffers
 ahead of the first save); ``export_hf`` turns a role into an HF model.
@@ -10,6 +11,7 @@ from .extra import capture_rng, restore_rng
 from .hf import export_hf, load_full_model_state
 from .layout import TRACKER, is_complete
 from .manager import CheckpointManager, find_latest, load_trainer_state
+from .retention import retain, step_dirs
 from .role import RoleInfo, RoleState, load_role, prepare_role, read_role_manifest, save_role
 from .writer import AsyncWriter, CheckpointWriteError
 
@@ -30,5 +32,7 @@ __all__ = [
     "prepare_role",
     "read_role_manifest",
     "restore_rng",
+    "retain",
     "save_role",
+    "step_dirs",
 ]

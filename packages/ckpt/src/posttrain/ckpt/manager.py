@@ -3,8 +3,9 @@
 A save of step N goes: ``stage(N)`` creates ``<root>/.tmp.global_step_N`` (rank 0, then a barrier); every role
 and the trainer write into it; ``commit(N)`` waits for every rank (barrier), then rank 0 writes
 ``checkpoint.json``, fsyncs the whole tree, renames it to ``global_step_N`` in one ``os.replace``, fsyncs the
-root, and only then rewrites ``latest_checkpointed_iteration.txt`` atomically; retention runs last, so old
-checkpoints are deleted only after the new one is in place. A crash before the rename leaves only a staging
+root, and only then rewrites ``latest_checkpointed_iteration.txt`` atomically; retention
+(:func:`~posttrain.ckpt.retention.retain`) runs last, so old checkpoints are deleted only after the new one is in
+place. A crash before the rename leaves only a staging
 directory (ignored); a crash after it but before the tracker update leaves the tracker on the previous
 checkpoint, which :meth:`latest` returns. With ``async_save`` the commit is queued on the background writer
 behind the role writes, and the next :meth:`stage` waits for it.
@@ -40,6 +41,7 @@ from .layout import (
     step_dir_name,
     write_json,
 )
+from .retention import retain
 from .writer import AsyncWriter
 
 
@@ -149,20 +151,7 @@ class CheckpointManager:
             staging.replace(final)
         fsync_path(self.root)
         atomic_write_text(self.root / TRACKER, f"{step}\n")
-        self._retain(step)
-
-    def _retain(self, step: int) -> None:
-        for child in self.root.iterdir():  # staging debris of older, abandoned saves
-            name = child.name.removeprefix(".tmp.old.").removeprefix(".tmp.")
-            old_step = parse_step(name)
-            if child.name.startswith(".tmp.") and old_step is not None and old_step < step:
-                shutil.rmtree(child, ignore_errors=True)
-        keep = self.config.max_ckpt_to_keep
-        if keep is None:
-            return
-        others = sorted((s for s in complete_steps(self.root) if s != step), reverse=True)
-        for old_step in others[keep - 1 :]:
-            shutil.rmtree(self.step_dir(old_step))
+        retain(self.root, self.config.max_ckpt_to_keep, step)
 
     # ------------------------------------------------------------------ resume
     def latest(self) -> tuple[int, Path] | None:

@@ -2,8 +2,9 @@
 
 A training backend declares two things: its engines in the ``posttrain.engines`` group, named
 ``<model_type>.<backend>`` (``language_model.fsdp2``), and its config dataclass in ``posttrain.engine_configs``,
-named ``<backend>``. Rollouts are in ``posttrain.rollouts`` under their backend name. The value is
-``module:Class``. Nothing registers at import time: a registry reads the installed distributions' metadata when
+named ``<backend>``. A rollout does the same: its class in ``posttrain.rollouts`` and its config dataclass (a
+:class:`~posttrain.core.rollout.RolloutConfig` subclass) in ``posttrain.rollout_configs``, both under its rollout
+name. The value is ``module:Class``. Nothing registers at import time: a registry reads the installed distributions' metadata when
 it is built, so a backend that is not installed is simply absent and asking for it lists what is there. A
 config module must import without its backend's heavy dependencies (the config of a megatron backend resolves
 without megatron-core).
@@ -19,6 +20,7 @@ from typing import Any
 ENGINE_GROUP = "posttrain.engines"
 ENGINE_CONFIG_GROUP = "posttrain.engine_configs"
 ROLLOUT_GROUP = "posttrain.rollouts"
+ROLLOUT_CONFIG_GROUP = "posttrain.rollout_configs"
 
 ROLLOUT_PACKAGES = {
     "hf": "posttrain-rollout-hf",
@@ -89,20 +91,30 @@ class EngineConfigRegistry(_EntryPointRegistry):
         return self._resolve(backend, EngineConfig, missing)
 
 
-class EngineRegistry(_EntryPointRegistry):
-    """(model_type, backend) -> engine class; :meth:`get_config_cls` gives the backend's config class."""
+class _PairedRegistry(_EntryPointRegistry):
+    """Classes registered together with their config dataclasses (:meth:`get_config_cls`)."""
 
-    group = ENGINE_GROUP
+    config_registry: type
 
     def __init__(self, targets: dict[str, str] | None = None, configs: dict[str, str] | None = None) -> None:
         super().__init__(targets)
-        self.configs = EngineConfigRegistry(configs)
+        self.configs = self.config_registry(configs)
 
     @classmethod
     def from_entry_points(cls):
         reg = super().from_entry_points()
-        reg.configs = EngineConfigRegistry.from_entry_points()
+        reg.configs = cls.config_registry.from_entry_points()
         return reg
+
+    def get_config_cls(self, name: str) -> type:
+        return self.configs.get_config_cls(name)
+
+
+class EngineRegistry(_PairedRegistry):
+    """(model_type, backend) -> engine class; :meth:`get_config_cls` gives the backend's config class."""
+
+    group = ENGINE_GROUP
+    config_registry = EngineConfigRegistry
 
     def get_engine_cls(self, model_type: str, backend: str) -> type:
         from .engine import BaseEngine
@@ -113,9 +125,6 @@ class EngineRegistry(_EntryPointRegistry):
             "group, or choose another backend."
         )
         return self._resolve(f"{model_type}.{backend}", BaseEngine, missing)
-
-    def get_config_cls(self, backend: str) -> type:
-        return self.configs.get_config_cls(backend)
 
     def new(self, model_type: str, backend: str, *args: Any, **kwargs: Any) -> Any:
         return self.get_engine_cls(model_type, backend)(*args, **kwargs)
@@ -131,11 +140,41 @@ def engine_config_class(backend: str) -> type:
     return _installed_engine_configs().get_config_cls(backend)
 
 
-class RolloutRegistry(_EntryPointRegistry):
-    """backend name -> rollout class."""
+class RolloutConfigRegistry(_EntryPointRegistry):
+    """rollout name -> rollout config dataclass (a subclass of :class:`~posttrain.core.rollout.RolloutConfig`)."""
+
+    group = ROLLOUT_CONFIG_GROUP
+    packages = ROLLOUT_PACKAGES
+
+    def get_config_cls(self, name: str) -> type:
+        from .rollout import RolloutConfig
+
+        hint = self.packages.get(name, f"the package that registers {name!r} in the {self.group} group")
+        missing = f"rollout {name!r} is not installed (installed rollouts: {{have}}): install {hint}"
+        return self._resolve(name, RolloutConfig, missing)
+
+
+@functools.cache
+def _installed_rollout_configs() -> RolloutConfigRegistry:
+    return RolloutConfigRegistry.from_entry_points()
+
+
+def rollout_config_class(name: str) -> type:
+    """The config dataclass the installed rollout ``name`` registered, or a ValueError naming what to install."""
+    return _installed_rollout_configs().get_config_cls(name)
+
+
+def rollout_config_names() -> list[str]:
+    """The rollouts whose config dataclass is installed."""
+    return _installed_rollout_configs().names()
+
+
+class RolloutRegistry(_PairedRegistry):
+    """backend name -> rollout class; :meth:`get_config_cls` gives the rollout's config class."""
 
     group = ROLLOUT_GROUP
     packages = ROLLOUT_PACKAGES
+    config_registry = RolloutConfigRegistry
 
     def get_rollout_cls(self, name: str) -> type:
         from .rollout import BaseRollout

@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -57,55 +57,42 @@ class SamplingConfig(SamplingKnobs):
 
 @dataclass(kw_only=True)
 class RolloutConfig(SamplingKnobs):
-    """Which rollout backend, its engine options, and (inherited from :class:`SamplingKnobs`: temperature,
-    top_p, top_k, n) how training rollouts sample. Field names follow verl's ``actor_rollout_ref.rollout``."""
+    """The fields every rollout shares: which backend, the lengths and dtype, the weight sync, and (inherited from
+    :class:`SamplingKnobs`: temperature, top_p, top_k, n) how training rollouts sample. Field names follow verl's
+    ``actor_rollout_ref.rollout``.
+
+    Each rollout package subclasses it with its own knobs (``posttrain.rollout_vllm.config.VLLMRolloutConfig``,
+    ``posttrain.rollout_hf.config.HFRolloutConfig``) and registers the subclass under its rollout name in the
+    ``posttrain.rollout_configs`` entry-point group; the trainers' config loader picks it by ``rollout.name``."""
 
     name: str = "hf"
-    """Backend: ``hf`` (transformers generate, the CPU default) or ``vllm``."""
+    """Backend: ``hf`` (transformers generate, the CPU default), ``vllm``, or another installed rollout."""
     mode: str = "sync"
-    """``sync`` (colocated SPMD) or ``async`` (server)."""
+    """``sync`` (colocated SPMD) or ``async`` (a server: vLLM's AsyncLLM; the hf rollout refuses it)."""
     prompt_length: int = 512
     """Longest prompt in tokens."""
     response_length: int = 512
     """Longest response in tokens."""
     dtype: str = "bfloat16"
     """Weights dtype inside the rollout engine."""
-    tensor_model_parallel_size: int = 1
-    """Rollout TP degree, independent of training."""
-    gpu_memory_utilization: float = 0.5
-    """Share of the GPU memory that is free when the rollout starts (after the trainer's engines are built) that
-    the vLLM engine may take for weights, activations and KV cache. verl counts a share of the whole GPU; here a
-    colocated trainer's memory is left out, so 0.5 means half of what the trainer left."""
-    gpu_memory_gib: float = 0.0
-    """An explicit vLLM memory budget in GiB (weights + KV cache); 0 = use ``gpu_memory_utilization``."""
-    enforce_eager: bool = True
-    """Disable CUDA graphs in vLLM."""
-    free_cache_engine: bool = True
-    """Sleep the rollout (free KV cache) while training runs."""
-    max_num_batched_tokens: int = 8192
-    """vLLM scheduler token budget."""
-    max_num_seqs: int = 1024
-    """vLLM scheduler sequence budget."""
     max_model_len: int | None = None
     """Context length of the rollout engine; None = prompt_length + response_length."""
-    enable_prefix_caching: bool = True
-    """vLLM prefix cache (reset after every weight sync)."""
+    free_cache_engine: bool = True
+    """Sleep the rollout (free KV cache) while training runs."""
     update_weights_bucket_megabytes: int = 2048
     """Bucket size of the weight-sync protocol."""
     load_format: str = "auto"
-    """``dummy`` starts from random weights and relies on the first sync."""
+    """``auto`` loads the weights of ``model.path``; ``dummy`` starts from random weights and relies on the first
+    sync (so an actor built from a Megatron dist_ckpt may point ``model.path`` at a folder without weights)."""
     seed: int = 0
     """Rollout sampling seed."""
     val_temperature: float = 0.0
     """Sampling temperature when validating (0 = greedy)."""
     val_n: int = 1
     """Responses per prompt when validating."""
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for the backend's engine constructor."""
     return_routed_experts: bool = False
     """MoE models: record the top-k experts every MoE layer chose for every token the rollout fed to the model
-    (``RolloutSample.routed_experts``), for rollout router replay (``actor.engine.router_replay.mode=R3``).
-    Implemented by the ``hf`` rollout."""
+    (``RolloutSample.routed_experts``), for rollout router replay (``actor.engine.router_replay.mode=R3``)."""
 
     def __post_init__(self) -> None:
         self._check_sampling("rollout.")
@@ -115,12 +102,21 @@ class RolloutConfig(SamplingKnobs):
             raise ValueError(
                 f"rollout.update_weights_bucket_megabytes={self.update_weights_bucket_megabytes} must be >= 1"
             )
-        if self.gpu_memory_gib < 0:
-            raise ValueError(f"rollout.gpu_memory_gib={self.gpu_memory_gib} must be >= 0 (0 = use the share)")
-        if not 0 < self.gpu_memory_utilization <= 1:
+
+    @classmethod
+    def of(cls, config: RolloutConfig) -> Self:
+        """``config`` as this class: itself when it already is one; a plain :class:`RolloutConfig` keeps every
+        shared field but ``name`` and takes this class's defaults for the rest; another rollout's config is a
+        ValueError (its own knobs would be lost)."""
+        if isinstance(config, cls):
+            return config
+        if type(config) is not RolloutConfig:
             raise ValueError(
-                f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+                f"a {type(config).__name__} (rollout.name={config.name!r}) cannot configure a {cls.__name__}: "
+                f"build a {cls.__name__}, or a plain RolloutConfig with the shared fields only"
             )
+        shared = {f.name: getattr(config, f.name) for f in fields(RolloutConfig) if f.name != "name"}
+        return cls(**shared)
 
     def sampling(self, validate: bool = False) -> SamplingConfig:
         """Sampling for a training rollout (this config's :class:`SamplingKnobs`), or for validation
@@ -165,7 +161,12 @@ class SyncReport:
 
 
 class BaseRollout(ABC):
-    """A generation engine that can take new weights."""
+    """A generation engine that can take new weights.
+
+    Trainers build a registered rollout as ``cls(config, model_path, device=..., deterministic=...)``: ``config``
+    is the rollout's own config class (registered under the same name in ``posttrain.rollout_configs``) and
+    ``deterministic`` is ``actor.engine.full_determinism``, for the rollout to turn on whatever makes its
+    generation repeatable."""
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:

@@ -22,13 +22,15 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from posttrain.ckpt import retain, step_dirs
+from posttrain.ckpt.layout import ROLE_MANIFEST, parse_step
 
 from . import async_save, build, fsdp_dtensor, lora, portable
 
@@ -155,18 +157,30 @@ def _write_hf(engine: Any, hf_dir: Path, with_weights: bool) -> None:
         engine.bridge.save_hf_weights(engine.chunks, hf_dir, show_progress=False, **kwargs)
 
 
-def _prune(local_path: Path, max_keep: int | None) -> None:
-    """Keep the newest ``max_keep`` ``global_step_<N>`` siblings of this role directory's step directory."""
-    step_dir = local_path.parent
-    if max_keep is None or not re.fullmatch(r"global_step_\d+", step_dir.name) or _rank() != 0:
+def _finished(role_dir: Path) -> bool:
+    """A role directory whose save got to its last file: ``transformer_config.json`` (native layout, written after
+    the dist_ckpt files) or ``manifest.json`` (portable layout, written last)."""
+    return (role_dir / "transformer_config.json").is_file() or (role_dir / ROLE_MANIFEST).is_file()
+
+
+def _retain(role_dir: Path, keep: int | None, writer: Any = None) -> None:
+    """Keep the newest ``keep`` finished saves of this role among the ``global_step_<N>`` siblings of its step
+    directory (:func:`posttrain.ckpt.retain`), once this save is written: behind it on ``writer`` for an async
+    save. A save into a step manager's staging directory (not named ``global_step_<N>``) leaves retention to the
+    manager."""
+    step_dir = role_dir.parent
+    current = parse_step(step_dir.name)
+    if keep is None or current is None or _rank() != 0:
         return
-    steps = sorted(
-        (int(p.name.rsplit("_", 1)[1]), p)
-        for p in step_dir.parent.glob("global_step_*")
-        if re.fullmatch(r"global_step_\d+", p.name)
-    )
-    for _, old in steps[:-max_keep]:
-        shutil.rmtree(old, ignore_errors=True)
+
+    def job() -> None:
+        finished = {s: d for s, d in step_dirs(step_dir.parent).items() if _finished(d / role_dir.name)}
+        retain(step_dir.parent, keep, current, {**finished, current: step_dir})
+
+    if writer is not None:
+        writer.submit(job)
+    else:
+        job()
 
 
 def _fresh_dir(path: Path) -> None:
@@ -212,12 +226,15 @@ def save(
 
     With ``checkpoint.async_save`` pass the step manager's ``writer`` (:class:`posttrain.ckpt.AsyncWriter`): the
     call returns after the planning and the host snapshot, and the dist_ckpt files are written on its thread.
+    ``max_ckpt_to_keep`` (else ``checkpoint.max_ckpt_to_keep``) prunes older ``global_step_<N>`` siblings once
+    this save is written, when ``local_path`` is ``<root>/global_step_<N>/<role>`` (:func:`_retain`).
     """
+    keep = max_ckpt_to_keep if max_ckpt_to_keep is not None else engine.checkpoint_config.max_ckpt_to_keep
     if engine.checkpoint_config.portable:  # HF-keyed, the FSDP engine's layout (portable.py)
         _check_async(engine, writer)
         background = writer if engine.checkpoint_config.async_save else None
         engine._pending_save = portable.save(engine, local_path, global_step, background)
-        return _prune(Path(local_path), max_ckpt_to_keep or engine.checkpoint_config.max_ckpt_to_keep)
+        return _retain(Path(local_path), keep, background)
     from megatron.core import dist_checkpointing
 
     contents = engine.checkpoint_config.save_contents
@@ -235,9 +252,7 @@ def save(
         dist_checkpointing.save(sharded, str(ckpt_dir), content_metadata={"global_step": global_step})
     _write_side_files(engine, root, contents)
     _barrier()
-    _prune(
-        root, max_ckpt_to_keep if max_ckpt_to_keep is not None else engine.checkpoint_config.max_ckpt_to_keep
-    )
+    _retain(root, keep, writer if engine.checkpoint_config.async_save else None)
 
 
 def _load_state(engine: Any, ckpt_dir: Path, contents: list[str]) -> dict[str, Any]:

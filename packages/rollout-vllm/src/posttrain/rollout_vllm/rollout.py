@@ -1,6 +1,6 @@
 """VLLMRollout: generation on vLLM and the trainer -> vLLM weight sync.
 
-Executors (``VLLMOptions.executor``):
+Executors (``rollout.executor``, :class:`~posttrain.rollout_vllm.config.VLLMRolloutConfig`):
 
 - ``external_launcher``: colocated SPMD under torchrun. Every trainer rank builds its own ``LLM`` whose worker runs
   in the rank's process; vLLM's tensor-parallel size is ``rollout.tensor_model_parallel_size`` and its data-parallel
@@ -33,7 +33,6 @@ import json
 import os
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,35 +43,12 @@ from posttrain.core.dtypes import dtype_name as core_dtype_name
 from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
 from posttrain.core.weight_sync import BucketSender, WeightSyncError
 
-from .engines import EXECUTORS, AsyncFront, LLMFront
+from .config import VLLMRolloutConfig
+from .engines import AsyncFront, LLMFront, enable_batch_invariance
 from .extension import jsonable
-from .transport import TRANSPORTS, RpcBucketTransport
+from .transport import RpcBucketTransport
 
 EXTENSION = "posttrain.rollout_vllm.extension.WeightSyncWorkerExtension"
-
-
-@dataclass(kw_only=True)
-class VLLMOptions:
-    """vLLM-specific choices beyond :class:`~posttrain.core.rollout.RolloutConfig`."""
-
-    executor: str = "auto"
-    """auto, external_launcher, inprocess, multiprocess or server (see the module docstring)."""
-    transport: str = "auto"
-    """Weight-sync transport: auto, inprocess, shm or cuda_ipc."""
-    lora_name: str = "posttrain"
-    """Name of the LoRA adapter synced from the trainer."""
-    lora_int_id: int = 1
-    """vLLM id of that adapter."""
-
-    def __post_init__(self) -> None:
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"vllm executor {self.executor!r} is unknown: use one of {', '.join(EXECUTORS)}")
-        if self.transport not in ("auto", *TRANSPORTS):
-            raise ValueError(
-                f"vllm transport {self.transport!r} is unknown: use auto, {', '.join(TRANSPORTS)}"
-            )
-        if self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id={self.lora_int_id} must be >= 1")
 
 
 def _distributed() -> bool:
@@ -133,16 +109,20 @@ class VLLMRollout(BaseRollout):
         trust_remote_code: bool = False,
         *,
         lora_rank: int | None = None,
-        options: VLLMOptions | None = None,
+        deterministic: bool = False,
     ) -> None:
-        """``model`` is the HF directory or its :class:`ModelConfig`; a ``lora_rank`` > 0 (there or as keyword)
-        starts vLLM with LoRA enabled so adapters sync as adapters. ``dtype`` overrides ``config.dtype``."""
+        """``config`` is a :class:`VLLMRolloutConfig` (a plain ``RolloutConfig`` takes its vLLM defaults);
+        ``model`` is the HF directory or its :class:`ModelConfig`; a ``lora_rank`` > 0 (there or as keyword)
+        starts vLLM with LoRA enabled so adapters sync as adapters. ``dtype`` overrides ``config.dtype``.
+        ``deterministic`` (the trainer passes ``actor.engine.full_determinism``) turns on vLLM's batch-invariant
+        mode before the engine is built, on a GPU (:func:`~posttrain.rollout_vllm.engines.enable_batch_invariance`;
+        on a CPU it warns and stays off)."""
         if not isinstance(model, ModelConfig):
             model = ModelConfig(path=model, trust_remote_code=trust_remote_code)
         if lora_rank is not None:
             model = dataclasses.replace(model, lora_rank=lora_rank)
-        self.config, self.model_config = config, model
-        self.options = options or VLLMOptions()
+        self.config, self.model_config = VLLMRolloutConfig.of(config), model
+        config = self.config
         self.dtype = dtype_name(dtype if dtype is not None else config.dtype)
         if not model.path or not os.path.isdir(model.path):
             raise ValueError(f"model.path={model.path!r} is not a local HF model directory")
@@ -151,6 +131,8 @@ class VLLMRollout(BaseRollout):
         self.transport_kind = self._resolve_transport()
         self.sleep_enabled = self.device.type == "cuda" and config.free_cache_engine
         self.eos_ids = eos_token_ids(model.path)
+        self.batch_invariant = deterministic and enable_batch_invariance(self.device)
+        """vLLM's batch-invariant mode is on for this engine (``VLLM_BATCH_INVARIANT=1``; never on a CPU)."""
         kwargs = self.engine_kwargs()
         self.started_with = kwargs
         """The engine arguments vLLM was started with (``gpu_memory_utilization`` as computed at start)."""
@@ -175,29 +157,29 @@ class VLLMRollout(BaseRollout):
 
     # ------------------------------------------------------------------ construction
     def _resolve_executor(self) -> str:
-        executor, mode = self.options.executor, self.config.mode
+        executor, mode = self.config.executor, self.config.mode
         if executor == "auto":
             executor = "server" if mode == "async" else "external_launcher" if _distributed() else "inprocess"
         if (executor == "server") != (mode == "async"):
             raise ValueError(
-                f"rollout.mode={mode!r} with vllm executor {executor!r}: async mode runs the server "
+                f"rollout.mode={mode!r} with rollout.executor={executor!r}: async mode runs the server "
                 "executor and sync mode any other"
             )
         if executor == "external_launcher" and not _distributed():
             raise ValueError(
                 "the external_launcher executor runs under torchrun with torch.distributed "
-                "initialised: launch with torchrun or use executor=inprocess"
+                "initialised: launch with torchrun or use rollout.executor=inprocess"
             )
         return executor
 
     def _resolve_transport(self) -> str:
         local = self.executor in ("inprocess", "external_launcher")
-        kind = self.options.transport
+        kind = self.config.transport
         if kind == "auto":
             kind = "inprocess" if local else "cuda_ipc" if self.device.type == "cuda" else "shm"
         if kind == "inprocess" and not local:
             raise ValueError(
-                f"transport=inprocess needs the vLLM worker in this process, but executor="
+                f"rollout.transport=inprocess needs the vLLM worker in this process, but rollout.executor="
                 f"{self.executor!r} runs it in another: use shm (CPU) or cuda_ipc (GPU)"
             )
         return kind
@@ -227,7 +209,7 @@ class VLLMRollout(BaseRollout):
             dtype=self.dtype,
             tensor_parallel_size=cfg.tensor_model_parallel_size,
             gpu_memory_utilization=self.memory_share(),
-            enforce_eager=cfg.enforce_eager,
+            enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.device.type != "cuda",
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len or cfg.prompt_length + cfg.response_length,
@@ -264,7 +246,12 @@ class VLLMRollout(BaseRollout):
         from vllm.sampling_params import RequestOutputKind
 
         # FINAL_ONLY: one output per request holding all n samples (the async engine otherwise streams them).
+        # The trainer reads token ids and the sampled tokens' log-probs only: no detokenizing (vLLM would decode
+        # every token of every sample on the host), and the log-probs as one flat list per sample instead of a
+        # {token: Logprob} dict per token.
         return SamplingParams(
+            detokenize=False,
+            flat_logprobs=True,
             output_kind=RequestOutputKind.FINAL_ONLY,
             n=sampling.n,
             temperature=sampling.temperature,
@@ -308,7 +295,7 @@ class VLLMRollout(BaseRollout):
         prompt = list(out.prompt_token_ids)
         for comp in sorted(out.outputs, key=lambda c: c.index):
             ids = list(comp.token_ids)
-            lps = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(ids)], dtype=torch.float32)
+            lps = torch.tensor(_sampled_logprobs(comp.logprobs, ids), dtype=torch.float32)
             routed = getattr(comp, "routed_experts", None)
             samples.append(
                 RolloutSample(
@@ -366,7 +353,7 @@ class VLLMRollout(BaseRollout):
         sender = BucketSender(
             transport, transport.buffer.numel(), dtype=DTYPES[self.dtype], buffer=transport.buffer
         )
-        lora = (self.options.lora_name, self.options.lora_int_id) if kind == "lora" else None
+        lora = (self.config.lora_name, self.config.lora_int_id) if kind == "lora" else None
         try:
             self.engine.collective_rpc("ws_begin", kind, jsonable(peft_config), lora)
             report = sender.send(weights)
@@ -448,3 +435,13 @@ class VLLMRollout(BaseRollout):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def _sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
+    """The sampled tokens' log-probs from vLLM's per-sample record: with ``flat_logprobs`` and ``logprobs=0``
+    each position holds exactly the sampled token, so the flat list is the answer; otherwise (a dict per
+    position) each position's entry for its token."""
+    flat = getattr(logprobs, "logprobs", None)
+    if isinstance(flat, list) and len(flat) == len(ids) and list(logprobs.token_ids) == ids:
+        return flat
+    return [logprobs[i][t].logprob for i, t in enumerate(ids)]

@@ -233,10 +233,17 @@ def build_rollout(cfg: Any, device: Any) -> Any:
     rollout worker process this rank starts (``process``, :mod:`.remote`)."""
     from .remote import RemoteRollout, new_rollout
 
+    deterministic = cfg.actor.engine.full_determinism  # vLLM: batch-invariant mode
     if cfg.trainer.rollout_placement == "process":
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        return RemoteRollout(cfg.rollout, cfg.model.path, threads=cfg.trainer.rollout_threads, rank=rank)
-    return new_rollout(cfg.rollout, cfg.model.path, device)
+        return RemoteRollout(
+            cfg.rollout,
+            cfg.model.path,
+            threads=cfg.trainer.rollout_threads,
+            rank=rank,
+            deterministic=deterministic,
+        )
+    return new_rollout(cfg.rollout, cfg.model.path, device, deterministic)
 
 
 def check_mode_supported(cfg: Any, estimator: Any) -> None:

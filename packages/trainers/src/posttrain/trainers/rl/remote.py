@@ -42,9 +42,13 @@ class RolloutWorkerError(RuntimeError):
     """The rollout worker process died, did not answer in time, or failed a call (its traceback included)."""
 
 
-def new_rollout(config: RolloutConfig, model_path: str, device: Any) -> BaseRollout:
-    """The rollout ``rollout.name`` names, built through the registry (colocated and in the worker alike)."""
-    return RolloutRegistry.from_entry_points().get_rollout_cls(config.name)(config, model_path, device=device)
+def new_rollout(
+    config: RolloutConfig, model_path: str, device: Any, deterministic: bool = False
+) -> BaseRollout:
+    """The rollout ``rollout.name`` names, built through the registry (colocated and in the worker alike);
+    ``deterministic``: the trainer's ``actor.engine.full_determinism``."""
+    cls = RolloutRegistry.from_entry_points().get_rollout_cls(config.name)
+    return cls(config, model_path, device=device, deterministic=deterministic)
 
 
 # ---------------------------------------------------------------------- the worker process
@@ -96,14 +100,20 @@ def _error(exc: BaseException) -> tuple:
 
 
 def worker_main(
-    conn, config: RolloutConfig, model_path: str, port: int, threads: int, timeout_s: float
+    conn,
+    config: RolloutConfig,
+    model_path: str,
+    port: int,
+    threads: int,
+    timeout_s: float,
+    deterministic: bool,
 ) -> None:
     """The worker process: build the rollout, report ready, join the gloo pair, then serve calls until
     ``close`` (or the trainer's end of the pipe closes)."""
     if threads > 0:
         torch.set_num_threads(threads)
     try:
-        rollout = new_rollout(config, model_path, device="cpu")
+        rollout = new_rollout(config, model_path, device="cpu", deterministic=deterministic)
     except Exception as exc:  # reported to the trainer, which raises it
         conn.send_bytes(pickle.dumps(_error(exc)))
         return
@@ -141,17 +151,19 @@ class RemoteRollout(BaseRollout):
         rank: int = 0,
         timeout_s: float = 600.0,
         bucket_bytes: int | None = None,
+        deterministic: bool = False,
     ) -> None:
         """Start the worker and wait until its rollout is built and the gloo pair joined. ``threads``: the
         worker's torch intra-op threads (0: torch's default); ``rank`` names it; ``bucket_bytes``: the push's
-        bucket size (default ``rollout.update_weights_bucket_megabytes``)."""
+        bucket size (default ``rollout.update_weights_bucket_megabytes``); ``deterministic``: passed to the
+        rollout's constructor."""
         ctx = mp.get_context("spawn")
         self.config, self.timeout_s, self.lock = config, timeout_s, threading.Lock()
         self.store = pair_store(0, timeout_s=timeout_s)
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=worker_main,
-            args=(child, config, model_path, self.store.port, threads, timeout_s),
+            args=(child, config, model_path, self.store.port, threads, timeout_s, deterministic),
             name=f"posttrain-rollout-worker-{rank}",
             daemon=True,
         )

@@ -1,0 +1,79 @@
+"""The vLLM rollout's config: the fields every rollout shares plus vLLM's own engine and weight-sync knobs.
+
+Registered as ``vllm`` in the ``posttrain.rollout_configs`` entry-point group, so ``rollout.name=vllm`` on the
+command line makes every field here a ``rollout.<field>`` key (``rollout.executor=multiprocess``). Importing this
+module imports no vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.core.rollout import RolloutConfig
+
+from .engines import EXECUTORS
+from .transport import TRANSPORTS
+
+
+@dataclass(kw_only=True)
+class VLLMRolloutConfig(RolloutConfig):
+    """:class:`~posttrain.core.rollout.RolloutConfig` and what only vLLM reads."""
+
+    name: str = "vllm"
+    """The rollout backend (``vllm``)."""
+    executor: str = "auto"
+    """Where vLLM's workers run: ``auto``, ``external_launcher``, ``inprocess``, ``multiprocess`` or ``server``
+    (:mod:`posttrain.rollout_vllm.rollout`); ``auto`` picks ``server`` for ``mode=async``, ``external_launcher``
+    under an initialised torch.distributed and ``inprocess`` otherwise."""
+    transport: str = "auto"
+    """Weight-sync transport: ``auto``, ``inprocess``, ``shm`` or ``cuda_ipc``; ``auto`` passes tensors by reference
+    when the worker is in this process, else shared memory (CPU) or CUDA IPC (GPU)."""
+    tensor_model_parallel_size: int = 1
+    """vLLM's tensor-parallel degree, independent of training; under torchrun vLLM's data-parallel size is the
+    world size over it."""
+    gpu_memory_utilization: float = 0.5
+    """Share of the GPU memory that is free when the rollout starts (after the trainer's engines are built) that
+    vLLM may take for weights, activations and KV cache. verl counts a share of the whole GPU; here a colocated
+    trainer's memory is left out, so 0.5 means half of what the trainer left."""
+    gpu_memory_gib: float = 0.0
+    """An explicit vLLM memory budget in GiB (weights + KV cache); 0 = use ``gpu_memory_utilization``."""
+    enforce_eager: bool | None = None
+    """Disable CUDA graphs in vLLM. None: graphs on a CUDA device (the decode of a small model is bound by kernel
+    launches without them), eager elsewhere (vLLM's CPU backend would compile for minutes first)."""
+    max_num_batched_tokens: int = 8192
+    """vLLM scheduler token budget."""
+    max_num_seqs: int = 1024
+    """vLLM scheduler sequence budget."""
+    enable_prefix_caching: bool = True
+    """vLLM prefix cache (reset after every weight sync)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for vLLM's ``LLM`` / ``AsyncEngineArgs`` (e.g. ``block_size``); they win over the
+    arguments built from the fields above."""
+    lora_name: str = "posttrain"
+    """Name of the LoRA adapter synced from the trainer (vLLM started with LoRA: ``model.lora_rank`` > 0)."""
+    lora_int_id: int = 1
+    """vLLM id of that adapter."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.executor not in EXECUTORS:
+            raise ValueError(
+                f"rollout.executor={self.executor!r} is unknown: use one of {', '.join(EXECUTORS)}"
+            )
+        if self.transport not in ("auto", *TRANSPORTS):
+            raise ValueError(
+                f"rollout.transport={self.transport!r} is unknown: use auto, {', '.join(TRANSPORTS)}"
+            )
+        if self.tensor_model_parallel_size < 1:
+            raise ValueError(
+                f"rollout.tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1"
+            )
+        if self.gpu_memory_gib < 0:
+            raise ValueError(f"rollout.gpu_memory_gib={self.gpu_memory_gib} must be >= 0 (0 = use the share)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        if self.lora_int_id < 1:
+            raise ValueError(f"rollout.lora_int_id={self.lora_int_id} must be >= 1")
