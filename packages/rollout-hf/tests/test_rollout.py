@@ -67,7 +67,9 @@ def test_registry_finds_hf_rollout_and_its_config():
 def test_async_mode_is_refused_with_the_fix():
     from posttrain.rollout_hf.config import HFRolloutConfig
 
-    with pytest.raises(ValueError, match=r"rollout.mode='async': the hf rollout has no server .* trainer.mode="):
+    with pytest.raises(
+        ValueError, match=r"rollout.mode='async': the hf rollout has no server .* trainer.mode="
+    ):
         HFRolloutConfig(mode="async")
 
 

@@ -54,7 +54,9 @@ def test_colocated_budget_sleep_levels_and_sync(model_dir):
     )
     rollout = VLLMRollout(config, ModelConfig(path=model_dir))
     try:
-        assert rollout.started_with["enforce_eager"] is False, "rollout.enforce_eager=None: CUDA graphs on a GPU"
+        assert rollout.started_with["enforce_eager"] is False, (
+            "rollout.enforce_eager=None: CUDA graphs on a GPU"
+        )
         share = rollout.started_with["gpu_memory_utilization"]
         assert abs(share - 0.4 * free / total) < 0.02, (share, free / total)
         taken = (free - torch.cuda.mem_get_info()[0]) / GIB
