@@ -20,6 +20,12 @@ update_actor, update_weights) in seconds and as a share of the step; peak memory
 allocator's and the device's used memory from NVML, which also sees vLLM's pool; the highest rank's). One JSON line per run on stdout (and in
 ``--json``), then a table.
 
+``--modes sync,one_step_off`` measures ``trainer.mode`` in the same launch: in one_step_off step k+1's batch is
+generated while step k trains (``wait_rollout`` is the trainer waiting for it); the vLLM rollout then runs its
+engine core in its own process on the same GPU (``rollout.executor=multiprocess``) with its own memory budget
+(``rollout.gpu_memory_utilization`` of what the trainer left free), so generation and training share the GPU
+at the same time.
+
 ``--work issue`` is issue 15's baseline work (0.5B shape with a 448-token vocabulary, 32 prompts x 8 responses
 x up to 256 tokens, ``--config grpo_tiny``, max_token_len_per_gpu 16384), so the speed-up over it can be
 measured in the same launch as ``--work bench`` (256-token prompts, up to 1,024-token responses).
@@ -45,7 +51,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
+PHASES = ("gen", "wait_rollout", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
+MODES = ("sync", "one_step_off")
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rollouts", default=None, help="comma list of hf, vllm (default hf,vllm; hf with --tiny)"
     )
     p.add_argument("--launchers", default="process,torchrun", help="comma list of process, torchrun")
+    p.add_argument(
+        "--modes",
+        default="sync",
+        help="comma list of trainer.mode: sync, one_step_off (vLLM then runs its engine in its own process "
+        "on the same GPU, rollout.executor=multiprocess, and generates while the trainer trains)",
+    )
     p.add_argument("--gpus", type=int, default=1, help="torchrun processes (the process launch uses one)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--steps", type=int, default=2, help="timed steps")
@@ -174,7 +187,14 @@ def prepare_data(workdir: Path, model_dir: Path, work: Work, rows: int) -> Path:
 
 # ---------------------------------------------------------------------------------------------- one run
 def overrides(
-    work: Work, args: argparse.Namespace, model: Path, data: Path, rollout: str, world: int, run_dir: Path
+    work: Work,
+    args: argparse.Namespace,
+    model: Path,
+    data: Path,
+    rollout: str,
+    world: int,
+    run_dir: Path,
+    mode: str = "sync",
 ):
     """The ``key=value`` list of one run."""
     dtype = "bfloat16" if work.bf16 else "float32"
@@ -201,6 +221,11 @@ def overrides(
         out += [f"{role}.engine.dtype={dtype}", f"{role}.engine.max_token_len_per_gpu={work.tokens_per_gpu}"]
     if rollout == "vllm":
         out += ["rollout.enforce_eager=false"]  # CUDA graphs for decoding
+    if mode != "sync":
+        # one batch past the timed steps, so the last timed step also trains while the next batch generates
+        out += [f"trainer.mode={mode}", f"trainer.total_training_steps={args.warmup + args.steps + 1}"]
+        if rollout == "vllm":  # vLLM's engine core in its own process: it generates while this one trains
+            out += ["rollout.executor=multiprocess"]
     if work.preset is None:  # the bench work: verl's GSM8K GRPO recipe, one optimizer step per step
         out += [
             f"actor.ppo_mini_batch_size={prompts}",
@@ -368,11 +393,11 @@ def phase_order(name: str) -> tuple[int, str]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The runs as a fixed-width table."""
-    head = ["work", "shape", "rollout", "launch", "gpus", "step s", "tok/s/GPU"]
+    head = ["work", "shape", "rollout", "launch", "mode", "gpus", "step s", "tok/s/GPU"]
     head += [f"{p} s (%)" for p in PHASES] + ["resp", "clip", "peak GiB"]
     lines = [" | ".join(head)]
     for r in rows:
-        cells = [r["work"], r["shape"], r["rollout"], r["launcher"], str(r["gpus"])]
+        cells = [r["work"], r["shape"], r["rollout"], r["launcher"], r.get("mode", "sync"), str(r["gpus"])]
         if "error" in r:
             lines.append(" | ".join(cells + ["failed: " + r["error"].splitlines()[0]]))
             continue
@@ -428,43 +453,46 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or "/tmp/rl_bench")
     launchers = csv(args.launchers, "process,torchrun")
     rollouts = csv(args.rollouts, "hf" if args.tiny else "hf,vllm")
+    modes = csv(args.modes, "sync")
     bad = [x for x in launchers if x not in ("process", "torchrun")] + [
         x for x in rollouts if x not in ("hf", "vllm")
     ]
+    bad += [x for x in modes if x not in MODES]
     if bad:
         raise ValueError(
-            f"unknown launcher/rollout {bad}: launchers are process, torchrun; rollouts hf, vllm"
+            f"unknown launcher/rollout/mode {bad}: launchers are process, torchrun; rollouts hf, vllm; "
+            f"modes {', '.join(MODES)}"
         )
     rows, sha = [], commit()
     for name, work in plan(args):
         model = prepare_model(workdir, work.shape, work.vocab)
-        data = prepare_data(workdir, model, work, work.prompts * args.gpus * (args.warmup + args.steps))
-        for rollout in rollouts:
-            for launcher in launchers:
-                world = args.gpus if launcher == "torchrun" else 1
-                label = {
-                    "work": name,
-                    "shape": work.shape,
-                    "rollout": rollout,
-                    "launcher": launcher,
-                    "gpus": world,
-                }
-                run_dir = workdir / "runs" / "-".join(str(v) for v in label.values())
-                run_dir.mkdir(parents=True, exist_ok=True)
-                spec = {
-                    "overrides": overrides(work, args, model, data, rollout, world, run_dir),
-                    "presets": [work.preset] if work.preset else [],
-                    "warmup": args.warmup,
-                    "steps": args.steps,
-                }
-                print(f"[rl-bench] {label} ...", file=sys.stderr, flush=True)
-                got = launch(spec, launcher, world, run_dir, args.timeout)
-                row = {"bench": "rl_throughput", "commit": sha, **label, **asdict(work)}
-                row.update({"warmup": args.warmup, "steps": args.steps, "prompts": work.prompts * world})
-                row.update(summarize(got, world) if isinstance(got, list) else {"error": got})
-                row["overrides"] = spec["overrides"]
-                rows.append(row)
-                emit(row, args.json)
+        data = prepare_data(workdir, model, work, work.prompts * args.gpus * (args.warmup + args.steps + 1))
+        for rollout, launcher, mode in [(r, la, m) for r in rollouts for la in launchers for m in modes]:
+            world = args.gpus if launcher == "torchrun" else 1
+            label = {
+                "work": name,
+                "shape": work.shape,
+                "rollout": rollout,
+                "launcher": launcher,
+                "mode": mode,
+                "gpus": world,
+            }
+            run_dir = workdir / "runs" / "-".join(str(v) for v in label.values())
+            run_dir.mkdir(parents=True, exist_ok=True)
+            spec = {
+                "overrides": overrides(work, args, model, data, rollout, world, run_dir, mode),
+                "presets": [work.preset] if work.preset else [],
+                "warmup": args.warmup,
+                "steps": args.steps,
+            }
+            print(f"[rl-bench] {label} ...", file=sys.stderr, flush=True)
+            got = launch(spec, launcher, world, run_dir, args.timeout)
+            row = {"bench": "rl_throughput", "commit": sha, **label, **asdict(work)}
+            row.update({"warmup": args.warmup, "steps": args.steps, "prompts": work.prompts * world})
+            row.update(summarize(got, world) if isinstance(got, list) else {"error": got})
+            row["overrides"] = spec["overrides"]
+            rows.append(row)
+            emit(row, args.json)
     print("\n" + table(rows))
     return 0 if all("error" not in r for r in rows) else 1
 

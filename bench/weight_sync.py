@@ -93,7 +93,7 @@ def receiver_main(conn: Any, model_dir: str, device: str, dtype: torch.dtype) ->
             times.update(transfer=0.0, verify=0.0, load=0.0)
             continue
         bucket = opener.open(payload)
-        used = max((m.offset + m.nbytes for m in bucket.metas), default=0)
+        used = max(((m.offset + m.nbytes + 3) // 4 * 4 for m in bucket.metas), default=0)
         start = time.perf_counter()
         if local.numel() < used:
             local = torch.empty(bucket.buffer.numel(), dtype=torch.uint8, device=dev)

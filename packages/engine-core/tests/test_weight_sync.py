@@ -9,6 +9,7 @@ from posttrain.core.weight_sync import (
     BucketSender,
     InProcessTransport,
     WeightSyncError,
+    bucket_checksums,
     tensor_checksum,
 )
 
@@ -76,3 +77,51 @@ def test_checksum_sees_swaps_and_bit_flips():
     assert tensor_checksum(torch.ones(3, dtype=torch.bfloat16)) != tensor_checksum(
         torch.ones(2, dtype=torch.bfloat16)
     )
+
+
+@pytest.mark.parametrize("chunk_words", [3, 64, 1 << 24])
+def test_bucket_checksums_equal_the_per_tensor_checksums(chunk_words):
+    """One pass over a bucket gives each span the checksum of its bytes alone: odd and empty sizes, garbage in
+    the alignment gaps, spans across scan-chunk boundaries."""
+    g = torch.Generator().manual_seed(1)
+    buffer = torch.randint(0, 256, (1 << 14,), dtype=torch.uint8, generator=g)
+    spans, tensors, offset = [], [], 0
+    for i, n in enumerate([0, 1, 2, 3, 5, 7, 64, 1000, 4097, 6, 0, 33]):
+        t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        buffer[offset : offset + n] = t
+        end = (offset + n + 3) // 4 * 4
+        buffer[offset + n : end] = 0  # the sender's contract: zero bytes to the next word
+        spans.append((offset, n))
+        tensors.append(t)
+        offset = end + (0, 4, 256)[i % 3]
+    assert bucket_checksums(buffer, spans, chunk_words) == [tensor_checksum(t) for t in tensors]
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        bucket_checksums(buffer, [(2, 4)])
+    with pytest.raises(WeightSyncError, match="partial transfer"):
+        bucket_checksums(buffer[:100], [(96, 8)])
+
+
+def test_sender_zeroes_the_word_tail_and_casts_in_the_copy():
+    """A bucket that held other bytes before: each tensor's checksum in the metadata is the checksum of the
+    tensor alone, cast to the rollout dtype (odd bf16 sizes, 1-byte dtypes, a non-contiguous source)."""
+    g = torch.Generator().manual_seed(2)
+    weights = [
+        ("odd", torch.randn(3, 5, generator=g)),
+        ("t", torch.randn(6, 7, generator=g).t()),
+        ("mask", torch.tensor([True, False, True])),
+        ("b", torch.randint(0, 255, (5,), dtype=torch.uint8, generator=g)),
+        ("last", torch.randn(1, generator=g)),
+    ]
+    buffer = torch.full((4096,), 0xFF, dtype=torch.uint8)
+    sent, got = [], []
+    receiver = BucketReceiver(lambda ts: got.extend((n, t.clone()) for n, t in ts))
+
+    def record(bucket: Bucket):
+        sent.extend(bucket.metas)
+        receiver(bucket)
+
+    BucketSender(InProcessTransport(record), 4096, dtype=torch.bfloat16, buffer=buffer).send(weights)
+    for (name, ref), meta, (_, out) in zip(weights, sent, got):
+        want = ref.to(torch.bfloat16) if ref.is_floating_point() else ref
+        assert meta.checksum == tensor_checksum(want.contiguous()), name
+        assert out.dtype == want.dtype and torch.equal(out, want), name

@@ -59,7 +59,7 @@ class GlooBucketTransport:
                 f"GlooBucketTransport sends CPU buffers, got one on {bucket.buffer.device}: build the "
                 "BucketSender with device='cpu'"
             )
-        used = max((m.offset + m.nbytes for m in bucket.metas), default=0)
+        used = max(((m.offset + m.nbytes + 3) // 4 * 4 for m in bucket.metas), default=0)
         header = pickle.dumps((bucket.index, bucket.is_last, bucket.metas, bucket.extra))
         self._send(torch.tensor([len(header), used], dtype=torch.int64), _TAG_SIZES)
         self._send(torch.frombuffer(bytearray(header), dtype=torch.uint8), _TAG_HEADER)

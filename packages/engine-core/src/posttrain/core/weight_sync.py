@@ -4,8 +4,14 @@ The sender casts each (name, tensor) to the rollout dtype and packs it into a fl
 When the next tensor does not fit, the bucket goes out with its metadata (name, shape, dtype, offset, nbytes and
 a checksum of the tensor's bytes); the receiver rebuilds views of the bucket and verifies every checksum before
 handing tensors on. A transport only moves ``(buffer, metadata)``: in-process here, CUDA IPC or shared memory in
-the rollout packages. The checksum is a position-weighted sum of the bytes read as int32 words, computed in
-chunks on the tensor's own device, so a swapped, stale or truncated tensor fails loudly.
+the rollout packages. The checksum is a position-weighted sum of the bytes read as int32 words, so a swapped,
+stale or truncated tensor fails loudly.
+
+Both sides compute a bucket's checksums in one pass over the bucket (:func:`bucket_checksums`: two running sums
+over the whole buffer, read at every tensor's first and last word), not one reduction per tensor: a 1.5B model
+is 338 tensors, and per-tensor reductions cost thousands of kernel launches a sync. The sender packs each tensor
+with one copy that also casts it (no temporary in the rollout dtype) and zeroes the bytes from its end to the
+next 4-byte boundary, so a tensor's words inside the bucket are the ones :func:`tensor_checksum` reads.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 from .rollout import SyncReport
 
 _CHUNK_WORDS = 1 << 26
+_SCAN_WORDS = 1 << 24
 _MOD = (1 << 61) - 1
 _U64 = 1 << 64
 _POSITIONS: dict[torch.device, torch.Tensor] = {}
@@ -72,6 +79,65 @@ def tensor_checksums(tensors: list[torch.Tensor]) -> list[int]:
     return [_combine(a, b) for a, b in sums.tolist()]
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without waiting for the device's queued work (pinned, non-blocking)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _word_end(offset: int, nbytes: int) -> int:
+    return (offset + nbytes + 3) // 4
+
+
+def bucket_checksums(
+    buffer: torch.Tensor, spans: list[tuple[int, int]], chunk_words: int = _SCAN_WORDS
+) -> list[int]:
+    """The :func:`tensor_checksum` of each ``(offset, nbytes)`` span of the flat uint8 ``buffer``, in one pass
+    over the buffer with one host sync. Offsets must be multiples of 4 and the bytes from a span's end to the next
+    multiple of 4 zero (the sender writes them so): then a span's words are the zero-padded words the per-tensor
+    checksum reads. With ``S1(x)``, ``S2(x)`` the sums of the first ``x`` words ``w_j`` and of ``w_j * (j + 1)``,
+    a span of words ``[a, b)`` has plain sum ``S1(b) - S1(a)`` and position-weighted sum
+    ``S2(b) - S2(a) - a * plain`` (all modulo 2**64, as int64 arithmetic wraps); the running sums are computed
+    ``chunk_words`` words at a time (bounding the int64 temporaries) and read only at the spans' ends."""
+    if not spans:
+        return []
+    if any(off % 4 for off, _ in spans):
+        raise ValueError(f"bucket_checksums needs 4-byte aligned offsets, got {[o for o, _ in spans if o % 4]}")
+    starts = [off // 4 for off, _ in spans]
+    ends = [_word_end(off, n) for off, n in spans]
+    total = max(ends)
+    if total * 4 > buffer.numel():
+        raise WeightSyncError(
+            f"bucket of {buffer.numel()} bytes is shorter than its tensors' {total * 4} bytes (partial transfer)"
+        )
+    words = buffer[: total * 4].view(torch.int32)
+    points = sorted({p for p in starts + ends if p > 0})
+    where = {p: i + 1 for i, p in enumerate(points)}  # row 0 of the table: the sums before word 0
+    chunks = [(begin, min(begin + chunk_words, total)) for begin in range(0, total, chunk_words)]
+    # per chunk: the positions (in the chunk) of the span ends it holds, then its own last position
+    inside = [[p - 1 - begin for p in points if begin < p <= stop] + [stop - 1 - begin] for begin, stop in chunks]
+    host = [i for rows in inside for i in rows] + [where.get(a, 0) for a in starts] + [where.get(b, 0) for b in ends]
+    index = _to_device(torch.tensor(host + starts, dtype=torch.int64), buffer.device)
+    carry = torch.zeros(1, 2, dtype=torch.int64, device=buffer.device)
+    rows, used = [carry], 0
+    for (begin, stop), picks in zip(chunks, inside):
+        chunk = words[begin:stop].to(torch.int64)
+        plain = torch.cumsum(chunk, 0)
+        weighted = torch.cumsum(chunk.mul_(_positions(stop - begin, chunk.device)), 0)
+        del chunk
+        at = index[used : used + len(picks)]
+        p, w = plain[at], weighted[at]
+        sums = torch.stack([p, w + begin * p], 1) + carry  # the running sums at the picks and the chunk's end
+        rows.append(sums[:-1])
+        carry, used = sums[-1:], used + len(picks)
+    table, n = torch.cat(rows), len(spans)
+    first, last = table[index[used : used + n]], table[index[used + n : used + 2 * n]]
+    plain, weighted = (last - first).unbind(1)
+    weighted = weighted - index[used + 2 * n :] * plain
+    return [_combine(a, b) for a, b in torch.stack([plain, weighted], 1).tolist()]
+
+
 def tensor_checksum(t: torch.Tensor) -> int:
     """Checksum of one tensor's raw bytes: a position-weighted sum of its bytes read as int32 words."""
     return tensor_checksums([t])[0]
@@ -116,11 +182,15 @@ class InProcessTransport:
         self.receive(bucket)
 
 
-def _pack(buffer: torch.Tensor, offset: int, tensor: torch.Tensor) -> int:
-    """Copy ``tensor``'s bytes into ``buffer`` at ``offset`` (from any device; no host sync into a CUDA buffer)."""
-    raw = tensor.contiguous().view(-1).view(torch.uint8)
-    buffer[offset : offset + raw.numel()].copy_(raw, non_blocking=buffer.is_cuda)
-    return raw.numel()
+def _pack(buffer: torch.Tensor, offset: int, tensor: torch.Tensor, dtype: torch.dtype) -> int:
+    """Copy ``tensor`` into ``buffer`` at ``offset`` as ``dtype`` (cast and copy in one kernel, from any device, no
+    host sync into a CUDA buffer) and zero the bytes up to the next 4-byte boundary; returns the bytes written."""
+    nbytes = tensor.numel() * dtype.itemsize
+    target = buffer[offset : offset + nbytes].view(dtype).view(tensor.shape)
+    target.copy_(tensor, non_blocking=buffer.is_cuda)
+    if nbytes % 4:
+        buffer[offset + nbytes : _word_end(offset, nbytes) * 4].zero_()
+    return nbytes
 
 
 class BucketSender:
@@ -158,9 +228,8 @@ class BucketSender:
         pending: list[tuple[str, tuple[int, ...], torch.dtype, int, int]] = []
         offset = 0
         for name, tensor in weights:
-            if self.dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(self.dtype)
-            nbytes = tensor.numel() * tensor.element_size()
+            dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
+            nbytes = tensor.numel() * dtype.itemsize
             if nbytes > self.bucket_bytes:
                 raise ValueError(
                     f"tensor {name!r} has {nbytes / 2**20:.1f} MiB, more than the weight-sync bucket "
@@ -170,8 +239,8 @@ class BucketSender:
             if offset + nbytes > self.bucket_bytes:
                 self._flush(pending, report, is_last=False)
                 pending, offset = [], 0
-            _pack(self.buffer, offset, tensor)
-            pending.append((name, tuple(tensor.shape), tensor.dtype, offset, nbytes))
+            _pack(self.buffer, offset, tensor, dtype)
+            pending.append((name, tuple(tensor.shape), dtype, offset, nbytes))
             offset += (nbytes + 255) // 256 * 256
             report.num_tensors += 1
             report.num_bytes += nbytes
@@ -180,8 +249,8 @@ class BucketSender:
         return report
 
     def _flush(self, pending: list[tuple], report: SyncReport, is_last: bool) -> None:
-        views = [self.buffer[off : off + nbytes] for _, _, _, off, nbytes in pending]
-        metas = [TensorMeta(*entry, checksum) for entry, checksum in zip(pending, tensor_checksums(views))]
+        sums = bucket_checksums(self.buffer, [(off, nbytes) for _, _, _, off, nbytes in pending])
+        metas = [TensorMeta(*entry, checksum) for entry, checksum in zip(pending, sums)]
         self.transport.send(Bucket(self.buffer, metas, report.num_buckets, is_last))
         report.num_buckets += 1
 
@@ -201,7 +270,8 @@ def unpack_bucket(
             )
         views.append(bucket.buffer[meta.offset : end])
     if verify:
-        for meta, got in zip(bucket.metas, tensor_checksums(views)):
+        sums = bucket_checksums(bucket.buffer, [(m.offset, m.nbytes) for m in bucket.metas])
+        for meta, got in zip(bucket.metas, sums):
             if got != meta.checksum:
                 raise WeightSyncError(
                     f"bucket {bucket.index}: checksum mismatch for {meta.name!r} (sent "
