@@ -188,7 +188,9 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=2048)
     parser.add_argument("--executor", default="inprocess", choices=("inprocess", "multiprocess"))
     parser.add_argument("--json", help="write the results here too")
-    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one more sync")
+    parser.add_argument(
+        "--profile", action="store_true", help="print a torch.profiler table of one more sync"
+    )
     args = parser.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     model_dir = save_model(TINY if args.tiny else QWEN25_15B)

@@ -103,7 +103,9 @@ def bucket_checksums(
     if not spans:
         return []
     if any(off % 4 for off, _ in spans):
-        raise ValueError(f"bucket_checksums needs 4-byte aligned offsets, got {[o for o, _ in spans if o % 4]}")
+        raise ValueError(
+            f"bucket_checksums needs 4-byte aligned offsets, got {[o for o, _ in spans if o % 4]}"
+        )
     starts = [off // 4 for off, _ in spans]
     ends = [_word_end(off, n) for off, n in spans]
     total = max(ends)
@@ -116,8 +118,14 @@ def bucket_checksums(
     where = {p: i + 1 for i, p in enumerate(points)}  # row 0 of the table: the sums before word 0
     chunks = [(begin, min(begin + chunk_words, total)) for begin in range(0, total, chunk_words)]
     # per chunk: the positions (in the chunk) of the span ends it holds, then its own last position
-    inside = [[p - 1 - begin for p in points if begin < p <= stop] + [stop - 1 - begin] for begin, stop in chunks]
-    host = [i for rows in inside for i in rows] + [where.get(a, 0) for a in starts] + [where.get(b, 0) for b in ends]
+    inside = [
+        [p - 1 - begin for p in points if begin < p <= stop] + [stop - 1 - begin] for begin, stop in chunks
+    ]
+    host = (
+        [i for rows in inside for i in rows]
+        + [where.get(a, 0) for a in starts]
+        + [where.get(b, 0) for b in ends]
+    )
     index = _to_device(torch.tensor(host + starts, dtype=torch.int64), buffer.device)
     carry = torch.zeros(1, 2, dtype=torch.int64, device=buffer.device)
     rows, used = [carry], 0
