@@ -1,7 +1,9 @@
 """torchrun worker: ``posttrain grpo`` with the Megatron engine on CPU (gloo), inside the test environment of
 ``megatron_cpu.py`` (CUDA calls redirected, Transformer Engine stand-in).
 
-Usage: ``torchrun --standalone --nproc-per-node N rl_megatron_worker.py [--record DIR] [posttrain grpo args]``.
+Usage: ``torchrun --standalone --nproc-per-node N rl_megatron_worker.py [--record DIR] [posttrain grpo args]
+[--then [--record DIR] [args] ...]``: each ``--then`` starts another run in the same processes (one launch pays
+Megatron's ~20 s import once per rank, not once per run).
 The arguments extend :data:`CPU_DEFAULTS` (float32 megatron actor and reference, HF rollout, a two-step run with
 small batches, :func:`digit_share` as the reward); ``algorithm.adv_estimator=gae`` makes it PPO with a critic
 (``grpo`` only sets the estimator's default). With ``--record DIR`` each rank writes ``DIR/rank<r>.pt``: per
@@ -91,15 +93,26 @@ def main() -> None:
     prepare_environment()
     from posttrain.trainers.main_ppo import run
 
-    args = sys.argv[1:]
-    record = None
-    if args[:1] == ["--record"]:
-        record, args = Path(args[1]), args[2:]
-    store: list[dict[str, torch.Tensor]] = []
-    with recording(store):
-        run([*CPU_DEFAULTS, *args], "grpo")
-    if record is not None:
-        torch.save(store, record / f"rank{os.environ.get('RANK', '0')}.pt")
+    for args in split_runs(sys.argv[1:]):
+        record = None
+        if args[:1] == ["--record"]:
+            record, args = Path(args[1]), args[2:]
+        store: list[dict[str, torch.Tensor]] = []
+        with recording(store):
+            run([*CPU_DEFAULTS, *args], "grpo")
+        if record is not None:
+            torch.save(store, record / f"rank{os.environ.get('RANK', '0')}.pt")
+
+
+def split_runs(argv: list[str]) -> list[list[str]]:
+    """The runs of one launch: argument lists separated by ``--then``."""
+    runs: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    return runs
 
 
 if __name__ == "__main__":

@@ -99,10 +99,18 @@ def _args(assets, run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def _layout_runs(assets, reference: str, layouts: dict[str, list[str]], extra: list[str]) -> dict:
-    """{name: (metrics rows, [rank 0 batches, rank 1 batches])} for each two-rank layout, and ``reference``
-    (TP=1, this process) the same way with one list of batches; the two-rank runs go in the background while
-    the reference runs here. ``extra`` goes to every run."""
+RUNS = {"grpo": (LAYOUTS, "tp1", []), "ppo": (PPO_LAYOUTS, "ppo_tp1", PPO)}
+"""Each family: its two-rank layouts, the name of its TP=1 reference run, the overrides of all its runs."""
+
+
+@pytest.fixture(scope="module")
+def results(assets, megatron_env):
+    """{run name: (metrics rows, per-rank lists of recorded batches)} for every two-rank layout of
+    :data:`RUNS` and their TP=1 references (one list of batches).
+
+    One torchrun per parallel layout runs that layout's GRPO run and then its PPO run in the same two processes
+    (``--then``), so each rank imports Megatron once; the launches go in the background while the references
+    run here, GRPO then PPO, as in the workers."""
     from rl_megatron_worker import CPU_DEFAULTS, recording
 
     from posttrain.trainers.logging import read_metrics
@@ -111,54 +119,49 @@ def _layout_runs(assets, reference: str, layouts: dict[str, list[str]], extra: l
     worker = Path(__file__).with_name("rl_megatron_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {}
-    for name, layout in layouts.items():
-        out = assets["root"] / name
-        out.mkdir()
+    for grpo_name, layout in LAYOUTS.items():
+        ppo_name = f"ppo_{grpo_name}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        cmd += [str(worker), "--record", str(out)]
-        cmd += _args(assets, out, *extra, "trainer.n_gpus_per_node=2", *layout)
-        with open(
-            out / "log.txt", "w"
-        ) as log:  # a file, not a pipe: nobody reads until the reference is done
-            procs[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    results = {}
+        cmd += [str(worker)]
+        for name, runs_layout, extra in ((grpo_name, layout, []), (ppo_name, PPO_LAYOUTS[ppo_name], PPO)):
+            out = assets["root"] / name
+            out.mkdir()
+            cmd += [] if name == grpo_name else ["--then"]
+            cmd += [
+                "--record",
+                str(out),
+                *_args(assets, out, *extra, "trainer.n_gpus_per_node=2", *runs_layout),
+            ]
+        log_path = assets["root"] / f"log_{grpo_name}.txt"
+        with open(log_path, "w") as log:  # a file, not a pipe: nobody reads until the references are done
+            procs[grpo_name] = (
+                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT),
+                log_path,
+            )
+    out: dict = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the workers' thread count: the same CPU kernels sample the same tokens
     try:
-        store: list = []
-        with recording(store):
-            run([*CPU_DEFAULTS, *_args(assets, assets["root"] / reference, *extra)], "grpo")
-        results[reference] = (read_metrics(assets["root"] / reference / "metrics.jsonl"), [store])
+        for _, reference, extra in RUNS.values():
+            store: list = []
+            with recording(store):
+                run([*CPU_DEFAULTS, *_args(assets, assets["root"] / reference, *extra)], "grpo")
+            out[reference] = (read_metrics(assets["root"] / reference / "metrics.jsonl"), [store])
     finally:
         torch.set_num_threads(threads)
-        for name, proc in procs.items():
+        for name, (proc, log_path) in procs.items():
             proc.wait(timeout=900)
-            log = (assets["root"] / name / "log.txt").read_text()
-            assert proc.returncode == 0, f"{name}:\n{log[-6000:]}"
-    for name in layouts:
-        out = assets["root"] / name
-        batches = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
-        results[name] = (read_metrics(out / "metrics.jsonl"), batches)
-    return results
-
-
-@pytest.fixture(scope="module")
-def runs(assets, megatron_env):
-    """GRPO: the two-rank :data:`LAYOUTS` and their TP=1 reference "tp1" (see :func:`_layout_runs`)."""
-    return _layout_runs(assets, "tp1", LAYOUTS, [])
-
-
-@pytest.fixture(scope="module")
-def ppo_runs(assets, megatron_env):
-    """PPO with a critic: the two-rank :data:`PPO_LAYOUTS` and their TP=1 reference "ppo_tp1"."""
-    return _layout_runs(assets, "ppo_tp1", PPO_LAYOUTS, PPO)
+            assert proc.returncode == 0, f"{name}:\n{log_path.read_text()[-6000:]}"
+    for name in [*LAYOUTS, *PPO_LAYOUTS]:
+        run_dir = assets["root"] / name
+        batches = [torch.load(run_dir / f"rank{r}.pt") for r in (0, 1)]
+        out[name] = (read_metrics(run_dir / "metrics.jsonl"), batches)
+    return out
 
 
 def _results(request, layout: str) -> tuple[dict, str]:
-    """(the runs holding ``layout``, the name of their TP=1 reference)."""
-    if layout in PPO_LAYOUTS:
-        return request.getfixturevalue("ppo_runs"), "ppo_tp1"
-    return request.getfixturevalue("runs"), "tp1"
+    """(every run, the name of ``layout``'s TP=1 reference)."""
+    return request.getfixturevalue("results"), "ppo_tp1" if layout in PPO_LAYOUTS else "tp1"
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, *PPO_LAYOUTS])
