@@ -93,6 +93,10 @@ def main() -> None:
     prepare_environment()
     from posttrain.trainers.main_ppo import run
 
+    # The runs share this process group (as the one-process reference shares the test's), so the trainers do not
+    # tear it down between runs and Megatron's model-parallel groups, made once, serve every run.
+    torch.distributed.init_process_group("gloo")
+
     for args in split_runs(sys.argv[1:]):
         record = None
         if args[:1] == ["--record"]:
@@ -102,6 +106,7 @@ def main() -> None:
             run([*CPU_DEFAULTS, *args], "grpo")
         if record is not None:
             torch.save(store, record / f"rank{os.environ.get('RANK', '0')}.pt")
+    torch.distributed.destroy_process_group()
 
 
 def split_runs(argv: list[str]) -> list[list[str]]:

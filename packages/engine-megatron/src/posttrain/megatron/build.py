@@ -62,10 +62,6 @@ def init_model_parallel(cfg: McoreEngineConfig, seed: int) -> None:
         )
     cfg.check_world_size(torch.distributed.get_world_size())
     layout = parallel_sizes(cfg)
-    if mpu.model_parallel_is_initialized() and not _groups_registered(mpu):
-        # Megatron's groups outlived the process group they were made from (an earlier run in this process, whose
-        # trainer destroyed its default group at close): they cannot communicate, so make them anew.
-        mpu.destroy_model_parallel()
     if mpu.model_parallel_is_initialized():
         current = (
             mpu.get_tensor_model_parallel_world_size(),
@@ -87,16 +83,6 @@ def init_model_parallel(cfg: McoreEngineConfig, seed: int) -> None:
         return
     mpu.initialize_model_parallel(**layout)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def _groups_registered(mpu: Any) -> bool:
-    """True while Megatron's model-parallel groups belong to the current default process group."""
-    try:
-        torch.distributed.get_rank(group=mpu.get_tensor_model_parallel_group())
-        torch.distributed.get_rank(group=mpu.get_pipeline_model_parallel_group())
-    except (ValueError, RuntimeError):  # "Group ... is not registered"
-        return False
-    return True
 
 
 def make_bridge(model_path: str, trust_remote_code: bool = False, config_only: bool = False) -> Any:
