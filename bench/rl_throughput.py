@@ -33,6 +33,8 @@ measured in the same launch as ``--work bench`` (256-token prompts, up to 1,024-
     uv run python bench/rl_throughput.py --tiny     # CPU, tiny model, both launches (minutes: ~9 s a step on 2 busy cores)
     python3 bench/rl_throughput.py --shapes 0.5b --rollouts hf,vllm --json rl.json          # one GPU
     python3 bench/rl_throughput.py --work issue,bench --rollouts vllm --launchers torchrun --gpus 2
+    python3 bench/rl_throughput.py --shapes 0.5b --rollouts vllm --launchers process --modes sync,one_step_off
+    uv run python bench/rl_throughput.py --tiny --launchers process --modes sync,one_step_off   # CPU, a minute
 """
 
 from __future__ import annotations
