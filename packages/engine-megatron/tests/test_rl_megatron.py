@@ -159,14 +159,8 @@ def results(assets, megatron_env):
     return out
 
 
-def _results(request, layout: str) -> tuple[dict, str]:
-    """(every run, the name of ``layout``'s TP=1 reference)."""
-    return request.getfixturevalue("results"), "ppo_tp1" if layout in PPO_LAYOUTS else "tp1"
-
-
 @pytest.mark.parametrize("layout", [*LAYOUTS, *PPO_LAYOUTS])
-def test_both_ranks_of_a_model_parallel_group_hold_the_same_batch(request, layout):
-    results, _ = _results(request, layout)
+def test_both_ranks_of_a_model_parallel_group_hold_the_same_batch(results, layout):
     rank0, rank1 = results[layout][1]
     assert len(rank0) == len(rank1) == 2
     for step0, step1 in zip(rank0, rank1):
@@ -176,8 +170,8 @@ def test_both_ranks_of_a_model_parallel_group_hold_the_same_batch(request, layou
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, *PPO_LAYOUTS])
-def test_two_rank_layout_equals_one_process_run(request, layout):
-    results, reference = _results(request, layout)
+def test_two_rank_layout_equals_one_process_run(results, layout):
+    reference = RUNS["ppo" if layout in PPO_LAYOUTS else "grpo"][1]
     ref_rows, (ref_batches,) = results[reference]
     rows, (batches, _) = results[layout]
     ppo = layout in PPO_LAYOUTS
