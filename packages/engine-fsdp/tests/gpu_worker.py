@@ -54,8 +54,10 @@ def main() -> None:
     eng.to(eng.device)
     after = {n: t.float().cpu() for n, t in eng.get_per_tensor_param(dtype=torch.float32)[0]}
     assert sorted(before) == sorted(after) and all(torch.equal(before[n], after[n]) for n in before)
-    stream = dict(eng.get_per_tensor_param()[0])
+    stream = dict(eng.get_per_tensor_param(dtype="bfloat16")[0])
     assert all(t.dtype == torch.bfloat16 and t.device.type == eng.device.type for t in stream.values())
+    stored = dict(eng.get_per_tensor_param()[0])  # as stored: the fp32 master weights, no cast
+    assert all(t.dtype == torch.float32 for t in stored.values())
     print(f"rank {rank}: ok, log-prob diff {diff:.3g}", flush=True)
 
 

@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .checksum import padded
 from .weight_sync import Bucket
 
 _TAG_SIZES, _TAG_HEADER, _TAG_BYTES = 1, 2, 3
@@ -59,7 +60,7 @@ class GlooBucketTransport:
                 f"GlooBucketTransport sends CPU buffers, got one on {bucket.buffer.device}: build the "
                 "BucketSender with device='cpu'"
             )
-        used = max(((m.offset + m.nbytes + 3) // 4 * 4 for m in bucket.metas), default=0)
+        used = max((m.offset + padded(m.nbytes) for m in bucket.metas), default=0)  # with the zero tails
         header = pickle.dumps((bucket.index, bucket.is_last, bucket.metas, bucket.extra))
         self._send(torch.tensor([len(header), used], dtype=torch.int64), _TAG_SIZES)
         self._send(torch.frombuffer(bytearray(header), dtype=torch.uint8), _TAG_HEADER)

@@ -4,14 +4,14 @@ The sender casts each (name, tensor) to the rollout dtype and packs it into a fl
 When the next tensor does not fit, the bucket goes out with its metadata (name, shape, dtype, offset, nbytes and
 a checksum of the tensor's bytes); the receiver rebuilds views of the bucket and verifies every checksum before
 handing tensors on. A transport only moves ``(buffer, metadata)``: in-process here, CUDA IPC or shared memory in
-the rollout packages. The checksum is a position-weighted sum of the bytes read as int32 words, so a swapped,
-stale or truncated tensor fails loudly.
+the rollout packages. The checksum (:mod:`.checksum`) is a position-weighted sum of 256-byte row hashes, so a
+swapped, stale or truncated tensor fails loudly.
 
-Both sides compute a bucket's checksums in one pass over the bucket (:func:`bucket_checksums`: two running sums
-over the whole buffer, read at every tensor's first and last word), not one reduction per tensor: a 1.5B model
-is 338 tensors, and per-tensor reductions cost thousands of kernel launches a sync. The sender packs each tensor
-with one copy that also casts it (no temporary in the rollout dtype) and zeroes the bytes from its end to the
-next 4-byte boundary, so a tensor's words inside the bucket are the ones :func:`tensor_checksum` reads.
+Both sides compute a bucket's checksums in one pass over the bucket (:func:`bucket_checksums`), not one reduction
+per tensor: a 1.5B model is 338 tensors, and per-tensor reductions cost thousands of kernel launches a sync.
+The sender packs each tensor with one copy that also casts it (no temporary in the rollout dtype; the stream may
+come in the trainer's stored dtype) at a multiple of 256 bytes, and zeroes the bytes from its end to the next
+multiple, so a tensor's rows inside the bucket are the ones :func:`tensor_checksum` reads.
 """
 
 from __future__ import annotations
@@ -23,132 +23,22 @@ from typing import Any, Protocol
 
 import torch
 
+from .checksum import ROW, WeightSyncError, bucket_checksums, padded, tensor_checksum, tensor_checksums
 from .rollout import SyncReport
 
-_CHUNK_WORDS = 1 << 26
-_SCAN_WORDS = 1 << 24
-_MOD = (1 << 61) - 1
-_U64 = 1 << 64
-_POSITIONS: dict[torch.device, torch.Tensor] = {}
-
-
-class WeightSyncError(RuntimeError):
-    """A bucket arrived damaged, stale or incomplete."""
-
-
-def _positions(n: int, device: torch.device) -> torch.Tensor:
-    """``1..n`` as int64 on ``device``, cached (grown as needed, at most one chunk long)."""
-    cached = _POSITIONS.get(device)
-    if cached is None or cached.numel() < n:
-        cached = torch.arange(1, n + 1, device=device, dtype=torch.int64)
-        _POSITIONS[device] = cached
-    return cached[:n]
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().contiguous().view(-1).view(torch.uint8)
-    pad = (-flat.numel()) % 4
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(torch.int32)
-
-
-def _sums(t: torch.Tensor) -> torch.Tensor:
-    """(2,) int64 on the tensor's device: the sum of its int32 words and the sum of word * position (1-based),
-    both modulo 2**64 (int64 arithmetic wraps), computed in chunks without a host sync."""
-    words = _words(t)
-    total = torch.zeros(2, dtype=torch.int64, device=words.device)
-    for start in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[start : start + _CHUNK_WORDS]
-        plain = chunk.sum(dtype=torch.int64)
-        weighted = torch.mul(chunk, _positions(chunk.numel(), chunk.device)).sum()
-        total += torch.stack([plain, weighted + start * plain])
-    return total
-
-
-def _combine(plain: int, weighted: int) -> int:
-    return ((plain % _U64) * 1_000_003 + weighted % _U64) % _MOD
-
-
-def tensor_checksums(tensors: list[torch.Tensor]) -> list[int]:
-    """Checksums of the tensors' raw bytes (dtype and shape are checked separately), with one host sync for the
-    whole list: the words' sum and position-weighted sum are reduced on each tensor's device, then combined."""
-    if not tensors:
-        return []
-    sums = torch.stack([_sums(t).to(tensors[0].device) for t in tensors])
-    return [_combine(a, b) for a, b in sums.tolist()]
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device`` without waiting for the device's queued work (pinned, non-blocking)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def _word_end(offset: int, nbytes: int) -> int:
-    return (offset + nbytes + 3) // 4
-
-
-def bucket_checksums(
-    buffer: torch.Tensor, spans: list[tuple[int, int]], chunk_words: int = _SCAN_WORDS
-) -> list[int]:
-    """The :func:`tensor_checksum` of each ``(offset, nbytes)`` span of the flat uint8 ``buffer``, in one pass
-    over the buffer with one host sync. Offsets must be multiples of 4 and the bytes from a span's end to the next
-    multiple of 4 zero (the sender writes them so): then a span's words are the zero-padded words the per-tensor
-    checksum reads. With ``S1(x)``, ``S2(x)`` the sums of the first ``x`` words ``w_j`` and of ``w_j * (j + 1)``,
-    a span of words ``[a, b)`` has plain sum ``S1(b) - S1(a)`` and position-weighted sum
-    ``S2(b) - S2(a) - a * plain`` (all modulo 2**64, as int64 arithmetic wraps); the running sums are computed
-    ``chunk_words`` words at a time (bounding the int64 temporaries) and read only at the spans' ends."""
-    if not spans:
-        return []
-    if any(off % 4 for off, _ in spans):
-        raise ValueError(
-            f"bucket_checksums needs 4-byte aligned offsets, got {[o for o, _ in spans if o % 4]}"
-        )
-    starts = [off // 4 for off, _ in spans]
-    ends = [_word_end(off, n) for off, n in spans]
-    total = max(ends)
-    if total * 4 > buffer.numel():
-        raise WeightSyncError(
-            f"bucket of {buffer.numel()} bytes is shorter than its tensors' {total * 4} bytes (partial transfer)"
-        )
-    words = buffer[: total * 4].view(torch.int32)
-    points = sorted({p for p in starts + ends if p > 0})
-    where = {p: i + 1 for i, p in enumerate(points)}  # row 0 of the table: the sums before word 0
-    chunks = [(begin, min(begin + chunk_words, total)) for begin in range(0, total, chunk_words)]
-    # per chunk: the positions (in the chunk) of the span ends it holds, then its own last position
-    inside = [
-        [p - 1 - begin for p in points if begin < p <= stop] + [stop - 1 - begin] for begin, stop in chunks
-    ]
-    host = (
-        [i for rows in inside for i in rows]
-        + [where.get(a, 0) for a in starts]
-        + [where.get(b, 0) for b in ends]
-    )
-    index = _to_device(torch.tensor(host + starts, dtype=torch.int64), buffer.device)
-    carry = torch.zeros(1, 2, dtype=torch.int64, device=buffer.device)
-    rows, used = [carry], 0
-    for (begin, stop), picks in zip(chunks, inside):
-        chunk = words[begin:stop].to(torch.int64)
-        plain = torch.cumsum(chunk, 0)
-        weighted = torch.cumsum(chunk.mul_(_positions(stop - begin, chunk.device)), 0)
-        del chunk
-        at = index[used : used + len(picks)]
-        p, w = plain[at], weighted[at]
-        sums = torch.stack([p, w + begin * p], 1) + carry  # the running sums at the picks and the chunk's end
-        rows.append(sums[:-1])
-        carry, used = sums[-1:], used + len(picks)
-    table, n = torch.cat(rows), len(spans)
-    first, last = table[index[used : used + n]], table[index[used + n : used + 2 * n]]
-    plain, weighted = (last - first).unbind(1)
-    weighted = weighted - index[used + 2 * n :] * plain
-    return [_combine(a, b) for a, b in torch.stack([plain, weighted], 1).tolist()]
-
-
-def tensor_checksum(t: torch.Tensor) -> int:
-    """Checksum of one tensor's raw bytes: a position-weighted sum of its bytes read as int32 words."""
-    return tensor_checksums([t])[0]
+__all__ = [
+    "Bucket",
+    "BucketReceiver",
+    "BucketSender",
+    "BucketTransport",
+    "InProcessTransport",
+    "TensorMeta",
+    "WeightSyncError",
+    "bucket_checksums",
+    "tensor_checksum",
+    "tensor_checksums",
+    "unpack_bucket",
+]
 
 
 @dataclass(frozen=True)
@@ -192,12 +82,12 @@ class InProcessTransport:
 
 def _pack(buffer: torch.Tensor, offset: int, tensor: torch.Tensor, dtype: torch.dtype) -> int:
     """Copy ``tensor`` into ``buffer`` at ``offset`` as ``dtype`` (cast and copy in one kernel, from any device, no
-    host sync into a CUDA buffer) and zero the bytes up to the next 4-byte boundary; returns the bytes written."""
+    host sync into a CUDA buffer) and zero the bytes up to the next checksum row; returns the bytes written."""
     nbytes = tensor.numel() * dtype.itemsize
     target = buffer[offset : offset + nbytes].view(dtype).view(tensor.shape)
     target.copy_(tensor, non_blocking=buffer.is_cuda)
-    if nbytes % 4:
-        buffer[offset + nbytes : _word_end(offset, nbytes) * 4].zero_()
+    if nbytes % ROW:
+        buffer[offset + nbytes : offset + padded(nbytes)].zero_()
     return nbytes
 
 
@@ -212,8 +102,10 @@ class BucketSender:
         dtype: torch.dtype | None = None,
         buffer: torch.Tensor | None = None,
     ) -> None:
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket size {bucket_bytes} bytes must be positive")
+        if bucket_bytes < ROW:
+            raise ValueError(
+                f"bucket size {bucket_bytes} bytes is less than one {ROW}-byte checksum row: use at least {ROW}"
+            )
         if buffer is not None and (
             buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < bucket_bytes
         ):
@@ -238,18 +130,18 @@ class BucketSender:
         for name, tensor in weights:
             dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
             nbytes = tensor.numel() * dtype.itemsize
-            if nbytes > self.bucket_bytes:
+            if padded(nbytes) > self.bucket_bytes:
                 raise ValueError(
-                    f"tensor {name!r} has {nbytes / 2**20:.1f} MiB, more than the weight-sync bucket "
-                    f"({self.bucket_bytes / 2**20:.1f} MiB): raise "
-                    f"rollout.update_weights_bucket_megabytes to at least {nbytes // 2**20 + 1}"
+                    f"tensor {name!r} has {nbytes} bytes ({nbytes / 2**20:.1f} MiB), more than the weight-sync "
+                    f"bucket's {self.bucket_bytes} bytes: raise rollout.update_weights_bucket_megabytes to at "
+                    f"least {padded(nbytes) // 2**20 + 1}"
                 )
-            if offset + nbytes > self.bucket_bytes:
+            if offset + padded(nbytes) > self.bucket_bytes:
                 self._flush(pending, report, is_last=False)
                 pending, offset = [], 0
             _pack(self.buffer, offset, tensor, dtype)
             pending.append((name, tuple(tensor.shape), dtype, offset, nbytes))
-            offset += (nbytes + 255) // 256 * 256
+            offset += padded(nbytes)
             report.num_tensors += 1
             report.num_bytes += nbytes
         self._flush(pending, report, is_last=True)

@@ -340,7 +340,8 @@ class FSDPEngine(BaseEngine):
         peft_merge: bool | None = None,
         **kwargs: Any,
     ) -> PerTensorParams:
-        """Lazy (HF name, full tensor) stream in ``dtype`` (default: the compute dtype).
+        """Lazy (HF name, full tensor) stream in ``dtype``; by default as stored (fp32 master weights stay fp32: a
+        rollout's bucket sender casts them while packing, one kernel per tensor instead of two).
 
         Tensors are gathered one at a time whatever ``layered_summon`` says. Without LoRA: every weight, peft
         config None. With LoRA and ``peft_merge`` (default :attr:`peft_merge`): base weights with the adapter
@@ -348,7 +349,6 @@ class FSDPEngine(BaseEngine):
         adapter tensors (peft names) when it is True, with the peft config dict. Every rank must consume it."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        dtype = dtype or getattr(torch, self.engine_config.dtype)
         if (
             self.fsdp_version == 1 and self.is_param_offload_enabled
         ):  # FSDP1 flat shards must be on the device

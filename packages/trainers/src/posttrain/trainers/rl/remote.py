@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 from posttrain.core import RolloutRegistry
 from posttrain.core.dist_transport import GlooBucketTransport, pair_group, pair_store
+from posttrain.core.dtypes import parse_dtype
 from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
 from posttrain.core.weight_sync import Bucket, BucketReceiver, BucketSender, WeightSyncError
 
@@ -179,6 +180,7 @@ class RemoteRollout(BaseRollout):
         group = pair_group(self.store, 0, timeout_s)
         self.transport = GlooBucketTransport(group, 1)
         self.bucket_bytes = bucket_bytes or config.update_weights_bucket_megabytes << 20
+        self.dtype = parse_dtype(config.dtype, "rollout.dtype")
 
     # ------------------------------------------------------------------ the pipe
     def _send(self, op: str, *args: Any) -> None:
@@ -238,12 +240,14 @@ class RemoteRollout(BaseRollout):
         base_sync_done: bool = False,
         version: int | None = None,
     ) -> SyncReport:
-        """Push the stream to the worker in checksummed CPU buckets (tensors sent as they come, no cast: the
-        worker's rollout casts); returns what was sent. Raises unless the worker's rollout then serves ``version``."""
+        """Push the stream to the worker in checksummed CPU buckets (each tensor cast to ``rollout.dtype`` as it
+        is packed); returns what was sent. Raises unless the worker's rollout then serves ``version``."""
         with self.lock:
             self._send("update_weights", peft_config, base_sync_done, version)
             try:
-                report = BucketSender(self.transport, self.bucket_bytes, device="cpu").send(weights)
+                report = BucketSender(self.transport, self.bucket_bytes, device="cpu", dtype=self.dtype).send(
+                    weights
+                )
             except Exception:
                 self._abort_sync()
                 raise

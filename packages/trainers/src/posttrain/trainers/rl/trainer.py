@@ -224,9 +224,9 @@ class RLTrainer(StepLoop):
         merge = not getattr(self.rollout, "supports_lora_adapters", False)
         start = time.perf_counter()
         self.rollout.wake_up(["weights"])
-        with self.actor.eval_mode():
+        with self.actor.eval_mode():  # as stored: the rollout's sender casts to rollout.dtype while packing
             stream, peft_config = self.actor.get_per_tensor_param(
-                base_sync_done=self.base_synced, dtype=self.cfg.rollout.dtype, peft_merge=merge
+                base_sync_done=self.base_synced, peft_merge=merge
             )
             report = self.rollout.update_weights(
                 stream, peft_config=peft_config, base_sync_done=self.base_synced, version=version

@@ -1,0 +1,165 @@
+"""Checksums of the weight sync's tensors, computed on the tensors' device with one read of their bytes.
+
+A tensor's bytes, zero-padded to a multiple of :data:`ROW` (256) bytes, are cut into rows of 256 signed bytes.
+Row ``r`` hashes to ``u_r = sum_c C_c * (row_r @ W)[c]``: ``W`` is a fixed (256, 8) matrix of odd int8 values
+and ``C`` eight fixed odd 62-bit constants, both drawn from a 64-bit LCG so that every host and torch version
+has the same ones. The row product is one int8 matrix multiply (``torch._int_mm``, exact in int32: at most
+256 * 128 * 128 in magnitude), so the bytes are read once and no wide temporary of the tensor's size exists.
+The checksum is the pair (``sum_r u_r``, ``sum_r (r + 1) * u_r``) modulo 2**64 (int64 arithmetic wraps),
+folded into one integer. A byte changed by ``d`` (``0 < |d| < 256``) changes its row's hash by
+``d * k`` with ``k = sum_c C_c * W[byte, c]``; every byte position's ``k`` is non-zero modulo 2**56 (a test
+checks all 256), so a single changed byte always changes the checksum. A moved row changes the
+position-weighted sum; a truncated tensor loses rows. It is a check against transport faults (a stale,
+partial, misplaced or corrupted bucket), not against an adversary.
+
+:func:`bucket_checksums` gives every tensor of a bucket its checksum from one pass over the bucket: tensors
+start at multiples of 256 bytes and the sender zeroes the bytes from each tensor's end to the next multiple
+of 256, so a tensor's rows inside the bucket are exactly its zero-padded rows. The row hashes' running sums
+are read at the tensors' first and last rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROW = 256
+"""Bytes per checksum row; tensors sit in a bucket at multiples of it."""
+_COLS = 8
+_CHUNK_ROWS = 1 << 21  # 512 MiB of bytes per matrix multiply; bounds the int64 temporaries at 128 MiB
+_MIN_ROWS = 17  # torch._int_mm on CUDA needs more than 16 rows
+_MOD = (1 << 61) - 1
+_U64 = 1 << 64
+_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+class WeightSyncError(RuntimeError):
+    """A bucket arrived damaged, stale or incomplete."""
+
+
+def _lcg(n: int, seed: int) -> list[int]:
+    out, state = [], seed
+    for _ in range(n):
+        state = (state * 6364136223846793005 + 1442695040888963407) % _U64
+        out.append(state)
+    return out
+
+
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W: int8 (256, 8), odd values in [-127, 127]; C: int64 (8,), odd) on ``device``, cached. ``W`` is
+    column-major (the transpose of a contiguous (8, 256)): the operand layout cuBLASLt's int8 GEMM takes."""
+    if device not in _TABLES:
+        w = [((x >> 57) * 2 + 1) - 128 for x in _lcg(ROW * _COLS, 1)]
+        c = [(x >> 2) | 1 for x in _lcg(_COLS, 2)]
+        _TABLES[device] = (
+            torch.tensor(w, dtype=torch.int8).view(ROW, _COLS).t().contiguous().to(device).t(),
+            torch.tensor(c, dtype=torch.int64).to(device),
+        )
+    return _TABLES[device]
+
+
+def padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole rows."""
+    return (nbytes + ROW - 1) // ROW * ROW
+
+
+def row_hashes(rows: torch.Tensor) -> torch.Tensor:
+    """int64 hash of each row of a (n, 256) int8 tensor (see the module docstring)."""
+    w, c = _tables(rows.device)
+    n = rows.shape[0]
+    if n < _MIN_ROWS:  # zero rows hash to zero
+        rows = torch.cat([rows, rows.new_zeros(_MIN_ROWS - n, ROW)])
+    return (torch._int_mm(rows, w)[:n].to(torch.int64) * c).sum(1)
+
+
+def _combine(plain: int, weighted: int) -> int:
+    return ((plain % _U64) * 1_000_003 + weighted % _U64) % _MOD
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().contiguous().view(-1).view(torch.uint8)
+    pad = padded(flat.numel()) - flat.numel()
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(torch.int8).view(-1, ROW)
+
+
+def tensor_checksums(tensors: list[torch.Tensor]) -> list[int]:
+    """Checksums of the tensors' raw bytes (dtype and shape are checked separately), with one host sync for the
+    whole list."""
+    if not tensors:
+        return []
+    sums = []
+    for t in tensors:
+        rows = _rows(t)
+        total = torch.zeros(2, dtype=torch.int64, device=rows.device)
+        for begin in range(0, rows.shape[0], _CHUNK_ROWS):
+            u = row_hashes(rows[begin : begin + _CHUNK_ROWS])
+            at = torch.arange(begin + 1, begin + 1 + u.numel(), device=u.device, dtype=torch.int64)
+            total += torch.stack([u.sum(), (u * at).sum()])
+        sums.append(total.to(tensors[0].device))
+    return [_combine(a, b) for a, b in torch.stack(sums).tolist()]
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """Checksum of one tensor's raw bytes."""
+    return tensor_checksums([t])[0]
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without waiting for the device's queued work (pinned, non-blocking)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def bucket_checksums(
+    buffer: torch.Tensor, spans: list[tuple[int, int]], chunk_rows: int = _CHUNK_ROWS
+) -> list[int]:
+    """The :func:`tensor_checksum` of each ``(offset, nbytes)`` span of the flat uint8 ``buffer``, in one pass
+    over the buffer with one host sync. Offsets must be multiples of :data:`ROW` and the bytes from a span's end
+    to the next multiple zero (the sender writes them so). With ``S1(x)``, ``S2(x)`` the sums of the first ``x``
+    row hashes ``u_j`` and of ``u_j * (j + 1)``, a span of rows ``[a, b)`` has plain sum ``S1(b) - S1(a)`` and
+    position-weighted sum ``S2(b) - S2(a) - a * plain``; the running sums are computed ``chunk_rows`` rows at a
+    time and read only at the spans' ends."""
+    if not spans:
+        return []
+    if any(off % ROW for off, _ in spans):
+        raise ValueError(
+            f"bucket_checksums needs offsets at multiples of {ROW} bytes, got "
+            f"{[o for o, _ in spans if o % ROW]}"
+        )
+    starts = [off // ROW for off, _ in spans]
+    ends = [padded(off + n) // ROW for off, n in spans]
+    total = max(ends)
+    if total * ROW > buffer.numel():
+        raise WeightSyncError(
+            f"bucket of {buffer.numel()} bytes is shorter than its tensors' {total * ROW} bytes (partial transfer)"
+        )
+    rows = buffer[: total * ROW].view(torch.int8).view(total, ROW)
+    points = sorted({p for p in starts + ends if p > 0})
+    where = {p: i + 1 for i, p in enumerate(points)}  # row 0 of the table: the sums before row 0
+    chunks = [(begin, min(begin + chunk_rows, total)) for begin in range(0, total, chunk_rows)]
+    # per chunk: the positions (in the chunk) of the span ends it holds, then its own last position
+    inside = [
+        [p - 1 - begin for p in points if begin < p <= stop] + [stop - 1 - begin] for begin, stop in chunks
+    ]
+    host = (
+        [i for picks in inside for i in picks]
+        + [where.get(a, 0) for a in starts]
+        + [where.get(b, 0) for b in ends]
+    )
+    index = _to_device(torch.tensor(host + starts, dtype=torch.int64), buffer.device)
+    carry = torch.zeros(1, 2, dtype=torch.int64, device=buffer.device)
+    table, used = [carry], 0
+    for (begin, stop), picks in zip(chunks, inside):
+        u = row_hashes(rows[begin:stop])
+        at = torch.arange(begin + 1, stop + 1, device=u.device, dtype=torch.int64)
+        pick = index[used : used + len(picks)]
+        sums = torch.stack([torch.cumsum(u, 0)[pick], torch.cumsum(u * at, 0)[pick]], 1) + carry
+        table.append(sums[:-1])
+        carry, used = sums[-1:], used + len(picks)
+    flat, n = torch.cat(table), len(spans)
+    first, last = flat[index[used : used + n]], flat[index[used + n : used + 2 * n]]
+    plain, weighted = (last - first).unbind(1)
+    weighted = weighted - index[used + 2 * n :] * plain
+    return [_combine(a, b) for a, b in torch.stack([plain, weighted], 1).tolist()]
