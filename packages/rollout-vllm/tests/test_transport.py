@@ -127,8 +127,8 @@ def test_dtype_names():
 
 
 def test_sender_rejects_a_buffer_smaller_than_the_bucket():
-    with pytest.raises(ValueError, match="at least 100 bytes"):
-        BucketSender(print, 100, buffer=torch.empty(10, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="at least 1000 bytes"):
+        BucketSender(print, 1000, buffer=torch.empty(10, dtype=torch.uint8))
 
 
 def test_executor_choices_are_checked_before_vllm_starts(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from sft_fixtures import make_tiny_model
 
-from posttrain.core.rollout import RolloutConfig
+from posttrain.core.rollout import RolloutConfig, SamplingConfig
 from posttrain.core.weight_sync import WeightSyncError
 from posttrain.trainers.rl.remote import RemoteRollout, RolloutWorkerError, new_rollout
 
@@ -115,3 +115,59 @@ def test_release_exits_the_worker_with_code_zero(worker):
     worker.release()
     assert process.exitcode == 0 and worker.process is None
     worker.release()  # idempotent
+
+
+def _remote_code_copy(model_path: str, root) -> str:
+    """The tiny model as a custom architecture whose code lives in the model folder (``auto_map``), as models
+    that need ``trust_remote_code`` are shipped."""
+    import json
+    import shutil
+
+    out = root / "remote-code-model"
+    shutil.copytree(model_path, out)
+    (out / "configuration_tiny.py").write_text(
+        "from transformers import Qwen2Config\n\n\nclass TinyConfig(Qwen2Config):\n    model_type = 'tiny_remote'\n"
+    )
+    (out / "modeling_tiny.py").write_text(
+        "from transformers import Qwen2ForCausalLM\n\nfrom .configuration_tiny import TinyConfig\n\n\n"
+        "class TinyForCausalLM(Qwen2ForCausalLM):\n    config_class = TinyConfig\n"
+    )
+    config = json.loads((out / "config.json").read_text())
+    config.update(
+        model_type="tiny_remote",
+        architectures=["TinyForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_tiny.TinyConfig",
+            "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM",
+        },
+    )
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def test_the_rollout_trusts_remote_code_when_model_trust_remote_code_says_so(model_path, tmp_path):
+    """``model.trust_remote_code=true`` reaches the rollout the trainer builds, colocated and in its worker
+    process; without it the same folder is refused by transformers."""
+    from posttrain.trainers.config import load_config
+    from posttrain.trainers.rl.modes import build_rollout
+
+    path = _remote_code_copy(model_path, tmp_path)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        new_rollout(CONFIG, path, "cpu")
+    for placement in ("colocated", "process"):
+        cfg = load_config(
+            [
+                f"model.path={path}",
+                "model.trust_remote_code=true",
+                "trainer.mode=one_step_off",
+                f"trainer.rollout_placement={placement}",
+                "rollout.response_length=4",
+            ],
+            presets=["grpo_tiny"],
+        )
+        rollout = build_rollout(cfg, "cpu")
+        try:
+            samples = rollout.generate([[1, 2, 3]], SamplingConfig(temperature=0.0, max_new_tokens=4))
+            assert len(samples) == 1 and 1 <= len(samples[0].response_ids) <= 4, placement
+        finally:
+            rollout.release()

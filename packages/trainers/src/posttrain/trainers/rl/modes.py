@@ -242,8 +242,9 @@ def build_rollout(cfg: Any, device: Any) -> Any:
             threads=cfg.trainer.rollout_threads,
             rank=rank,
             deterministic=deterministic,
+            trust_remote_code=cfg.model.trust_remote_code,
         )
-    return new_rollout(cfg.rollout, cfg.model.path, device, deterministic)
+    return new_rollout(cfg.rollout, cfg.model.path, device, deterministic, cfg.model.trust_remote_code)
 
 
 def check_mode_supported(cfg: Any, estimator: Any) -> None:

@@ -44,12 +44,19 @@ class RolloutWorkerError(RuntimeError):
 
 
 def new_rollout(
-    config: RolloutConfig, model_path: str, device: Any, deterministic: bool = False
+    config: RolloutConfig,
+    model_path: str,
+    device: Any,
+    deterministic: bool = False,
+    trust_remote_code: bool = False,
 ) -> BaseRollout:
     """The rollout ``rollout.name`` names, built through the registry (colocated and in the worker alike);
-    ``deterministic``: the trainer's ``actor.engine.full_determinism``."""
+    ``deterministic``: the trainer's ``actor.engine.full_determinism``; ``trust_remote_code``: its
+    ``model.trust_remote_code`` (the rollout loads the same model)."""
     cls = RolloutRegistry.from_entry_points().get_rollout_cls(config.name)
-    return cls(config, model_path, device=device, deterministic=deterministic)
+    return cls(
+        config, model_path, device=device, trust_remote_code=trust_remote_code, deterministic=deterministic
+    )
 
 
 # ---------------------------------------------------------------------- the worker process
@@ -108,13 +115,14 @@ def worker_main(
     threads: int,
     timeout_s: float,
     deterministic: bool,
+    trust_remote_code: bool = False,
 ) -> None:
     """The worker process: build the rollout, report ready, join the gloo pair, then serve calls until
     ``close`` (or the trainer's end of the pipe closes)."""
     if threads > 0:
         torch.set_num_threads(threads)
     try:
-        rollout = new_rollout(config, model_path, device="cpu", deterministic=deterministic)
+        rollout = new_rollout(config, model_path, "cpu", deterministic, trust_remote_code)
     except Exception as exc:  # reported to the trainer, which raises it
         conn.send_bytes(pickle.dumps(_error(exc)))
         return
@@ -153,18 +161,28 @@ class RemoteRollout(BaseRollout):
         timeout_s: float = 600.0,
         bucket_bytes: int | None = None,
         deterministic: bool = False,
+        trust_remote_code: bool = False,
     ) -> None:
         """Start the worker and wait until its rollout is built and the gloo pair joined. ``threads``: the
         worker's torch intra-op threads (0: torch's default); ``rank`` names it; ``bucket_bytes``: the push's
-        bucket size (default ``rollout.update_weights_bucket_megabytes``); ``deterministic``: passed to the
-        rollout's constructor."""
+        bucket size (default ``rollout.update_weights_bucket_megabytes``); ``deterministic`` and
+        ``trust_remote_code``: passed to the rollout's constructor."""
         ctx = mp.get_context("spawn")
         self.config, self.timeout_s, self.lock = config, timeout_s, threading.Lock()
         self.store = pair_store(0, timeout_s=timeout_s)
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=worker_main,
-            args=(child, config, model_path, self.store.port, threads, timeout_s, deterministic),
+            args=(
+                child,
+                config,
+                model_path,
+                self.store.port,
+                threads,
+                timeout_s,
+                deterministic,
+                trust_remote_code,
+            ),
             name=f"posttrain-rollout-worker-{rank}",
             daemon=True,
         )
