@@ -44,7 +44,7 @@ git rev-parse --short HEAD 2>/dev/null | tee "$out/commit.txt" || true
 case "${1:-tests}" in
   tests)
     # one pytest per package: each tests/ folder has its own conftest module
-    for t in engine-fsdp/tests ckpt/tests rollout-hf/tests trainers/tests rollout-vllm/tests/test_transport.py; do
+    for t in engine-core/tests engine-fsdp/tests ckpt/tests rollout-hf/tests trainers/tests rollout-vllm/tests/test_transport.py; do
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "packages/$t" 2>&1 | tail -15
     done 2>&1 | tee "$out/gpu_tests.log" ;;
   megatron)
@@ -72,6 +72,10 @@ case "${1:-tests}" in
     done 2>&1 | tee "$out/gpu_vllm.log" ;;
   vllmsync)
     eval "$(bash /tmp/stash/unpack.sh)"
+    # the bucket checksum alone first (row hashes against the previous word checksum, same buckets): no vLLM needed
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider packages/engine-core/tests/test_weight_sync.py 2>&1 \
+      | tail -3 | tee "$out/checksum_test.log"
+    timeout 120 python3 bench/checksum.py --json "$out/checksum.json" 2>&1 | tee "$out/checksum.log"
     # the in-process run also prints a torch.profiler table of one more sync (whole output in vllm_sync_*.log)
     for ex in inprocess multiprocess; do
       prof=$([ $ex = inprocess ] && echo --profile)
