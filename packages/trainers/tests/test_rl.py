@@ -87,6 +87,18 @@ def test_grpo_logs_every_phase(reference):
     assert rows[-1]["actor/kl_loss"] > 0 and rows[-1]["actor/grad_norm"] > 0
 
 
+def test_rollout_seed_changes_the_samples_and_zero_keeps_the_reference(assets, reference, tmp_path):
+    """``rollout.seed`` enters each step's sampling seed: another value samples other responses at step 1 (before
+    any update, so the model is the same), and writing the default 0 reproduces the reference run."""
+    keys = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm")
+    ref = read_metrics(reference / "metrics.jsonl")[0]
+    for seed, same in ((0, True), (7, False)):
+        run_dir = tmp_path / f"seed{seed}"
+        run(grpo_args(assets, run_dir, "trainer.total_training_steps=1", f"rollout.seed={seed}"), "grpo")
+        row = read_metrics(run_dir / "metrics.jsonl")[0]
+        assert (all(row[k] == ref[k] for k in keys)) is same, (seed, {k: (row[k], ref[k]) for k in keys})
+
+
 def test_resume_is_bitwise_identical(assets, reference, tmp_path):
     run(
         grpo_args(

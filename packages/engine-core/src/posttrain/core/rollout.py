@@ -85,7 +85,8 @@ class RolloutConfig(SamplingKnobs):
     """``auto`` loads the weights of ``model.path``; ``dummy`` starts from random weights and relies on the first
     sync (so an actor built from a Megatron dist_ckpt may point ``model.path`` at a folder without weights)."""
     seed: int = 0
-    """Rollout sampling seed."""
+    """Rollout sampling seed: the engine's own seed, and in the RL trainer mixed with ``trainer.seed``, the step and
+    the data-parallel rank into each generate call's seed."""
     val_temperature: float = 0.0
     """Sampling temperature when validating (0 = greedy)."""
     val_n: int = 1

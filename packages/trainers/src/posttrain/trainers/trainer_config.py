@@ -41,7 +41,8 @@ class TrainerConfig(RolloutModeConfig):
     n_gpus_per_node: int = 1
     """Processes per node (GPUs, or CPU processes under torchrun)."""
     seed: int = 1
-    """Global seed (data order, sampling, init)."""
+    """Seed of torch's global RNG at start-up (model init), of every step's rollout sampling (mixed with
+    ``rollout.seed``) and of the mini-batch shuffles; the data order has its own ``data.seed``."""
     critic_warmup: int = 0
     """PPO: update only the critic for this many steps."""
     peak_tflops: float | None = None

@@ -7,7 +7,7 @@ values (critic) -> advantages -> critic update -> actor update (after ``trainer.
 over ``actor.ppo_mini_batch_size``-prompt mini-batches -> weight sync into the rollout. Whether a critic is built
 and trained (gae) or a greedy response per prompt is generated for the baseline (remax) is what the estimator
 declared when it was registered (:class:`~posttrain.trainers.algorithms.EstimatorTraits`). Sampling is seeded
-from ``(trainer.seed, step, data-parallel rank)``, so a resumed run replays exactly what an uninterrupted one
+from ``(trainer.seed, rollout.seed, step, data-parallel rank)``, so a resumed run replays exactly what an uninterrupted one
 would have done.
 
 Where this departs from verl: there is no Ray and no separate rollout server; the rollout lives in the trainer
@@ -54,6 +54,13 @@ from .buffer import merge_groups
 from .dataset import PromptDataset
 from .modes import RolloutAhead, build_rollout, check_mode_supported
 from .step_metrics import Timer, extra_means
+
+
+def step_seed(trainer_seed: int, rollout_seed: int, step: int, dp_rank: int) -> int:
+    """The sampling seed of one generate call: a fixed mix of ``trainer.seed``, ``rollout.seed``, the step and the
+    data-parallel rank (``rollout.seed=0``, the default, leaves the mix as it was before the rollout seed joined
+    it)."""
+    return (trainer_seed * 1_000_003 + rollout_seed * 104_729 + step * 7919 + dp_rank * 131) % (2**31)
 
 
 class RLTrainer(StepLoop):
@@ -292,7 +299,7 @@ class RLTrainer(StepLoop):
         """(samples grouped by prompt, scores, data sources, per-sample reward extras), sampled with the seed of
         ``step``."""
         sampling = self.cfg.rollout.sampling(validate=validate)
-        sampling.seed = (self.cfg.trainer.seed * 1_000_003 + step * 7919 + self.dp_rank * 131) % (2**31)
+        sampling.seed = step_seed(self.cfg.trainer.seed, self.cfg.rollout.seed, step, self.dp_rank)
         sampling.stop_token_ids = (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
