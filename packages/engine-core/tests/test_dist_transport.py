@@ -5,7 +5,7 @@ import threading
 
 import torch
 
-from posttrain.core.dist_transport import GlooBucketTransport, pair_group, pair_store
+from posttrain.core.dist_transport import PairBucketTransport, pair_group, pair_store
 from posttrain.core.weight_sync import BucketReceiver, BucketSender
 
 
@@ -17,7 +17,7 @@ def test_odd_sized_tensors_cross_the_gloo_pair_verified():
 
     def worker():
         try:
-            transport = GlooBucketTransport(pair_group(pair_store(1, store0.port, timeout_s=30), 1, 30), 0)
+            transport = PairBucketTransport(pair_group(pair_store(1, store0.port, timeout_s=30), 1, 30), 0)
             transport.buffer = torch.full((1 << 12,), 0xFF, dtype=torch.uint8)  # stale bytes from "earlier"
             receiver = BucketReceiver(lambda ts: got.extend((n, t.clone()) for n, t in ts))
             while True:
@@ -31,7 +31,7 @@ def test_odd_sized_tensors_cross_the_gloo_pair_verified():
 
     thread = threading.Thread(target=worker)
     thread.start()
-    sender = GlooBucketTransport(pair_group(store0, 0, 30), 1)
+    sender = PairBucketTransport(pair_group(store0, 0, 30), 1)
     report = BucketSender(sender, bucket_bytes=256, dtype=torch.bfloat16).send(weights)
     thread.join(timeout=30)
     assert not errors, errors

@@ -173,6 +173,18 @@ def test_drop_policy_drops_groups_staler_than_the_bound(assets, tmp_path):  # no
             ["trainer.rollout_placement=process"],
             r"process with trainer.mode=sync.*set trainer.mode=one_step_off",
         ),
+        (
+            ["trainer.mode=one_step_off", "trainer.rollout_devices=[cuda:1]"],
+            r"rollout_devices=\['cuda:1'\] with trainer.rollout_placement=colocated.*rollout_placement=process",
+        ),
+        (
+            [
+                "trainer.mode=one_step_off",
+                "trainer.rollout_placement=process",
+                "trainer.rollout_devices=[gpu1]",
+            ],
+            r"rollout_devices entry 'gpu1': use cpu or cuda:N",
+        ),
     ],
 )
 def test_mode_config_refusals(overrides, match):

@@ -171,3 +171,65 @@ def test_the_rollout_trusts_remote_code_when_model_trust_remote_code_says_so(mod
             assert len(samples) == 1 and 1 <= len(samples[0].response_ids) <= 4, placement
         finally:
             rollout.release()
+
+
+def test_rollout_devices_pick_this_ranks_device_and_name_the_gpu_for_the_child(monkeypatch):
+    """One entry per trainer process on the node, by local rank; a GPU is handed to the worker as the
+    CUDA_VISIBLE_DEVICES entry the trainer's numbering points at."""
+    from posttrain.trainers.rl.modes import rollout_device
+    from posttrain.trainers.rl.remote import physical_gpu
+
+    assert rollout_device([]) == "cpu"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rollout_device(["cuda:2", "cuda:3"]) == "cuda:3"
+    with pytest.raises(
+        ValueError, match=r"has 1 entries for 2 trainer process\(es\).*one device per process"
+    ):
+        rollout_device(["cuda:2"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert physical_gpu("cuda:3") == "3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert physical_gpu("cuda:1") == "5"
+    with pytest.raises(ValueError, match=r"cuda:2 is not among the 2 GPU\(s\).*use cuda:0 to cuda:1"):
+        physical_gpu("cuda:2")
+
+
+def _gpu_push_and_generate(model_path, rollout_device: str, trainer_device: str, nccl: bool) -> None:
+    """A worker whose HF rollout runs on ``rollout_device`` takes weights pushed from ``trainer_device`` and
+    generates the greedy tokens of a rollout in this process that loaded the same weights."""
+    weights = {k: v.to(trainer_device) for k, v in _trained_weights(model_path).items()}
+    remote = RemoteRollout(
+        CONFIG,
+        model_path,
+        timeout_s=300,
+        bucket_bytes=1 << 18,
+        device=rollout_device,
+        trainer_device=trainer_device,
+    )
+    try:
+        assert (remote.transport.data is not None) is nccl
+        assert remote.send_device == (torch.device(trainer_device) if nccl else torch.device("cpu"))
+        remote.update_weights(iter(weights.items()), version=1)
+        assert remote.weight_version() == 1
+        local = new_rollout(CONFIG, model_path, trainer_device)
+        local.update_weights(iter(weights.items()), version=1)
+        greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
+        prompts = [[1, 2, 3], [4, 5, 6, 7]]
+        theirs = remote.generate(prompts, greedy)
+        assert all(s.log_probs.device.type == "cpu" for s in theirs)
+        assert [s.response_ids for s in local.generate(prompts, greedy)] == [s.response_ids for s in theirs]
+    finally:
+        remote.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_worker_on_the_trainers_gpu_takes_weights_through_host_memory(model_path):
+    _gpu_push_and_generate(model_path, "cuda:0", "cuda:0", nccl=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_worker_on_another_gpu_takes_weights_over_nccl(model_path):
+    _gpu_push_and_generate(model_path, "cuda:1", "cuda:0", nccl=True)

@@ -1,5 +1,5 @@
 """How generation and training interleave: ``trainer.mode``, ``trainer.max_staleness``, ``trainer.stale_policy``,
-and where the rollout runs: ``trainer.rollout_placement``.
+and where the rollout runs: ``trainer.rollout_placement``, ``trainer.rollout_devices``.
 
 Owned by :mod:`.modes` (which runs them) and mixed into :class:`~posttrain.trainers.trainer_config.TrainerConfig`
 so the keys sit under ``trainer``. Kept free of heavy imports: the config tree imports it.
@@ -7,7 +7,7 @@ so the keys sit under ``trainer``. Kept free of heavy imports: the config tree i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MODES = ("sync", "one_step_off", "async")
 STALE_POLICIES = ("wait", "drop")
@@ -36,9 +36,16 @@ class RolloutModeConfig:
 
     rollout_placement: str = "colocated"
     """colocated (the rollout lives in each trainer process, on the actor's device) or process (one_step_off /
-    async only: each trainer rank starts a child process that builds the rollout on the CPU, generates there, and
-    takes weights through the bucketed, checksummed push over a private gloo pair; see
-    :mod:`posttrain.trainers.rl.remote`)."""
+    async only: each trainer rank starts a child process that builds the rollout on its device (the CPU unless
+    rollout_devices says otherwise), generates there, and takes weights through the bucketed, checksummed push
+    over a private pair of groups; see :mod:`posttrain.trainers.rl.remote`)."""
+    rollout_devices: list[str] = field(default_factory=list)
+    """rollout_placement=process: the device of each trainer rank's rollout process, indexed by the rank's local
+    rank (one entry per process torchrun starts on the node), as the trainer numbers devices: e.g. [cuda:4,
+    cuda:5, cuda:6, cuda:7] for trainer ranks on GPUs 0-3, or [cuda:0] for one trainer sharing its GPU with its
+    rollout (then give the rollout a memory budget, e.g. rollout.gpu_memory_utilization). Empty: the CPU. A
+    rollout on another GPU than its trainer takes the weights over NCCL; on the trainer's GPU or the CPU, through
+    host memory over gloo."""
 
     def check_mode(self) -> None:
         if self.mode not in MODES:
@@ -57,6 +64,17 @@ class RolloutModeConfig:
                 "it generates while the trainer trains; set trainer.mode=one_step_off (or async), or "
                 "trainer.rollout_placement=colocated"
             )
+        if self.rollout_devices and self.rollout_placement != "process":
+            raise ValueError(
+                f"trainer.rollout_devices={list(self.rollout_devices)} with trainer.rollout_placement="
+                f"{self.rollout_placement}: the devices are those of rollout processes; set "
+                "trainer.rollout_placement=process or leave trainer.rollout_devices empty"
+            )
+        for device in self.rollout_devices:
+            if device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
+                raise ValueError(
+                    f"trainer.rollout_devices entry {device!r}: use cpu or cuda:N (N as the trainer numbers GPUs)"
+                )
         if self.rollout_threads < 0:
             raise ValueError(
                 f"trainer.rollout_threads={self.rollout_threads} must be >= 0 (0 = torch's default)"

@@ -30,6 +30,7 @@ its lookahead is fixed, not bounded by a free-running producer's speed.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -243,8 +244,23 @@ def build_rollout(cfg: Any, device: Any) -> Any:
             rank=rank,
             deterministic=deterministic,
             trust_remote_code=cfg.model.trust_remote_code,
+            device=rollout_device(cfg.trainer.rollout_devices),
+            trainer_device=device,
         )
     return new_rollout(cfg.rollout, cfg.model.path, device, deterministic, cfg.model.trust_remote_code)
+
+
+def rollout_device(devices: list[str]) -> str:
+    """This rank's entry of ``trainer.rollout_devices`` (by its local rank), or the CPU when it is empty."""
+    if not devices:
+        return "cpu"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if len(devices) != local_world:
+        raise ValueError(
+            f"trainer.rollout_devices={list(devices)} has {len(devices)} entries for {local_world} trainer "
+            "process(es) on this node: give one device per process (indexed by the local rank)"
+        )
+    return devices[int(os.environ.get("LOCAL_RANK", "0"))]
 
 
 def check_mode_supported(cfg: Any, estimator: Any) -> None:

@@ -1,14 +1,19 @@
-"""``trainer.rollout_placement=process``: the rollout in a child process of each trainer rank, on the CPU.
+"""``trainer.rollout_placement=process``: the rollout in a child process of each trainer rank.
 
 :class:`RemoteRollout` is the trainer's side: a :class:`~posttrain.core.rollout.BaseRollout` whose every call
 runs in a child process started with ``torch.multiprocessing`` (spawn), which builds the rollout by name through
-the rollout registry, as the colocated trainer does, on ``device="cpu"``. Calls and their results travel over a
-multiprocessing pipe, pickled (prompts and sampling in; samples, with their log-probs as CPU tensors, out).
+the rollout registry, as the colocated trainer does, on its device (``trainer.rollout_devices``; the CPU by
+default). A worker on a GPU sees only that GPU (its ``CUDA_VISIBLE_DEVICES`` is set to it before CUDA starts),
+and the torchrun variables of the trainer's world are removed from its environment: it is not a member. Calls and
+their results travel over a multiprocessing pipe, pickled (prompts and sampling in; samples, with their
+log-probs as CPU tensors, out).
 
-Weights go over a private 2-member gloo group (:mod:`posttrain.core.dist_transport`: trainer rank 0 of the pair,
-worker rank 1, rendezvous on a ``TCPStore`` on a free port; the trainer's own process group is not touched).
-The push is the bucketed, checksummed protocol of :mod:`posttrain.core.weight_sync`: the trainer's
-:class:`~posttrain.core.weight_sync.BucketSender` packs the stream into CPU buckets; the worker's
+Weights go over a private pair of groups (:mod:`posttrain.core.dist_transport`: trainer rank 0 of the pair,
+worker rank 1, rendezvous on a ``TCPStore`` on a free port; the trainer's own process group is not touched):
+headers over gloo, and the bytes over NCCL, GPU to GPU, when the worker's GPU is not the trainer's, or else
+through host memory over gloo (NCCL refuses two members on one GPU). The push is the bucketed, checksummed
+protocol of :mod:`posttrain.core.weight_sync`: the trainer's :class:`~posttrain.core.weight_sync.BucketSender`
+packs the stream into buckets (on the trainer's GPU for NCCL, in host memory otherwise); the worker's
 :class:`~posttrain.core.weight_sync.BucketReceiver` verifies every bucket's checksums and hands the tensors, a
 bucket at a time, to the rollout's own ``update_weights`` (which loads them and, once the sync is complete,
 serves the version). A refused bucket fails that sync in the worker; the worker still receives the remaining
@@ -22,6 +27,7 @@ worker that dies, or does not answer within ``timeout_s``, raises :class:`Rollou
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -33,7 +39,7 @@ import torch
 import torch.multiprocessing as mp
 
 from posttrain.core import RolloutRegistry
-from posttrain.core.dist_transport import GlooBucketTransport, pair_group, pair_store
+from posttrain.core.dist_transport import PairBucketTransport, nccl_pair_group, pair_group, pair_store
 from posttrain.core.dtypes import parse_dtype
 from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
 from posttrain.core.weight_sync import Bucket, BucketReceiver, BucketSender, WeightSyncError
@@ -59,12 +65,42 @@ def new_rollout(
     )
 
 
+_TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def physical_gpu(device: torch.device | str) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entry of CUDA ``device`` as this process numbers it (``cuda:1`` under
+    ``CUDA_VISIBLE_DEVICES=4,5`` is ``5``), so a child process can be given that one GPU."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(index)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if index >= len(ids):
+        raise ValueError(
+            f"rollout device {device} is not among the {len(ids)} GPU(s) of CUDA_VISIBLE_DEVICES={visible!r}: "
+            f"use cuda:0 to cuda:{len(ids) - 1}"
+        )
+    return ids[index]
+
+
 # ---------------------------------------------------------------------- the worker process
 class ReceivedWeights:
-    """The worker's weight stream: buckets received over the gloo transport, verified by a
+    """The worker's weight stream: buckets received over the pair transport, verified by a
     :class:`BucketReceiver`, their tensors (copies) yielded a bucket at a time."""
 
-    def __init__(self, transport: GlooBucketTransport) -> None:
+    def __init__(self, transport: PairBucketTransport) -> None:
         self.transport, self.done, self.pending = transport, False, []
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -94,8 +130,18 @@ def _update_weights(rollout: BaseRollout, transport, peft_config, base_sync_done
     return {"version": rollout.weight_version(), "timings": report.timings}
 
 
+def _generate(rollout: BaseRollout, transport, prompts, sampling) -> list[RolloutSample]:
+    """The samples with their tensors in host memory (a GPU worker's would unpickle onto the trainer's GPUs)."""
+    samples = rollout.generate(prompts, sampling)
+    for s in samples:
+        s.log_probs = s.log_probs.cpu()
+        if s.routed_experts is not None:
+            s.routed_experts = s.routed_experts.cpu()
+    return samples
+
+
 _OPS = {
-    "generate": lambda rollout, transport, prompts, sampling: rollout.generate(prompts, sampling),
+    "generate": _generate,
     "update_weights": _update_weights,
     "weight_version": lambda rollout, transport: rollout.weight_version(),
     "sleep": lambda rollout, transport, level: rollout.sleep(level),
@@ -116,20 +162,31 @@ def worker_main(
     timeout_s: float,
     deterministic: bool,
     trust_remote_code: bool = False,
+    gpu: str | None = None,
+    nccl: bool = False,
 ) -> None:
-    """The worker process: build the rollout, report ready, join the gloo pair, then serve calls until
-    ``close`` (or the trainer's end of the pipe closes)."""
+    """The worker process: build the rollout (on the physical GPU ``gpu``, or the CPU), report ready, join the
+    pair (bytes over NCCL with ``nccl``), then serve calls until ``close`` (or the trainer's end of the pipe
+    closes)."""
+    for key in _TORCHRUN_VARS:
+        os.environ.pop(key, None)
+    device = "cpu"
+    if gpu is not None:  # before anything starts CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"], device = gpu, "cuda:0"
+        torch.cuda.set_device(0)
     if threads > 0:
         torch.set_num_threads(threads)
     try:
-        rollout = new_rollout(config, model_path, "cpu", deterministic, trust_remote_code)
+        rollout = new_rollout(config, model_path, device, deterministic, trust_remote_code)
     except Exception as exc:  # reported to the trainer, which raises it
         conn.send_bytes(pickle.dumps(_error(exc)))
         return
     ready = {"supports_lora_adapters": bool(getattr(rollout, "supports_lora_adapters", False))}
     conn.send_bytes(pickle.dumps(("ok", ready)))
     store = pair_store(1, port, timeout_s=timeout_s)
-    transport = GlooBucketTransport(pair_group(store, 1, timeout_s), 0)
+    group = pair_group(store, 1, timeout_s)
+    data = nccl_pair_group(store, 1, timeout_s) if nccl else None
+    transport = PairBucketTransport(group, 0, data, device if nccl else "cpu")
     while True:
         try:
             op, args = pickle.loads(conn.recv_bytes())
@@ -162,11 +219,21 @@ class RemoteRollout(BaseRollout):
         bucket_bytes: int | None = None,
         deterministic: bool = False,
         trust_remote_code: bool = False,
+        device: torch.device | str = "cpu",
+        trainer_device: torch.device | str | None = None,
     ) -> None:
         """Start the worker and wait until its rollout is built and the gloo pair joined. ``threads``: the
         worker's torch intra-op threads (0: torch's default); ``rank`` names it; ``bucket_bytes``: the push's
         bucket size (default ``rollout.update_weights_bucket_megabytes``); ``deterministic`` and
-        ``trust_remote_code``: passed to the rollout's constructor."""
+        ``trust_remote_code``: passed to the rollout's constructor; ``device``: where the worker builds its
+        rollout (``cuda:N`` as this process numbers GPUs); ``trainer_device``: where the pushed weights live (a
+        GPU other than ``device``'s: the bytes go over NCCL)."""
+        device = torch.device(device)
+        gpu = physical_gpu(device) if device.type == "cuda" else None
+        trainer_device = torch.device(trainer_device or "cpu")
+        trainer_gpu = physical_gpu(trainer_device) if trainer_device.type == "cuda" else None
+        nccl = gpu is not None and trainer_gpu is not None and gpu != trainer_gpu
+        self.send_device = trainer_device if nccl else torch.device("cpu")
         ctx = mp.get_context("spawn")
         self.config, self.timeout_s, self.lock = config, timeout_s, threading.Lock()
         self.store = pair_store(0, timeout_s=timeout_s)
@@ -182,6 +249,8 @@ class RemoteRollout(BaseRollout):
                 timeout_s,
                 deterministic,
                 trust_remote_code,
+                gpu,
+                nccl,
             ),
             name=f"posttrain-rollout-worker-{rank}",
             daemon=True,
@@ -196,7 +265,8 @@ class RemoteRollout(BaseRollout):
             raise
         self.supports_lora_adapters = ready["supports_lora_adapters"]
         group = pair_group(self.store, 0, timeout_s)
-        self.transport = GlooBucketTransport(group, 1)
+        data = nccl_pair_group(self.store, 0, timeout_s) if nccl else None
+        self.transport = PairBucketTransport(group, 1, data, self.send_device)
         self.bucket_bytes = bucket_bytes or config.update_weights_bucket_megabytes << 20
         self.dtype = parse_dtype(config.dtype, "rollout.dtype")
 
@@ -263,9 +333,9 @@ class RemoteRollout(BaseRollout):
         with self.lock:
             self._send("update_weights", peft_config, base_sync_done, version)
             try:
-                report = BucketSender(self.transport, self.bucket_bytes, device="cpu", dtype=self.dtype).send(
-                    weights
-                )
+                report = BucketSender(
+                    self.transport, self.bucket_bytes, device=self.send_device, dtype=self.dtype
+                ).send(weights)
             except Exception:
                 self._abort_sync()
                 raise
