@@ -1,8 +1,11 @@
-"""The gloo pair transport moves whole buckets, the zero bytes after an odd-sized last tensor included, so the
-receiver's checksums pass (both members in one process, one thread each)."""
+"""The pair transport moves whole buckets, the zero bytes after an odd-sized last tensor included, so the
+receiver's checksums pass: over gloo (both members in one process, one thread each), and over NCCL from one GPU
+to another (two processes, with two GPUs)."""
 
+import socket
 import threading
 
+import pytest
 import torch
 
 from posttrain.core.dist_transport import PairBucketTransport, pair_group, pair_store
@@ -38,3 +41,58 @@ def test_odd_sized_tensors_cross_the_gloo_pair_verified():
     assert report.num_buckets > 1 and [n for n, _ in got] == [n for n, _ in weights]
     for (_, ref), (_, out) in zip(weights, got):
         assert torch.equal(out, ref.to(torch.bfloat16))
+
+
+def _nccl_member(rank: int, port: int, out) -> None:
+    """Member ``rank`` of an NCCL pair on GPU ``rank``: 0 sends three buckets of the weights, 1 verifies them."""
+    import pickle
+
+    from posttrain.core.dist_transport import nccl_pair_group
+
+    torch.cuda.set_device(rank)
+    store = pair_store(rank, port, timeout_s=60)
+    transport = PairBucketTransport(
+        pair_group(store, rank, 60), 1 - rank, nccl_pair_group(store, rank, 60), f"cuda:{rank}"
+    )
+    g = torch.Generator().manual_seed(5)
+    weights = [(f"w{i}", torch.randn(300, 7 + i, generator=g)) for i in range(6)]
+    if rank == 0:
+        BucketSender(transport, 8192, device="cuda:0", dtype=torch.bfloat16).send(
+            [(n, t.cuda()) for n, t in weights]
+        )
+        return
+    got = []
+    receiver = BucketReceiver(lambda ts: got.extend((n, t.cpu()) for n, t in ts))
+    while True:
+        bucket = transport.recv()
+        assert bucket.buffer.device == torch.device("cuda:1")
+        receiver(bucket)
+        if bucket.is_last:
+            break
+    receiver.finish()
+    out.put(
+        pickle.dumps([(n, torch.equal(t, ref.to(torch.bfloat16))) for (n, t), (_, ref) in zip(got, weights)])
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.dist
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_buckets_cross_an_nccl_pair_gpu_to_gpu_verified():
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:  # a free port for member 0's store
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_nccl_member, args=(rank, port, out)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    result = pickle.loads(out.get(timeout=120))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert [n for n, _ in result] == [f"w{i}" for i in range(6)] and all(ok for _, ok in result)
