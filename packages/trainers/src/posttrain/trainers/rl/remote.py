@@ -179,6 +179,12 @@ def worker_main(
     try:
         rollout = new_rollout(config, model_path, device, deterministic, trust_remote_code)
     except Exception as exc:  # reported to the trainer, which raises it
+        if isinstance(exc, AssertionError) and "daemonic" in str(exc):  # multiprocessing's refusal
+            exc = ValueError(
+                f"the rollout worker is a daemon process (it dies with its trainer), and the {config.name} "
+                "rollout tried to start processes of its own: with trainer.rollout_placement=process use an "
+                "in-process engine (vLLM: rollout.executor=inprocess, rollout.mode=sync)"
+            )
         conn.send_bytes(pickle.dumps(_error(exc)))
         return
     ready = {"supports_lora_adapters": bool(getattr(rollout, "supports_lora_adapters", False))}
