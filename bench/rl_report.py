@@ -51,7 +51,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     head += [f"{p} s (%)" for p in PHASES] + ["resp", "clip", "peak GiB"]
     lines = [" | ".join(head)]
     for r in rows:
-        cells = [r["work"], r["shape"], r["rollout"], r["launcher"], r.get("mode", "sync"), str(r["gpus"])]
+        mode = r.get("mode", "sync") + (
+            "" if r.get("placement", "colocated") == "colocated" else f" ({r['placement']})"
+        )
+        cells = [r["work"], r["shape"], r["rollout"], r["launcher"], mode, str(r["gpus"])]
         if "error" in r:
             lines.append(" | ".join(cells + ["failed: " + r["error"].splitlines()[0]]))
             continue

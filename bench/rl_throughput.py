@@ -26,6 +26,11 @@ engine core in its own process on the same GPU (``rollout.executor=multiprocess`
 (``rollout.gpu_memory_utilization`` of what the trainer left free), so generation and training share the GPU
 at the same time.
 
+``--placements colocated,process,disaggregated`` (modes other than sync) moves the rollout into a process of
+its own per trainer rank (``trainer.rollout_placement=process``, vLLM in-process there): ``process`` on the
+trainer's GPU (the push through host memory), ``disaggregated`` on a GPU of its own (``--gpus`` trainer ranks and
+as many rollout GPUs, the push over NCCL); tokens/s/GPU then counts every GPU the run holds.
+
 ``--work issue`` is issue 15's baseline work (0.5B shape with a 448-token vocabulary, 32 prompts x 8 responses
 x up to 256 tokens, ``--config grpo_tiny``, max_token_len_per_gpu 16384), so the speed-up over it can be
 measured in the same launch as ``--work bench`` (256-token prompts, up to 1,024-token responses).
@@ -109,6 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="sync",
         help="comma list of trainer.mode: sync, one_step_off (vLLM then runs its engine in its own process "
         "on the same GPU, rollout.executor=multiprocess, and generates while the trainer trains)",
+    )
+    p.add_argument(
+        "--placements",
+        default="colocated",
+        help="comma list of colocated, process (the rollout in a process of its own on the trainer's GPU), "
+        "disaggregated (on a GPU of its own: twice the GPUs); the last two only with modes other than sync",
     )
     p.add_argument("--gpus", type=int, default=1, help="torchrun processes (the process launch uses one)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
@@ -198,6 +209,7 @@ def overrides(
     world: int,
     run_dir: Path,
     mode: str = "sync",
+    placement: str = "colocated",
 ):
     """The ``key=value`` list of one run."""
     dtype = "bfloat16" if work.bf16 else "float32"
@@ -227,7 +239,17 @@ def overrides(
     if mode != "sync":
         # one batch past the timed steps, so the last timed step also trains while the next batch generates
         out += [f"trainer.mode={mode}", f"trainer.total_training_steps={args.warmup + args.steps + 1}"]
-        if rollout == "vllm":  # vLLM's engine core in its own process: it generates while this one trains
+        if placement != "colocated":  # a rollout process per trainer rank, vLLM in-process there
+            out += ["trainer.rollout_placement=process"]
+            if work.bf16:  # on the GPUs (the CPU smoke run's rollout process stays on the CPU)
+                first = world if placement == "disaggregated" else 0
+                devices = ",".join(f"cuda:{first + rank}" for rank in range(world))
+                out += [f"trainer.rollout_devices=[{devices}]"]
+            if rollout == "vllm":
+                out += ["rollout.executor=inprocess"]
+                if placement == "disaggregated":
+                    out += ["rollout.gpu_memory_utilization=0.85"]
+        elif rollout == "vllm":  # vLLM's engine core in its own process: it generates while this one trains
             out += ["rollout.executor=multiprocess"]
     if work.preset is None:  # the bench work: verl's GSM8K GRPO recipe, one optimizer step per step
         out += [
@@ -399,33 +421,40 @@ def main(argv: list[str] | None = None) -> int:
     launchers = csv(args.launchers, "process,torchrun")
     rollouts = csv(args.rollouts, "hf" if args.tiny else "hf,vllm")
     modes = csv(args.modes, "sync")
+    placements = csv(args.placements, "colocated")
     bad = [x for x in launchers if x not in ("process", "torchrun")] + [
         x for x in rollouts if x not in ("hf", "vllm")
     ]
     bad += [x for x in modes if x not in MODES]
+    bad += [x for x in placements if x not in ("colocated", "process", "disaggregated")]
     if bad:
         raise ValueError(
             f"unknown launcher/rollout/mode {bad}: launchers are process, torchrun; rollouts hf, vllm; "
-            f"modes {', '.join(MODES)}"
+            f"modes {', '.join(MODES)}; placements colocated, process, disaggregated"
         )
     rows, sha = [], commit()
     for name, work in plan(args):
         model = prepare_model(workdir, work.shape, work.vocab)
         data = prepare_data(workdir, model, work, work.prompts * args.gpus * (args.warmup + args.steps + 1))
-        for rollout, launcher, mode in [(r, la, m) for r in rollouts for la in launchers for m in modes]:
+        runs = [(r, la, m, p) for r in rollouts for la in launchers for m in modes for p in placements]
+        for rollout, launcher, mode, placement in runs:
+            if placement != "colocated" and mode == "sync":
+                continue  # a rollout process only generates beside training
             world = args.gpus if launcher == "torchrun" else 1
+            gpus = 2 * world if placement == "disaggregated" else world
             label = {
                 "work": name,
                 "shape": work.shape,
                 "rollout": rollout,
                 "launcher": launcher,
                 "mode": mode,
-                "gpus": world,
+                "placement": placement,
+                "gpus": gpus,
             }
             run_dir = workdir / "runs" / "-".join(str(v) for v in label.values())
             run_dir.mkdir(parents=True, exist_ok=True)
             spec = {
-                "overrides": overrides(work, args, model, data, rollout, world, run_dir, mode),
+                "overrides": overrides(work, args, model, data, rollout, world, run_dir, mode, placement),
                 "presets": [work.preset] if work.preset else [],
                 "warmup": args.warmup,
                 "steps": args.steps,
@@ -434,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             got = launch(spec, launcher, world, run_dir, args.timeout)
             row = {"bench": "rl_throughput", "commit": sha, **label, **asdict(work)}
             row.update({"warmup": args.warmup, "steps": args.steps, "prompts": work.prompts * world})
-            row.update(summarize(got, world) if isinstance(got, list) else {"error": got})
+            row.update(summarize(got, gpus) if isinstance(got, list) else {"error": got})
             row["overrides"] = spec["overrides"]
             rows.append(row)
             emit(row, args.json)
