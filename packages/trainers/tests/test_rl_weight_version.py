@@ -53,3 +53,32 @@ def test_a_rollout_left_on_other_weights_stops_the_step(trainer):
     trainer.rollout._weight_version = trainer.weight_version - 1  # as if the last sync never committed
     with pytest.raises(WeightSyncError, match="serves weight version 0, but the actor's weights of step 1"):
         trainer.train_step()
+
+
+def test_the_rollout_applies_model_override_config_as_the_actor_does(tmp_path):
+    """``model.override_config`` changes the model (here its norm epsilon); the rollout the trainer builds applies
+    it too, so its log-probs stay the actor's (a rollout without it would sample from another model)."""
+    splits = arithmetic_rows(8, 4, digits=1, seed=0)
+    cfg = load_config(
+        [
+            f"model.path={make_tiny_model(tmp_path)}",
+            f"data.train_files=[{write_parquet(splits['train'], tmp_path / 'train.parquet')}]",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "trainer.logger=[file]",
+            "trainer.total_training_steps=1",
+            "trainer.save_freq=-1",
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2",
+            "rollout.n=2",
+            "rollout.response_length=6",
+            "model.override_config.rms_norm_eps=0.5",
+        ],
+        ["grpo_tiny"],
+    )
+    t = RLTrainer(cfg)
+    try:
+        assert t.rollout.model.config.rms_norm_eps == 0.5
+        metrics = t.train_step()
+        assert metrics["rollout/logprob_diff/max"] < 1e-4, metrics["rollout/logprob_diff/max"]
+    finally:
+        t.release()

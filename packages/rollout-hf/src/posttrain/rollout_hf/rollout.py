@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from posttrain.core import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
+from posttrain.core.config import ModelConfig
 from posttrain.core.determinism import enable_deterministic_kernels
 from posttrain.core.dtypes import parse_dtype
 from posttrain.core.weight_sync import (
@@ -60,16 +61,22 @@ def eos_token_ids(model: Any) -> set[int]:
     return ids
 
 
-def load_model(path: str, dtype: torch.dtype, dummy: bool, trust_remote_code: bool) -> Any:
-    """The causal LM of the HF directory ``path`` on the CPU: its weights, or (``dummy``) random ones from its
-    config; sdpa attention is swapped for the masked one-token kernel of :mod:`.attention`."""
+def load_model(spec: ModelConfig, dtype: torch.dtype, dummy: bool) -> Any:
+    """The causal LM of ``spec.path`` on the CPU, its HF config with ``spec.override_config`` applied (as the
+    trainer's engine applies it): its weights, or (``dummy``) random ones; sdpa attention is swapped for the
+    masked one-token kernel of :mod:`.attention`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    remote = spec.trust_remote_code
+    hf_config = AutoConfig.from_pretrained(spec.path, trust_remote_code=remote)
+    for key, value in spec.override_config.items():
+        setattr(hf_config, key, value)
     if dummy:
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=remote)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            spec.path, config=hf_config, dtype=dtype, trust_remote_code=remote
+        )
     if model.config._attn_implementation == "sdpa":  # same kernels, no per-head cache copy
         model.set_attn_implementation(register_attention())
     return model
@@ -81,14 +88,16 @@ class HFRollout(BaseRollout):
     def __init__(
         self,
         config: RolloutConfig,
-        model_path: str,
+        model: str | ModelConfig,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
         trust_remote_code: bool = False,
         *,
         deterministic: bool = False,
     ) -> None:
-        """``config`` is an :class:`HFRolloutConfig` (a plain ``RolloutConfig`` takes its HF defaults);
+        """``config`` is an :class:`HFRolloutConfig` (a plain ``RolloutConfig`` takes its HF defaults); ``model``
+        is the HF directory (with ``trust_remote_code``) or the trainer's :class:`ModelConfig` (its path,
+        ``trust_remote_code`` and ``override_config``);
         ``deterministic`` (the trainer passes ``actor.engine.full_determinism``) turns on torch's deterministic
         kernels (:func:`~posttrain.core.determinism.enable_deterministic_kernels`). ``load_format=dummy`` builds
         the model from its config with random weights and refuses to generate before the first full sync."""
@@ -97,7 +106,9 @@ class HFRollout(BaseRollout):
             enable_deterministic_kernels()
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype if dtype is not None else config.dtype, "rollout.dtype")
-        self.model = load_model(model_path, self.dtype, config.load_format == "dummy", trust_remote_code)
+        if not isinstance(model, ModelConfig):
+            model = ModelConfig(path=model, trust_remote_code=trust_remote_code)
+        self.model = load_model(model, self.dtype, config.load_format == "dummy")
         self.model.to(self.device).eval()
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.eos_ids = eos_token_ids(self.model)

@@ -55,6 +55,17 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values (0.26 to 0.33)
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM takes that holds adapters of ``rank`` (vLLM pads smaller ranks)."""
+    for allowed in _LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"model.lora_rank={rank}: vLLM serves LoRA adapters of rank at most {_LORA_RANKS[-1]}")
+
+
 def dtype_name(dtype: str | torch.dtype) -> str:
     """vLLM's name for a rollout dtype given as a string (``bf16``, ``bfloat16``...) or a torch dtype."""
     return core_dtype_name(dtype, "rollout.dtype")
@@ -112,7 +123,8 @@ class VLLMRollout(BaseRollout):
         deterministic: bool = False,
     ) -> None:
         """``config`` is a :class:`VLLMRolloutConfig` (a plain ``RolloutConfig`` takes its vLLM defaults);
-        ``model`` is the HF directory or its :class:`ModelConfig`; a ``lora_rank`` > 0 (there or as keyword)
+        ``model`` is the HF directory or its :class:`ModelConfig` (the trainer passes ``model``: its
+        ``override_config`` reaches vLLM as ``hf_overrides``); a ``lora_rank`` > 0 (there or as keyword)
         starts vLLM with LoRA enabled so adapters sync as adapters. ``dtype`` overrides ``config.dtype``.
         ``deterministic`` (the trainer passes ``actor.engine.full_determinism``) turns on vLLM's batch-invariant
         mode before the engine is built, on a GPU (:func:`~posttrain.rollout_vllm.engines.enable_batch_invariance`;
@@ -222,8 +234,12 @@ class VLLMRollout(BaseRollout):
             logprobs_mode="processed_logprobs",
             enable_sleep_mode=self.sleep_enabled,
         )
+        if self.model_config.override_config:  # the fields the trainer's engine sets on the HF config
+            kwargs.update(hf_overrides=dict(self.model_config.override_config))
         if self.model_config.lora_rank > 0:
-            kwargs.update(enable_lora=True, max_lora_rank=self.model_config.lora_rank, max_loras=1)
+            kwargs.update(
+                enable_lora=True, max_lora_rank=max_lora_rank(self.model_config.lora_rank), max_loras=1
+            )
         if cfg.return_routed_experts:
             kwargs.update(enable_return_routed_experts=routed_experts_supported())
         if self.executor == "external_launcher":

@@ -239,15 +239,14 @@ def build_rollout(cfg: Any, device: Any) -> Any:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         return RemoteRollout(
             cfg.rollout,
-            cfg.model.path,
+            cfg.model,
             threads=cfg.trainer.rollout_threads,
             rank=rank,
             deterministic=deterministic,
-            trust_remote_code=cfg.model.trust_remote_code,
             device=rollout_device(cfg.trainer.rollout_devices),
             trainer_device=device,
         )
-    return new_rollout(cfg.rollout, cfg.model.path, device, deterministic, cfg.model.trust_remote_code)
+    return new_rollout(cfg.rollout, cfg.model, device, deterministic)
 
 
 def rollout_device(devices: list[str]) -> str:

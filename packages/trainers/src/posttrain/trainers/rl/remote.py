@@ -39,6 +39,7 @@ import torch
 import torch.multiprocessing as mp
 
 from posttrain.core import RolloutRegistry
+from posttrain.core.config import ModelConfig
 from posttrain.core.dist_transport import PairBucketTransport, nccl_pair_group, pair_group, pair_store
 from posttrain.core.dtypes import parse_dtype
 from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
@@ -50,19 +51,14 @@ class RolloutWorkerError(RuntimeError):
 
 
 def new_rollout(
-    config: RolloutConfig,
-    model_path: str,
-    device: Any,
-    deterministic: bool = False,
-    trust_remote_code: bool = False,
+    config: RolloutConfig, model: ModelConfig | str, device: Any, deterministic: bool = False
 ) -> BaseRollout:
-    """The rollout ``rollout.name`` names, built through the registry (colocated and in the worker alike);
-    ``deterministic``: the trainer's ``actor.engine.full_determinism``; ``trust_remote_code``: its
-    ``model.trust_remote_code`` (the rollout loads the same model)."""
+    """The rollout ``rollout.name`` names, built through the registry (colocated and in the worker alike) from the
+    trainer's ``model`` config (its path, ``trust_remote_code``, ``override_config`` and, for a rollout that
+    serves adapters, ``lora_rank``) or a bare HF directory; ``deterministic``: the trainer's
+    ``actor.engine.full_determinism``."""
     cls = RolloutRegistry.from_entry_points().get_rollout_cls(config.name)
-    return cls(
-        config, model_path, device=device, trust_remote_code=trust_remote_code, deterministic=deterministic
-    )
+    return cls(config, model, device=device, deterministic=deterministic)
 
 
 _TORCHRUN_VARS = (
@@ -156,12 +152,11 @@ def _error(exc: BaseException) -> tuple:
 def worker_main(
     conn,
     config: RolloutConfig,
-    model_path: str,
+    model: ModelConfig | str,
     port: int,
     threads: int,
     timeout_s: float,
     deterministic: bool,
-    trust_remote_code: bool = False,
     gpu: str | None = None,
     nccl: bool = False,
 ) -> None:
@@ -177,7 +172,7 @@ def worker_main(
     if threads > 0:
         torch.set_num_threads(threads)
     try:
-        rollout = new_rollout(config, model_path, device, deterministic, trust_remote_code)
+        rollout = new_rollout(config, model, device, deterministic)
     except Exception as exc:  # reported to the trainer, which raises it
         if isinstance(exc, AssertionError) and "daemonic" in str(exc):  # multiprocessing's refusal
             exc = ValueError(
@@ -217,21 +212,20 @@ class RemoteRollout(BaseRollout):
     def __init__(
         self,
         config: RolloutConfig,
-        model_path: str,
+        model: ModelConfig | str,
         *,
         threads: int = 0,
         rank: int = 0,
         timeout_s: float = 600.0,
         bucket_bytes: int | None = None,
         deterministic: bool = False,
-        trust_remote_code: bool = False,
         device: torch.device | str = "cpu",
         trainer_device: torch.device | str | None = None,
     ) -> None:
         """Start the worker and wait until its rollout is built and the gloo pair joined. ``threads``: the
         worker's torch intra-op threads (0: torch's default); ``rank`` names it; ``bucket_bytes``: the push's
-        bucket size (default ``rollout.update_weights_bucket_megabytes``); ``deterministic`` and
-        ``trust_remote_code``: passed to the rollout's constructor; ``device``: where the worker builds its
+        bucket size (default ``rollout.update_weights_bucket_megabytes``); ``deterministic``: passed to
+        the rollout's constructor, with ``model`` (the trainer's model config or an HF directory); ``device``: where the worker builds its
         rollout (``cuda:N`` as this process numbers GPUs); ``trainer_device``: where the pushed weights live (a
         GPU other than ``device``'s: the bytes go over NCCL)."""
         device = torch.device(device)
@@ -249,12 +243,11 @@ class RemoteRollout(BaseRollout):
             args=(
                 child,
                 config,
-                model_path,
+                model,
                 self.store.port,
                 threads,
                 timeout_s,
                 deterministic,
-                trust_remote_code,
                 gpu,
                 nccl,
             ),
