@@ -81,3 +81,20 @@ def test_async_save_through_the_engine_hook(tmp_path: Path) -> None:
     fresh = _engine(path)
     load_fsdp_checkpoint(fresh, str(mgr.latest()[1] / "actor"))
     assert all(torch.equal(v, saved[k]) for k, v in _params(fresh).items())
+
+
+@pytest.mark.slow
+def test_save_checkpoint_keeps_the_newest_saves_of_its_role(tmp_path: Path) -> None:
+    """``save_checkpoint(<root>/global_step_<N>/actor, max_ckpt_to_keep=2)`` prunes the older finished saves (a
+    save that died before its manifest is neither counted nor deleted); ``checkpoint.max_ckpt_to_keep`` is the
+    default; a save into a step manager's staging directory leaves retention to the manager."""
+    eng = _engine(save_tiny_model(tmp_path / "lm"), max_ckpt_to_keep=1)
+    root = tmp_path / "run"
+    (root / "global_step_9" / "actor").mkdir(parents=True)  # died mid-save: no manifest
+    for step in (1, 2, 3):
+        eng.save_checkpoint(str(root / f"global_step_{step}" / "actor"), global_step=step, max_ckpt_to_keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_2", "global_step_3", "global_step_9"]
+    eng.save_checkpoint(str(root / "global_step_4" / "actor"), global_step=4)  # the config's 1
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_4", "global_step_9"]
+    eng.save_checkpoint(str(root / ".tmp.global_step_5" / "actor"), global_step=5)
+    assert (root / "global_step_4").is_dir()

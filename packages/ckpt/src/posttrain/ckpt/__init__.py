@@ -11,7 +11,7 @@ from .extra import capture_rng, restore_rng
 from .hf import export_hf, load_full_model_state
 from .layout import TRACKER, is_complete
 from .manager import CheckpointManager, find_latest, load_trainer_state
-from .retention import retain, step_dirs
+from .retention import retain, retain_role_saves, step_dirs
 from .role import RoleInfo, RoleState, load_role, prepare_role, read_role_manifest, save_role
 from .writer import AsyncWriter, CheckpointWriteError
 
@@ -33,6 +33,7 @@ __all__ = [
     "read_role_manifest",
     "restore_rng",
     "retain",
+    "retain_role_saves",
     "save_role",
     "step_dirs",
 ]

@@ -1,8 +1,8 @@
 """Checkpoint retention: keep the newest N step directories of a root and delete the older ones.
 
 One rule for the step manager (:class:`~posttrain.ckpt.CheckpointManager`, after each commit) and for an engine
-that saves straight into ``<root>/global_step_<N>/<role>`` (the megatron engine's ``save_checkpoint(...,
-max_ckpt_to_keep=...)``). :func:`retain` runs only once the new checkpoint is complete, so a crash while saving
+that saves straight into ``<root>/global_step_<N>/<role>`` (both engines' ``save_checkpoint(...,
+max_ckpt_to_keep=...)``, through :func:`retain_role_saves`). :func:`retain` runs only once the new checkpoint is complete, so a crash while saving
 never costs the last good one. Each directory to delete is first renamed to ``.tmp.old.global_step_<M>`` (one
 atomic rename), so a crash while deleting leaves hidden debris, never a half-deleted directory under a
 checkpoint's name; the debris of older saves and deletions goes on the way.
@@ -11,9 +11,11 @@ checkpoint's name; the debris of older saves and deletions goes on the way.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
+from . import dist as ckpt_dist
 from .layout import complete_steps, fsync_path, parse_step
 
 DEBRIS_PREFIXES = (".tmp.old.", ".tmp.")
@@ -70,3 +72,28 @@ def retain(
     for step in doomed:
         remove(root, steps[step])
     return doomed
+
+
+def retain_role_saves(
+    role_dir: str | Path, keep: int | None, finished: Callable[[Path], bool], writer: Any = None
+) -> None:
+    """An engine's ``save_checkpoint(<root>/global_step_<N>/<role>, max_ckpt_to_keep=keep)``: keep the newest
+    ``keep`` saves of this role among the ``global_step_<N>`` siblings of its step directory, counting only those
+    whose role directory is ``finished`` (its last file written), once this save is written: behind it on
+    ``writer`` (an :class:`~posttrain.ckpt.AsyncWriter`) for an async save. A role directory whose parent is not
+    named ``global_step_<N>`` (a step manager's staging directory) leaves retention to the manager. Call it on
+    every rank; rank 0 deletes."""
+    role_dir = Path(role_dir)
+    step_dir = role_dir.parent
+    current = parse_step(step_dir.name)
+    if keep is None or current is None or ckpt_dist.get_rank() != 0:
+        return
+
+    def job() -> None:
+        done = {s: d for s, d in step_dirs(step_dir.parent).items() if finished(d / role_dir.name)}
+        retain(step_dir.parent, keep, current, {**done, current: step_dir})
+
+    if writer is not None:
+        writer.submit(job)
+    else:
+        job()

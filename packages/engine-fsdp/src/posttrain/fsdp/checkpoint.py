@@ -14,7 +14,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from posttrain.ckpt import AsyncWriter, RoleInfo, RoleState, load_role, prepare_role, save_role
+from posttrain.ckpt import (
+    AsyncWriter,
+    RoleInfo,
+    RoleState,
+    load_role,
+    prepare_role,
+    retain_role_saves,
+    save_role,
+)
+from posttrain.ckpt.layout import ROLE_MANIFEST
 
 
 def _role_state(engine: Any, global_step: int) -> RoleState:
@@ -42,12 +51,19 @@ def _role_info(engine: Any) -> RoleInfo:
 
 
 def save_fsdp_checkpoint(
-    engine: Any, local_path: str, global_step: int = 0, writer: AsyncWriter | None = None, **kwargs: Any
+    engine: Any,
+    local_path: str,
+    global_step: int = 0,
+    writer: AsyncWriter | None = None,
+    max_ckpt_to_keep: int | None = None,
+    **kwargs: Any,
 ) -> None:
     """Write ``checkpoint.save_contents`` of ``engine`` into the role directory ``local_path`` (collective).
 
     With ``checkpoint.async_save`` pass the step manager's ``writer``: the call then returns after the
-    device-to-host snapshot and the files are written in the background.
+    device-to-host snapshot and the files are written in the background. ``max_ckpt_to_keep`` (else
+    ``checkpoint.max_ckpt_to_keep``) prunes older ``global_step_<N>`` siblings once this save is written, when
+    ``local_path`` is ``<root>/global_step_<N>/<role>`` (:func:`posttrain.ckpt.retain_role_saves`).
     """
     config = engine.checkpoint_config
     engine.engine_config.check_checkpoint(config)
@@ -65,6 +81,13 @@ def save_fsdp_checkpoint(
         global_step,
         writer=writer if config.async_save else None,
     )
+    keep = max_ckpt_to_keep if max_ckpt_to_keep is not None else config.max_ckpt_to_keep
+    retain_role_saves(local_path, keep, _finished, writer if config.async_save else None)
+
+
+def _finished(role_dir: Path) -> bool:
+    """A role directory whose save got to its last file (the manifest)."""
+    return (role_dir / ROLE_MANIFEST).is_file()
 
 
 def _refuse_native_megatron(role_dir: Path) -> None:

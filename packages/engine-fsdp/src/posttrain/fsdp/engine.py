@@ -372,10 +372,11 @@ class FSDPEngine(BaseEngine):
     def save_checkpoint(
         self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None, **kwargs: Any
     ) -> None:
-        """Delegates to ``posttrain.fsdp.checkpoint.save_fsdp_checkpoint`` (retention is the caller's job)."""
+        """Delegates to ``posttrain.fsdp.checkpoint.save_fsdp_checkpoint``; ``max_ckpt_to_keep`` (else
+        ``checkpoint.max_ckpt_to_keep``) prunes older ``global_step_<N>`` saves of this role."""
         from .checkpoint import save_fsdp_checkpoint
 
-        save_fsdp_checkpoint(self, local_path, global_step, **kwargs)
+        save_fsdp_checkpoint(self, local_path, global_step, max_ckpt_to_keep=max_ckpt_to_keep, **kwargs)
 
     def prepare_checkpoint(self, role: str, writer: Any) -> None:
         """Delegates to ``posttrain.fsdp.checkpoint.prepare_fsdp_checkpoint`` (no-op without async_save)."""

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from posttrain.ckpt import retain, step_dirs
-from posttrain.ckpt.layout import ROLE_MANIFEST, parse_step
+from posttrain.ckpt import retain_role_saves
+from posttrain.ckpt.layout import ROLE_MANIFEST
 
 from . import async_save, build, fsdp_dtensor, lora, portable
 
@@ -164,23 +164,8 @@ def _finished(role_dir: Path) -> bool:
 
 
 def _retain(role_dir: Path, keep: int | None, writer: Any = None) -> None:
-    """Keep the newest ``keep`` finished saves of this role among the ``global_step_<N>`` siblings of its step
-    directory (:func:`posttrain.ckpt.retain`), once this save is written: behind it on ``writer`` for an async
-    save. A save into a step manager's staging directory (not named ``global_step_<N>``) leaves retention to the
-    manager."""
-    step_dir = role_dir.parent
-    current = parse_step(step_dir.name)
-    if keep is None or current is None or _rank() != 0:
-        return
-
-    def job() -> None:
-        finished = {s: d for s, d in step_dirs(step_dir.parent).items() if _finished(d / role_dir.name)}
-        retain(step_dir.parent, keep, current, {**finished, current: step_dir})
-
-    if writer is not None:
-        writer.submit(job)
-    else:
-        job()
+    """Keep the newest ``keep`` finished saves of this role (:func:`posttrain.ckpt.retain_role_saves`)."""
+    retain_role_saves(role_dir, keep, _finished, writer)
 
 
 def _fresh_dir(path: Path) -> None:
