@@ -96,3 +96,10 @@ def test_buckets_cross_an_nccl_pair_gpu_to_gpu_verified():
         p.join(timeout=60)
         assert p.exitcode == 0
     assert [n for n, _ in result] == [f"w{i}" for i in range(6)] and all(ok for _, ok in result)
+
+
+def test_a_pair_carries_cpu_buffers_over_gloo_and_cuda_ones_over_nccl_only():
+    with pytest.raises(ValueError, match="CUDA buffers over nccl_pair_group"):
+        PairBucketTransport(None, 1, data=None, device="cuda:0")
+    with pytest.raises(ValueError, match="CPU buffers go over gloo"):
+        PairBucketTransport(None, 1, data=object(), device="cpu")
