@@ -195,6 +195,12 @@ def test_rollout_devices_pick_this_ranks_device_and_name_the_gpu_for_the_child(m
         physical_gpu("cuda:2")
 
 
+def test_a_rollout_device_this_process_cannot_see_is_refused_before_the_worker_starts(model_path):
+    count = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"rollout device cuda:{count}: this process sees {count} CUDA"):
+        RemoteRollout(CONFIG, model_path, device=f"cuda:{count}")
+
+
 def _gpu_push_and_generate(model_path, rollout_device: str, trainer_device: str, nccl: bool) -> None:
     """A worker whose HF rollout runs on ``rollout_device`` takes weights pushed from ``trainer_device`` and
     generates the greedy tokens of a rollout in this process that loaded the same weights."""

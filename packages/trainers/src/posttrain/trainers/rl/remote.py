@@ -168,10 +168,11 @@ def worker_main(
     device = "cpu"
     if gpu is not None:  # before anything starts CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"], device = gpu, "cuda:0"
-        torch.cuda.set_device(0)
     if threads > 0:
         torch.set_num_threads(threads)
     try:
+        if gpu is not None:
+            torch.cuda.set_device(0)
         rollout = new_rollout(config, model, device, deterministic)
     except Exception as exc:  # reported to the trainer, which raises it
         if isinstance(exc, AssertionError) and "daemonic" in str(exc):  # multiprocessing's refusal
@@ -229,6 +230,11 @@ class RemoteRollout(BaseRollout):
         rollout (``cuda:N`` as this process numbers GPUs); ``trainer_device``: where the pushed weights live (a
         GPU other than ``device``'s: the bytes go over NCCL)."""
         device = torch.device(device)
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(
+                f"rollout device {device}: this process sees {torch.cuda.device_count()} CUDA device(s); set "
+                "trainer.rollout_devices to GPUs it sees (cuda:0 to cuda:N-1), or leave it empty for the CPU"
+            )
         gpu = physical_gpu(device) if device.type == "cuda" else None
         trainer_device = torch.device(trainer_device or "cpu")
         trainer_gpu = physical_gpu(trainer_device) if trainer_device.type == "cuda" else None
