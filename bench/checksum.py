@@ -3,7 +3,7 @@ word checksum (:mod:`word_checksum`), on the same bucket in the same run.
 
 The bucket holds the tensors of a Qwen2.5-1.5B shape in bf16 (338 tensors, 3.09 GB in all, here cut into
 buckets of ``--bucket-mb``), each at a multiple of 256 bytes with its tail zeroed, as the sender packs them.
-Each checksum runs over every bucket ``--reps`` times; the best time counts, reported as ms for the whole model and
+Each checksum runs over every bucket once to warm up, then ``--reps`` times; the best time counts, reported as ms for the whole model and
 GB/s. Both must give each tensor a checksum that matches its own ``tensor_checksum``, checked once for a few
 tensors (the row hashes) so the timed code is the product's.
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
+from hf_rollout import timed  # warm-up call, then the timed ones, synchronised
 from weight_sync import QWEN25_15B
 from word_checksum import word_bucket_checksums
 
@@ -53,19 +53,6 @@ def buckets(sizes: list[int], bucket_bytes: int, device: torch.device) -> list[t
     return result
 
 
-def best_of(fn, reps: int, device: torch.device) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -82,8 +69,8 @@ def main() -> None:
         off, n = spans[i]
         if got[i] != tensor_checksum(buf[off : off + n]):
             raise RuntimeError(f"bucket checksum of span {i} differs from its tensor_checksum")
-    rows = best_of(lambda: [bucket_checksums(b, s) for b, s in data], args.reps, device)
-    words = best_of(lambda: [word_bucket_checksums(b, s) for b, s in data], args.reps, device)
+    rows = timed(lambda: [bucket_checksums(b, s) for b, s in data], device, args.reps)["best_s"]
+    words = timed(lambda: [word_bucket_checksums(b, s) for b, s in data], device, args.reps)["best_s"]
     nbytes = sum(2 * n for n in sizes)
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -239,18 +239,7 @@ def overrides(
     if mode != "sync":
         # one batch past the timed steps, so the last timed step also trains while the next batch generates
         out += [f"trainer.mode={mode}", f"trainer.total_training_steps={args.warmup + args.steps + 1}"]
-        if placement != "colocated":  # a rollout process per trainer rank, vLLM in-process there
-            out += ["trainer.rollout_placement=process"]
-            if work.bf16:  # on the GPUs (the CPU smoke run's rollout process stays on the CPU)
-                first = world if placement == "disaggregated" else 0
-                devices = ",".join(f"cuda:{first + rank}" for rank in range(world))
-                out += [f"trainer.rollout_devices=[{devices}]"]
-            if rollout == "vllm":
-                out += ["rollout.executor=inprocess"]
-                if placement == "disaggregated":
-                    out += ["rollout.gpu_memory_utilization=0.85"]
-        elif rollout == "vllm":  # vLLM's engine core in its own process: it generates while this one trains
-            out += ["rollout.executor=multiprocess"]
+        out += placement_overrides(placement, rollout, world, on_gpu=work.bf16)
     if work.preset is None:  # the bench work: verl's GSM8K GRPO recipe, one optimizer step per step
         out += [
             f"actor.ppo_mini_batch_size={prompts}",
@@ -265,6 +254,24 @@ def overrides(
         if not work.bf16:  # CPU smoke run: compiling the log-prob chunk costs more than it saves
             out += ["actor.engine.use_torch_compile=false", "ref.engine.use_torch_compile=false"]
     return out + list(args.set)
+
+
+def placement_overrides(placement: str, rollout: str, world: int, on_gpu: bool) -> list[str]:
+    """Where an overlapped run's rollout generates: beside the trainer (vLLM's engine core in a process of its
+    own), or in a rollout process per trainer rank (vLLM in-process there) on the trainer's GPU (``process``) or
+    on a GPU of its own (``disaggregated``: GPUs ``world`` to ``2 * world - 1``); the CPU smoke run's rollout
+    process stays on the CPU."""
+    if placement == "colocated":
+        return ["rollout.executor=multiprocess"] if rollout == "vllm" else []
+    out = ["trainer.rollout_placement=process"]
+    if on_gpu:
+        first = world if placement == "disaggregated" else 0
+        out += [f"trainer.rollout_devices=[{','.join(f'cuda:{first + rank}' for rank in range(world))}]"]
+    if rollout == "vllm":
+        out += ["rollout.executor=inprocess"]
+        if placement == "disaggregated":
+            out += ["rollout.gpu_memory_utilization=0.85"]
+    return out
 
 
 class MemoryPeak:

@@ -15,10 +15,12 @@ partial, misplaced or corrupted bucket), not against an adversary.
 :func:`bucket_checksums` gives every tensor of a bucket its checksum from one pass over the bucket: tensors
 start at multiples of 256 bytes and the sender zeroes the bytes from each tensor's end to the next multiple
 of 256, so a tensor's rows inside the bucket are exactly its zero-padded rows. The row hashes' running sums
-are read at the tensors' first and last rows.
+are read at the tensors' first and last rows (:func:`span_sums`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -30,6 +32,7 @@ _MIN_ROWS = 17  # torch._int_mm on CUDA needs more than 16 rows
 _MOD = (1 << 61) - 1
 _U64 = 1 << 64
 _TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_POSITIONS: dict[torch.device, torch.Tensor] = {}
 
 
 class WeightSyncError(RuntimeError):
@@ -55,6 +58,15 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.tensor(c, dtype=torch.int64).to(device),
         )
     return _TABLES[device]
+
+
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    """``1..n`` as int64 on ``device``, cached (grown as needed, at most one chunk long)."""
+    cached = _POSITIONS.get(device)
+    if cached is None or cached.numel() < n:
+        cached = torch.arange(1, n + 1, device=device, dtype=torch.int64)
+        _POSITIONS[device] = cached
+    return cached[:n]
 
 
 def padded(nbytes: int) -> int:
@@ -94,8 +106,9 @@ def tensor_checksums(tensors: list[torch.Tensor]) -> list[int]:
         total = torch.zeros(2, dtype=torch.int64, device=rows.device)
         for begin in range(0, rows.shape[0], _CHUNK_ROWS):
             u = row_hashes(rows[begin : begin + _CHUNK_ROWS])
-            at = torch.arange(begin + 1, begin + 1 + u.numel(), device=u.device, dtype=torch.int64)
-            total += torch.stack([u.sum(), (u * at).sum()])
+            plain = u.sum()
+            weighted = (u * _positions(u.numel(), u.device)).sum() + begin * plain
+            total += torch.stack([plain, weighted])
         sums.append(total.to(tensors[0].device))
     return [_combine(a, b) for a, b in torch.stack(sums).tolist()]
 
@@ -112,15 +125,59 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def span_sums(
+    values: Callable[[int, int], torch.Tensor],
+    starts: list[int],
+    ends: list[int],
+    chunk: int,
+    device: torch.device,
+) -> list[int]:
+    """The combined (plain, position-weighted) sums of unit values over each unit span ``[starts[i], ends[i])``,
+    in one pass with one host sync. ``values(begin, stop)`` returns the int64 values of units ``begin..stop-1``
+    as a fresh tensor (it is overwritten). With ``S1(x)``, ``S2(x)`` the sums of the first ``x`` values ``u_j``
+    and of ``u_j * (j + 1)``, a span ``[a, b)`` has plain sum ``S1(b) - S1(a)`` and position-weighted sum
+    ``S2(b) - S2(a) - a * plain`` (modulo 2**64); the running sums are computed ``chunk`` units at a time and read
+    only at the spans' ends."""
+    total = max(ends)
+    points = sorted({p for p in starts + ends if p > 0})
+    where = {p: i + 1 for i, p in enumerate(points)}  # row 0 of the table: the sums before unit 0
+    chunks = [(begin, min(begin + chunk, total)) for begin in range(0, total, chunk)]
+    # per chunk: the positions (in the chunk) of the span ends it holds, then its own last position
+    inside = [
+        [p - 1 - begin for p in points if begin < p <= stop] + [stop - 1 - begin] for begin, stop in chunks
+    ]
+    host = (
+        [i for picks in inside for i in picks]
+        + [where.get(a, 0) for a in starts]
+        + [where.get(b, 0) for b in ends]
+    )
+    index = _to_device(torch.tensor(host + starts, dtype=torch.int64), device)
+    carry = torch.zeros(1, 2, dtype=torch.int64, device=device)
+    table, used = [carry], 0
+    for (begin, stop), picks in zip(chunks, inside):
+        u = values(begin, stop)
+        plain = torch.cumsum(u, 0)
+        weighted = torch.cumsum(u.mul_(_positions(stop - begin, device)), 0)
+        del u
+        at = index[used : used + len(picks)]
+        p, w = plain[at], weighted[at]
+        sums = torch.stack([p, w + begin * p], 1) + carry  # the running sums at the picks and the chunk's end
+        table.append(sums[:-1])
+        carry, used = sums[-1:], used + len(picks)
+    flat, n = torch.cat(table), len(starts)
+    first, last = flat[index[used : used + n]], flat[index[used + n : used + 2 * n]]
+    plain, weighted = (last - first).unbind(1)
+    weighted = weighted - index[used + 2 * n :] * plain
+    return [_combine(a, b) for a, b in torch.stack([plain, weighted], 1).tolist()]
+
+
 def bucket_checksums(
     buffer: torch.Tensor, spans: list[tuple[int, int]], chunk_rows: int = _CHUNK_ROWS
 ) -> list[int]:
     """The :func:`tensor_checksum` of each ``(offset, nbytes)`` span of the flat uint8 ``buffer``, in one pass
-    over the buffer with one host sync. Offsets must be multiples of :data:`ROW` and the bytes from a span's end
-    to the next multiple zero (the sender writes them so). With ``S1(x)``, ``S2(x)`` the sums of the first ``x``
-    row hashes ``u_j`` and of ``u_j * (j + 1)``, a span of rows ``[a, b)`` has plain sum ``S1(b) - S1(a)`` and
-    position-weighted sum ``S2(b) - S2(a) - a * plain``; the running sums are computed ``chunk_rows`` rows at a
-    time and read only at the spans' ends."""
+    over the buffer with one host sync (:func:`span_sums` over the row hashes, ``chunk_rows`` rows at a time).
+    Offsets must be multiples of :data:`ROW` and the bytes from a span's end to the next multiple zero (the
+    sender writes them so): then a span's rows are the tensor's zero-padded rows."""
     if not spans:
         return []
     if any(off % ROW for off, _ in spans):
@@ -136,30 +193,4 @@ def bucket_checksums(
             f"bucket of {buffer.numel()} bytes is shorter than its tensors' {total * ROW} bytes (partial transfer)"
         )
     rows = buffer[: total * ROW].view(torch.int8).view(total, ROW)
-    points = sorted({p for p in starts + ends if p > 0})
-    where = {p: i + 1 for i, p in enumerate(points)}  # row 0 of the table: the sums before row 0
-    chunks = [(begin, min(begin + chunk_rows, total)) for begin in range(0, total, chunk_rows)]
-    # per chunk: the positions (in the chunk) of the span ends it holds, then its own last position
-    inside = [
-        [p - 1 - begin for p in points if begin < p <= stop] + [stop - 1 - begin] for begin, stop in chunks
-    ]
-    host = (
-        [i for picks in inside for i in picks]
-        + [where.get(a, 0) for a in starts]
-        + [where.get(b, 0) for b in ends]
-    )
-    index = _to_device(torch.tensor(host + starts, dtype=torch.int64), buffer.device)
-    carry = torch.zeros(1, 2, dtype=torch.int64, device=buffer.device)
-    table, used = [carry], 0
-    for (begin, stop), picks in zip(chunks, inside):
-        u = row_hashes(rows[begin:stop])
-        at = torch.arange(begin + 1, stop + 1, device=u.device, dtype=torch.int64)
-        pick = index[used : used + len(picks)]
-        sums = torch.stack([torch.cumsum(u, 0)[pick], torch.cumsum(u * at, 0)[pick]], 1) + carry
-        table.append(sums[:-1])
-        carry, used = sums[-1:], used + len(picks)
-    flat, n = torch.cat(table), len(spans)
-    first, last = flat[index[used : used + n]], flat[index[used + n : used + 2 * n]]
-    plain, weighted = (last - first).unbind(1)
-    weighted = weighted - index[used + 2 * n :] * plain
-    return [_combine(a, b) for a, b in torch.stack([plain, weighted], 1).tolist()]
+    return span_sums(lambda b, e: row_hashes(rows[b:e]), starts, ends, chunk_rows, buffer.device)

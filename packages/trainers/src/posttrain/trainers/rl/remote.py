@@ -206,6 +206,21 @@ def worker_main(
 
 
 # ---------------------------------------------------------------------- the trainer's side
+def _placement(device: torch.device, trainer_device: torch.device) -> tuple[str | None, bool, torch.device]:
+    """(the worker's physical GPU or None, whether the push goes over NCCL, where the trainer packs buckets) for
+    a worker on ``device`` taking weights from ``trainer_device``: NCCL between two different GPUs, host memory
+    otherwise (NCCL refuses two members on one GPU)."""
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(
+            f"rollout device {device}: this process sees {torch.cuda.device_count()} CUDA device(s); set "
+            "trainer.rollout_devices to GPUs it sees (cuda:0 to cuda:N-1), or leave it empty for the CPU"
+        )
+    gpu = physical_gpu(device) if device.type == "cuda" else None
+    trainer_gpu = physical_gpu(trainer_device) if trainer_device.type == "cuda" else None
+    nccl = gpu is not None and trainer_gpu is not None and gpu != trainer_gpu
+    return gpu, nccl, trainer_device if nccl else torch.device("cpu")
+
+
 class RemoteRollout(BaseRollout):
     """The trainer's handle on a rollout worker process (see the module docstring). Calls are serialized by a
     lock, so the trainer's thread and the rollout thread of :mod:`.modes` may both use it."""
@@ -229,17 +244,7 @@ class RemoteRollout(BaseRollout):
         the rollout's constructor, with ``model`` (the trainer's model config or an HF directory); ``device``: where the worker builds its
         rollout (``cuda:N`` as this process numbers GPUs); ``trainer_device``: where the pushed weights live (a
         GPU other than ``device``'s: the bytes go over NCCL)."""
-        device = torch.device(device)
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(
-                f"rollout device {device}: this process sees {torch.cuda.device_count()} CUDA device(s); set "
-                "trainer.rollout_devices to GPUs it sees (cuda:0 to cuda:N-1), or leave it empty for the CPU"
-            )
-        gpu = physical_gpu(device) if device.type == "cuda" else None
-        trainer_device = torch.device(trainer_device or "cpu")
-        trainer_gpu = physical_gpu(trainer_device) if trainer_device.type == "cuda" else None
-        nccl = gpu is not None and trainer_gpu is not None and gpu != trainer_gpu
-        self.send_device = trainer_device if nccl else torch.device("cpu")
+        gpu, nccl, self.send_device = _placement(torch.device(device), torch.device(trainer_device or "cpu"))
         ctx = mp.get_context("spawn")
         self.config, self.timeout_s, self.lock = config, timeout_s, threading.Lock()
         self.store = pair_store(0, timeout_s=timeout_s)
