@@ -34,7 +34,9 @@ def summarize(results: list[dict], world: int) -> dict[str, Any]:
     for name in phases:
         sec = mean([s.get(f"timing_s/{name}", 0.0) for s in steps])
         row[f"{name}_s"], row[f"{name}_share"] = round(sec, 3), round(sec / step_s, 3)
-    row["other_s"] = round(step_s - sum(row[f"{p}_s"] for p in phases), 3)
+    # With the rollout ahead (a wait_rollout phase), the push runs on the rollout's thread, beside the step.
+    inside = [p for p in phases if not ("wait_rollout" in phases and p == "update_weights")]
+    row["other_s"] = round(step_s - sum(row[f"{p}_s"] for p in inside), 3)
     for key in ("peak_torch_gib", "peak_device_gib"):
         seen = [r[key] for r in results if r[key] is not None]
         row[key] = max(seen) if seen else None

@@ -73,15 +73,16 @@ case "${1:-tests}" in
   vllmsync)
     eval "$(bash /tmp/stash/unpack.sh)"
     # the bucket checksum alone first (row hashes against the previous word checksum, same buckets): no vLLM needed
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider packages/engine-core/tests/test_weight_sync.py 2>&1 \
-      | tail -3 | tee "$out/checksum_test.log"
-    timeout 120 python3 bench/checksum.py --json "$out/checksum.json" 2>&1 | tee "$out/checksum.log"
+    # (8 files in $OUT in all with gpus.txt and commit.txt: a device call returns no more than 8)
+    { timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider packages/engine-core/tests/test_weight_sync.py \
+        2>&1 | tail -3; timeout 120 python3 bench/checksum.py --json "$out/checksum.json" 2>&1; } \
+      | tee "$out/checksum.log"
     # the in-process run also prints a torch.profiler table of one more sync (whole output in vllm_sync_*.log)
     for ex in inprocess multiprocess; do
       prof=$([ $ex = inprocess ] && echo --profile)
       timeout 240 python3 bench/vllm_sync.py --executor $ex $prof --json "$out/vllm_sync_$ex.json" 2>&1 \
         | tee "$out/vllm_sync_$ex.log" | grep -A20 '^{'
-    done 2>&1 | tee "$out/vllm_sync.log" ;;
+    done ;;
   grpo)
     # `posttrain grpo` with the vLLM rollout and the FSDP2 actor in bf16: SIZE (posttrain model init --size), STEPS
     eval "$(bash /tmp/stash/unpack.sh)"

@@ -11,7 +11,8 @@
 # OUT_DIR/p0/part.0, p1/part.1, p2/part.2, each with the same unpack.sh.
 #
 # The three-call carry (a device call carries at most 64 MiB, the working tree included; the machine stays warm
-# only about 30 s after a call, so make the three calls back to back, and what lands in /tmp is gone once it
+# only about 30 s after a call, so make the three calls back to back, best as three calls of one message, since
+# a pause between replies can outlast the 30 s; what lands in /tmp is gone once it
 # goes back):
 #   call 1: carry [".vllm-parts/p0"]   command: mkdir -p /tmp/stash && cp .vllm-parts/p0/* /tmp/stash/
 #   call 2: carry [".vllm-parts/p1"]   command: cp .vllm-parts/p1/* /tmp/stash/
