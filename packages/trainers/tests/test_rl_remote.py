@@ -1,5 +1,5 @@
 """trainer.rollout_placement=process, below the trainer: a real rollout worker process (the HF rollout on the tiny
-model) takes weights over the gloo pair and generates what the colocated rollout generates, refuses a bucket
+model) takes weights through a shared-memory bucket (headers over the gloo pair) and generates what the colocated rollout generates, refuses a bucket
 whose bytes were corrupted in the transport, reports its own errors, exits with code 0 at release, and a killed
 worker raises an error naming it instead of hanging."""
 
@@ -66,6 +66,7 @@ def test_pushed_weights_are_served_and_generate_like_the_colocated_rollout(worke
     report = worker.update_weights(iter(weights.items()), version=7)
     assert worker.weight_version() == 7
     assert report.num_buckets > 1 and report.num_tensors == len(weights)  # 256 KiB buckets: several
+    assert worker.shared.kind == "shm" and worker.transport.shared  # packed where the worker reads it
     local = new_rollout(CONFIG, model_path, "cpu")
     local.update_weights(iter(weights.items()), version=7)
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
@@ -214,10 +215,14 @@ def _gpu_push_and_generate(model_path, rollout_device: str, trainer_device: str,
         trainer_device=trainer_device,
     )
     try:
-        assert (remote.transport.data is not None) is nccl
-        assert remote.send_device == (torch.device(trainer_device) if nccl else torch.device("cpu"))
+        assert (remote.transport.data is not None) is nccl and remote.transport.shared is not nccl
+        assert remote.send_device == torch.device(trainer_device)
         remote.update_weights(iter(weights.items()), version=1)
         assert remote.weight_version() == 1
+        if not nccl:  # the push packed into a CUDA buffer of the trainer's GPU that the worker mapped
+            assert remote.shared.kind == "cuda_ipc" and remote.shared.tensor.device == torch.device(
+                trainer_device
+            )
         local = new_rollout(CONFIG, model_path, trainer_device)
         local.update_weights(iter(weights.items()), version=1)
         greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
@@ -231,7 +236,7 @@ def _gpu_push_and_generate(model_path, rollout_device: str, trainer_device: str,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_worker_on_the_trainers_gpu_takes_weights_through_host_memory(model_path):
+def test_a_worker_on_the_trainers_gpu_takes_weights_over_cuda_ipc(model_path):
     _gpu_push_and_generate(model_path, "cuda:0", "cuda:0", nccl=False)
 
 

@@ -21,15 +21,13 @@ buffer (once per segment or handle) and returns the :class:`Bucket`; checksums a
 
 from __future__ import annotations
 
-import mmap
-import os
 import pickle
 from collections.abc import Callable
-from multiprocessing import shared_memory
 from typing import Any
 
 import torch
 
+from posttrain.core.shared_buffer import SHARED_BUFFERS, BufferMaps, CudaIpcBuffer, SharedMemoryBuffer
 from posttrain.core.weight_sync import Bucket
 
 Send = Callable[[Any], None]
@@ -51,98 +49,17 @@ class LocalBuffer:
         """Nothing to unlink."""
 
 
-class _SharedBuffer:
-    """A buffer another process maps: the payload is pickled bytes holding its handle and the tensor metadata."""
-
-    kind: str
-    handle: Any
-
-    def before_send(self) -> None:
-        """Make the packed bytes visible to the other process."""
-
-    def payload(self, bucket: Bucket) -> bytes:
-        self.before_send()
-        meta = {"kind": self.kind, "handle": self.handle, "metas": bucket.metas}
-        return pickle.dumps({**meta, "index": bucket.index, "is_last": bucket.is_last})
-
-    @staticmethod
-    def key(handle: Any) -> Any:
-        """What identifies the buffer across payloads (so the worker maps it once)."""
-        return handle
+def _payload(buffer: SharedMemoryBuffer | CudaIpcBuffer, bucket: Bucket) -> bytes:
+    """What goes through ``collective_rpc`` for a bucket in a shared buffer: pickled bytes holding the buffer's
+    kind and handle and the tensor metadata (the packed bytes made visible to the other process first)."""
+    buffer.before_send()
+    meta = {"kind": buffer.kind, "handle": buffer.handle, "metas": bucket.metas}
+    return pickle.dumps({**meta, "index": bucket.index, "is_last": bucket.is_last})
 
 
-class SharedMemoryBuffer(_SharedBuffer):
-    """``shm`` (CPU, worker in another process): one POSIX shared-memory segment; the handle is its name."""
-
-    kind = "shm"
-
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        if device.type != "cpu":
-            raise ValueError(
-                f"the shm transport needs a CPU buffer device, got {device}: use cuda_ipc on GPU"
-            )
-        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(create=True, size=nbytes)
-        self.tensor = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
-        self.handle: Any = self._shm.name
-
-    def close(self) -> None:
-        if self._shm is not None:
-            self._shm.close()
-            self._shm.unlink()
-            self._shm = None
-
-    @staticmethod
-    def open(name: str) -> tuple[torch.Tensor, mmap.mmap]:
-        # Map /dev/shm/<name> directly rather than through SharedMemory: on Python < 3.13 attaching registers the
-        # segment with this process's resource tracker, which then reports it leaked (and unlinks it) at exit.
-        path = os.path.join("/dev/shm", name.lstrip("/"))
-        if not os.path.exists(path):
-            raise FileNotFoundError(
-                f"weight-sync shared-memory segment {path} does not exist (the trainer must "
-                "run on the same host and keep the segment until the sync ends)"
-            )
-        with open(path, "r+b") as f:
-            segment = mmap.mmap(f.fileno(), 0)
-        return torch.frombuffer(segment, dtype=torch.uint8), segment
-
-
-class CudaIpcBuffer(_SharedBuffer):
-    """``cuda_ipc`` (GPU, worker in another process): a CUDA tensor whose IPC handle is exported once."""
-
-    kind = "cuda_ipc"
-
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        if device.type != "cuda":
-            raise ValueError(
-                f"the cuda_ipc transport needs a CUDA buffer device, got {device}: use shm on CPU"
-            )
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.handle: Any = reduce_tensor(self.tensor)[1]
-
-    def before_send(self) -> None:
-        """The worker reads on its own stream, in its own process: the packing must be done first."""
-        torch.cuda.current_stream(self.tensor.device).synchronize()
-
-    def close(self) -> None:
-        """Nothing to unlink: the memory goes with the tensor."""
-
-    @staticmethod
-    def key(handle: tuple) -> Any:
-        return handle[7]  # the IPC memory handle (bytes) names the allocation
-
-    @staticmethod
-    def open(handle: tuple) -> tuple[torch.Tensor, None]:
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        return rebuild_cuda_tensor(*handle), None
-
-
-BUFFERS: dict[str, type] = {"inprocess": LocalBuffer, "shm": SharedMemoryBuffer, "cuda_ipc": CudaIpcBuffer}
+BUFFERS: dict[str, type] = {"inprocess": LocalBuffer, **SHARED_BUFFERS}
 """Transport name -> the buffer class that holds the bucket where the worker can read it."""
 TRANSPORTS = tuple(BUFFERS)
-SHARED = {name: cls for name, cls in BUFFERS.items() if issubclass(cls, _SharedBuffer)}
 
 
 class RpcBucketTransport:
@@ -156,7 +73,8 @@ class RpcBucketTransport:
         self.buffer = self._buffer.tensor
 
     def send(self, bucket: Bucket) -> None:
-        self.send_payload(self._buffer.payload(bucket))
+        shared = self.kind in SHARED_BUFFERS
+        self.send_payload(_payload(self._buffer, bucket) if shared else self._buffer.payload(bucket))
 
     def close(self) -> None:
         """Free the buffer (unlinks the shared-memory segment)."""
@@ -168,8 +86,7 @@ class BucketOpener:
     """Worker side: payload -> :class:`Bucket`, mapping each shared buffer once until :meth:`close`."""
 
     def __init__(self) -> None:
-        self._maps: list[mmap.mmap] = []
-        self._buffers: dict[Any, torch.Tensor] = {}
+        self._maps = BufferMaps()
 
     def open(self, payload: Bucket | bytes) -> Bucket:
         if isinstance(payload, Bucket):
@@ -179,25 +96,9 @@ class BucketOpener:
                 f"weight-sync payload must be a Bucket or pickled bytes, got {type(payload).__name__}"
             )
         msg = pickle.loads(payload)
-        return Bucket(self._buffer(msg["kind"], msg["handle"]), msg["metas"], msg["index"], msg["is_last"])
-
-    def _buffer(self, kind: str, handle: Any) -> torch.Tensor:
-        if kind not in SHARED:
-            raise ValueError(f"weight-sync payload of unknown kind {kind!r}")
-        key = (kind, SHARED[kind].key(handle))
-        if key not in self._buffers:
-            tensor, mapping = SHARED[kind].open(handle)
-            self._buffers[key] = tensor
-            if mapping is not None:
-                self._maps.append(mapping)
-        return self._buffers[key]
+        buffer = self._maps.open(msg["kind"], msg["handle"])
+        return Bucket(buffer, msg["metas"], msg["index"], msg["is_last"])
 
     def close(self) -> None:
         """Drop every mapping (the trainer may then free or reuse its buffers)."""
-        self._buffers.clear()
-        for segment in self._maps:
-            try:
-                segment.close()
-            except BufferError:  # a tensor still views it; the mapping goes when that tensor does
-                pass
-        self._maps.clear()
+        self._maps.close()

@@ -10,10 +10,12 @@ log-probs as CPU tensors, out).
 
 Weights go over a private pair of groups (:mod:`posttrain.core.dist_transport`: trainer rank 0 of the pair,
 worker rank 1, rendezvous on a ``TCPStore`` on a free port; the trainer's own process group is not touched):
-headers over gloo, and the bytes over NCCL, GPU to GPU, when the worker's GPU is not the trainer's, or else
-through host memory over gloo (NCCL refuses two members on one GPU). The push is the bucketed, checksummed
-protocol of :mod:`posttrain.core.weight_sync`: the trainer's :class:`~posttrain.core.weight_sync.BucketSender`
-packs the stream into buckets (on the trainer's GPU for NCCL, in host memory otherwise); the worker's
+headers over gloo, and the bytes over NCCL, GPU to GPU, when the worker's GPU is not the trainer's. Otherwise no
+bytes travel: the trainer packs each bucket into one buffer the worker maps (:mod:`posttrain.core.shared_buffer`:
+CUDA IPC on the trainer's GPU when the worker shares it, where NCCL cannot go; a shared-memory segment when the
+worker is on the CPU), and the worker's release of each bucket lets the next one be packed. The push is the
+bucketed, checksummed protocol of :mod:`posttrain.core.weight_sync`: the trainer's
+:class:`~posttrain.core.weight_sync.BucketSender` packs the stream into buckets; the worker's
 :class:`~posttrain.core.weight_sync.BucketReceiver` verifies every bucket's checksums and hands the tensors, a
 bucket at a time, to the rollout's own ``update_weights`` (which loads them and, once the sync is complete,
 serves the version). A refused bucket fails that sync in the worker; the worker still receives the remaining
@@ -43,6 +45,7 @@ from posttrain.core.config import ModelConfig
 from posttrain.core.dist_transport import PairBucketTransport, nccl_pair_group, pair_group, pair_store
 from posttrain.core.dtypes import parse_dtype
 from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
+from posttrain.core.shared_buffer import CudaIpcBuffer, SharedMemoryBuffer, shared_buffer
 from posttrain.core.weight_sync import Bucket, BucketReceiver, BucketSender, WeightSyncError
 
 
@@ -104,7 +107,10 @@ class ReceivedWeights:
         while not self.done:
             bucket = self.transport.recv()
             self.done = bucket.is_last
-            receiver(bucket)  # raises WeightSyncError on a bad checksum, a lost or reordered bucket
+            try:
+                receiver(bucket)  # raises WeightSyncError on a bad checksum, a lost or reordered bucket
+            finally:
+                self.transport.release()  # the copies are taken: the trainer may pack the next bucket
             yield from self.pending
             self.pending.clear()
         receiver.finish()
@@ -113,6 +119,7 @@ class ReceivedWeights:
         """Receive (and discard) the buckets left of this sync, so the trainer's send completes."""
         while not self.done:
             self.done = self.transport.recv().is_last
+        self.transport.release()
 
 
 def _update_weights(rollout: BaseRollout, transport, peft_config, base_sync_done, version) -> dict:
@@ -188,7 +195,7 @@ def worker_main(
     store = pair_store(1, port, timeout_s=timeout_s)
     group = pair_group(store, 1, timeout_s)
     data = nccl_pair_group(store, 1, timeout_s) if nccl else None
-    transport = PairBucketTransport(group, 0, data, device if nccl else "cpu")
+    transport = PairBucketTransport(group, 0, data, device, shared=not nccl)
     while True:
         try:
             op, args = pickle.loads(conn.recv_bytes())
@@ -196,6 +203,7 @@ def worker_main(
             break
         if op == "close":
             rollout.release()
+            transport.close()
             conn.send_bytes(pickle.dumps(("ok", None)))
             break
         try:
@@ -208,8 +216,8 @@ def worker_main(
 # ---------------------------------------------------------------------- the trainer's side
 def _placement(device: torch.device, trainer_device: torch.device) -> tuple[str | None, bool, torch.device]:
     """(the worker's physical GPU or None, whether the push goes over NCCL, where the trainer packs buckets) for
-    a worker on ``device`` taking weights from ``trainer_device``: NCCL between two different GPUs, host memory
-    otherwise (NCCL refuses two members on one GPU)."""
+    a worker on ``device`` taking weights from ``trainer_device``: NCCL between two different GPUs; on one GPU a
+    buffer there that the worker maps (CUDA IPC: NCCL refuses two members on one GPU); else host memory."""
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(
             f"rollout device {device}: this process sees {torch.cuda.device_count()} CUDA device(s); set "
@@ -218,7 +226,8 @@ def _placement(device: torch.device, trainer_device: torch.device) -> tuple[str 
     gpu = physical_gpu(device) if device.type == "cuda" else None
     trainer_gpu = physical_gpu(trainer_device) if trainer_device.type == "cuda" else None
     nccl = gpu is not None and trainer_gpu is not None and gpu != trainer_gpu
-    return gpu, nccl, trainer_device if nccl else torch.device("cpu")
+    same_gpu = gpu is not None and gpu == trainer_gpu
+    return gpu, nccl, trainer_device if nccl or same_gpu else torch.device("cpu")
 
 
 class RemoteRollout(BaseRollout):
@@ -247,6 +256,9 @@ class RemoteRollout(BaseRollout):
         gpu, nccl, self.send_device = _placement(torch.device(device), torch.device(trainer_device or "cpu"))
         ctx = mp.get_context("spawn")
         self.config, self.timeout_s, self.lock = config, timeout_s, threading.Lock()
+        self.shared: SharedMemoryBuffer | CudaIpcBuffer | None = (
+            None  # the push's buffer, made at the first push
+        )
         self.store = pair_store(0, timeout_s=timeout_s)
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
@@ -276,7 +288,8 @@ class RemoteRollout(BaseRollout):
         self.supports_lora_adapters = ready["supports_lora_adapters"]
         group = pair_group(self.store, 0, timeout_s)
         data = nccl_pair_group(self.store, 0, timeout_s) if nccl else None
-        self.transport = PairBucketTransport(group, 1, data, self.send_device)
+        self.transport = PairBucketTransport(group, 1, data, self.send_device, shared=not nccl)
+        self.pair = self.transport
         self.bucket_bytes = bucket_bytes or config.update_weights_bucket_megabytes << 20
         self.dtype = parse_dtype(config.dtype, "rollout.dtype")
 
@@ -338,13 +351,17 @@ class RemoteRollout(BaseRollout):
         base_sync_done: bool = False,
         version: int | None = None,
     ) -> SyncReport:
-        """Push the stream to the worker in checksummed CPU buckets (each tensor cast to ``rollout.dtype`` as it
-        is packed); returns what was sent. Raises unless the worker's rollout then serves ``version``."""
+        """Push the stream to the worker in checksummed buckets (each tensor cast to ``rollout.dtype`` as it is
+        packed); returns what was sent. Raises unless the worker's rollout then serves ``version``."""
         with self.lock:
             self._send("update_weights", peft_config, base_sync_done, version)
             try:
                 report = BucketSender(
-                    self.transport, self.bucket_bytes, device=self.send_device, dtype=self.dtype
+                    self.transport,
+                    self.bucket_bytes,
+                    device=self.send_device,
+                    dtype=self.dtype,
+                    buffer=self._push_buffer(),
                 ).send(weights)
             except Exception:
                 self._abort_sync()
@@ -356,6 +373,14 @@ class RemoteRollout(BaseRollout):
             )
         report.timings.update(answer["timings"])
         return report
+
+    def _push_buffer(self) -> torch.Tensor | None:
+        """Where the push packs: a buffer the worker maps (made once), or None for NCCL (the sender's own)."""
+        if not self.pair.shared:
+            return None
+        if self.shared is None:
+            self.shared = shared_buffer(self.bucket_bytes, self.send_device)
+        return self.pair.attach(self.shared)
 
     def _abort_sync(self) -> None:
         """After a failure on the trainer's side mid-push: end the worker's stream with an out-of-order bucket
@@ -397,6 +422,9 @@ class RemoteRollout(BaseRollout):
         process, self.process = self.process, None
         process.join(timeout=self.timeout_s)
         self.conn.close()
+        if self.shared is not None:  # after the worker exited: it no longer maps the buffer
+            self.shared.close()
+            self.shared = None
         if process.is_alive():
             process.kill()
             process.join()
