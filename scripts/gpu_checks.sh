@@ -2,7 +2,7 @@
 # The GPU checks of every package, for the lent GPU machine (or any CUDA box with torch, transformers, peft):
 #   bash scripts/fetch_megatron_wheels.sh              # once, here: wheels into .whl/
 #   uv build --all-packages --wheel --out-dir .whl     # here: posttrain's own wheels (entry points for the registry)
-#   bash scripts/gpu_checks.sh tests|megatron|train|megathru|sync|ckpt|vllm|vllmsync   # there, with .whl carried;
+#   bash scripts/gpu_checks.sh tests|megatron|train|megathru|sync|push|ckpt|vllm|vllmsync   # there, with .whl carried;
 #   results under $OUT (or ./gpu-out). vllm and vllmsync need the vLLM parts unpacked in /tmp/stash first.
 #   bash scripts/gpu_checks.sh rl [bench/rl_throughput.py flags]   # GRPO steps; vLLM from /tmp/stash (vllm_parts.sh)
 #   bash scripts/gpu_checks.sh trl [bench/trl_grpo.py flags]       # the TRL peer; .trl-wheels carried too
@@ -60,6 +60,9 @@ case "${1:-tests}" in
   sync)
     timeout 200 python3 bench/weight_sync.py --bucket-mb 2048 --json "$out/ws1.json" 2>&1 | tee "$out/ws1.log" | tail -20
     timeout 200 python3 bench/weight_sync.py --gpus 2 --bucket-mb 2048 --json "$out/ws2.json" 2>&1 | tee "$out/ws2.log" | tail -20 ;;
+  push)
+    # the rollout process's push on one GPU: CUDA IPC into a worker on the trainer's GPU against host memory over gloo
+    timeout 400 python3 bench/pair_push.py --device cuda --shape 1.5b --json "$out/push.json" 2>&1 | tee "$out/push.log" ;;
   ckpt)
     timeout 500 python3 bench/ckpt_throughput.py --dir /tmp/ckpt-bench --repeats 3 --unstaged --json "$out/ckpt.json" 2>&1 | tee "$out/ckpt.log" | tail -30 ;;
   vllm)
@@ -108,5 +111,5 @@ case "${1:-tests}" in
     timeout "${RL_TIMEOUT:-575}" python3 bench/trl_grpo.py --workdir /tmp/rl_bench --json /tmp/rl_bench/trl.jsonl \
       "$@" 2>&1 | tee "$out/trl.log" | grep -v '^{'
     rl_report ;;
-  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|ckpt|vllm|vllmsync|grpo|rl|trl" >&2; exit 2 ;;
+  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|push|ckpt|vllm|vllmsync|grpo|rl|trl" >&2; exit 2 ;;
 esac
