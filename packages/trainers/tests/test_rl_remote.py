@@ -1,7 +1,7 @@
 """trainer.rollout_placement=process, below the trainer: a real rollout worker process (the HF rollout on the tiny
-model) takes weights through a shared-memory bucket (headers over the gloo pair) and generates what the colocated rollout generates, refuses a bucket
-whose bytes were corrupted in the transport, reports its own errors, exits with code 0 at release, and a killed
-worker raises an error naming it instead of hanging."""
+model) takes weights through a shared-memory bucket (headers over the gloo pair) and generates what the
+colocated rollout generates, refuses a bucket whose bytes were corrupted in the transport, reports its own
+errors, exits with code 0 at release, and a killed worker raises an error naming it instead of hanging."""
 
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ class CorruptingTransport:
     def send(self, bucket) -> None:
         bucket.buffer[bucket.metas[0].offset] ^= 0xFF
         self.inner.send(bucket)
+
+    def __getattr__(self, name):  # the rest (shared, attach) is the wrapped transport's
+        return getattr(self.inner, name)
 
 
 def _sampling(seed: int):

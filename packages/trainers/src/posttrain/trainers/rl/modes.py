@@ -24,8 +24,8 @@ Validation and checkpoints first wait for every queued job (the checkpoint then 
 counters, so a resumed run continues exactly). With ``trainer.rollout_placement=process`` the rollout is a
 :class:`~.remote.RemoteRollout`: the same jobs, run on the same thread, are calls into a rollout worker process
 that generates on its own cores (or GPU), and the push goes to it over the pair transport. Departures from
-verl's one-step-off and AReaL: by default the rollout is colocated in the trainer's process (a thread, not a separate worker group), and
-its lookahead is fixed, not bounded by a free-running producer's speed.
+verl's one-step-off and AReaL: by default the rollout is colocated in the trainer's process (a thread, not a
+separate worker group), and its lookahead is fixed, not bounded by a free-running producer's speed.
 """
 
 from __future__ import annotations

@@ -256,9 +256,8 @@ class RemoteRollout(BaseRollout):
         gpu, nccl, self.send_device = _placement(torch.device(device), torch.device(trainer_device or "cpu"))
         ctx = mp.get_context("spawn")
         self.config, self.timeout_s, self.lock = config, timeout_s, threading.Lock()
-        self.shared: SharedMemoryBuffer | CudaIpcBuffer | None = (
-            None  # the push's buffer, made at the first push
-        )
+        # the buffer the push packs into and the worker maps, made at the first push
+        self.shared: SharedMemoryBuffer | CudaIpcBuffer | None = None
         self.store = pair_store(0, timeout_s=timeout_s)
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
@@ -289,7 +288,6 @@ class RemoteRollout(BaseRollout):
         group = pair_group(self.store, 0, timeout_s)
         data = nccl_pair_group(self.store, 0, timeout_s) if nccl else None
         self.transport = PairBucketTransport(group, 1, data, self.send_device, shared=not nccl)
-        self.pair = self.transport
         self.bucket_bytes = bucket_bytes or config.update_weights_bucket_megabytes << 20
         self.dtype = parse_dtype(config.dtype, "rollout.dtype")
 
@@ -376,11 +374,11 @@ class RemoteRollout(BaseRollout):
 
     def _push_buffer(self) -> torch.Tensor | None:
         """Where the push packs: a buffer the worker maps (made once), or None for NCCL (the sender's own)."""
-        if not self.pair.shared:
+        if not self.transport.shared:
             return None
         if self.shared is None:
             self.shared = shared_buffer(self.bucket_bytes, self.send_device)
-        return self.pair.attach(self.shared)
+        return self.transport.attach(self.shared)
 
     def _abort_sync(self) -> None:
         """After a failure on the trainer's side mid-push: end the worker's stream with an out-of-order bucket
