@@ -1,10 +1,13 @@
 """Real vLLM with its worker in this process: generation, verified weight syncs from the FSDP engine, LoRA, traps.
 
 One engine serves the whole module (vLLM start-up is the slow part). Every test first syncs the weights it checks
-against, so the tests do not depend on each other's order.
+against, so the tests do not depend on each other's order, except the last, which releases the engine.
 """
 
 from __future__ import annotations
+
+import glob
+import os
 
 import pytest
 from conftest import needs_vllm
@@ -174,3 +177,17 @@ def test_sleep_and_wake_levels(rollout, engine):
         rollout.sleep(level=3)
     with pytest.raises(ValueError, match="unknown"):
         rollout.wake_up(["optimizer"])
+
+
+def test_release_removes_the_adapter_directories(rollout, model_dir):
+    """Last in the module: it releases the module's engine (the fixture's own release then does nothing)."""
+    before = set(glob.glob("/dev/shm/posttrain-lora-*"))
+    lora_engine = make_engine(model_dir, lora_rank=8)
+    for base_sync_done in (False, True):
+        stream, peft = lora_engine.get_per_tensor_param(base_sync_done=base_sync_done)
+        rollout.update_weights(stream, peft_config=peft, base_sync_done=base_sync_done)
+    written = set(glob.glob("/dev/shm/posttrain-lora-*")) - before
+    if not written:  # a machine without a writable /dev/shm: the adapter went to the temp dir
+        written = {rollout._lora_request.lora_path.rsplit("/", 1)[0]}
+    rollout.release()
+    assert not [d for d in written if os.path.exists(d)], f"left behind: {written}"

@@ -32,7 +32,9 @@ def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     if isinstance(t, DTensor):
         if t.device_mesh.size() == 1:  # one shard is the whole tensor: no collective, no copy
-            return t.to_local().detach().to(device)
+            with torch.no_grad():  # to_local without its autograd function (one per tensor per sync)
+                local = t.to_local().detach()
+            return local if local.device == device else local.to(device)
         return t.to(device).full_tensor()
     return t.detach().to(device)
 

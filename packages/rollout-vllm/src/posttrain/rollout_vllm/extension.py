@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from typing import Any
@@ -150,6 +151,12 @@ class WeightSyncWorkerExtension:
     def ws_version(self) -> int | None:
         """The version of the last committed sync (None before one, and from the start of a sync on)."""
         return getattr(self, "_ws_version", None)
+
+    def ws_close(self) -> None:
+        """Remove the LoRA adapter directories this worker wrote (the rollout's ``release`` calls it)."""
+        root, self._ws_lora_root = getattr(self, "_ws_lora_root", None), None
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
 
     def ws_plan_report(self) -> dict[str, Any]:
         """The recorded load plan: how many tensors it writes and why the others go through ``load_weights``."""

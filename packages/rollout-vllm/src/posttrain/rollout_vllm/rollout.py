@@ -445,12 +445,16 @@ class VLLMRollout(BaseRollout):
         self._asleep -= set(todo)
 
     def release(self) -> None:
+        """Free the bucket buffer, remove the workers' LoRA adapter directories and shut vLLM down."""
         if self._transport is not None:
             self._transport.close()
             self._transport = None
         if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+            engine, self.engine = self.engine, None
+            try:
+                engine.collective_rpc("ws_close")  # the workers' LoRA adapter directories (in /dev/shm)
+            finally:
+                engine.shutdown()
 
 
 def _sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
