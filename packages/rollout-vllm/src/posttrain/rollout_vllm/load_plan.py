@@ -114,16 +114,13 @@ class LoadRecorder(TorchDispatchMode):
     def _watch(self, func: Any, args: tuple, kwargs: dict) -> None:
         if func.is_view:
             return
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        for t in _written(func, args, kwargs):
-            if self._param_of(t) is not None:
-                storage = t.untyped_storage().data_ptr()
-                self.writes.append((storage, *_extent(t)))
+        into_params = [t for t in _written(func, args, kwargs) if self._param_of(t) is not None]
+        self.writes.extend((t.untyped_storage().data_ptr(), *_extent(t)) for t in into_params)
         if func is torch.ops.aten.copy_.default and self._copy(*args[:2]):
             return
-        if any(self._param_of(t) is not None for t in _written(func, args, kwargs)):
+        if into_params:
             self.refused = f"{func} wrote a parameter"
-        elif any(self._reads_source(t) for t in tensors):
+        elif any(self._reads_source(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
             self.refused = f"{func} read the tensor"
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -134,7 +131,8 @@ class LoadRecorder(TorchDispatchMode):
         name, param = owner
         if dst.shape != src.shape or dst.dtype != src.dtype or dst.dtype != param.dtype:
             return False
-        if src.dtype != self.source.dtype or src.untyped_storage().data_ptr() != self._storage(self.source):
+        same_storage = src.untyped_storage().data_ptr() == self.source.untyped_storage().data_ptr()
+        if src.dtype != self.source.dtype or not same_storage:
             return False
         self.copies.append(
             Copy(
@@ -148,10 +146,6 @@ class LoadRecorder(TorchDispatchMode):
             )
         )
         return True
-
-    @staticmethod
-    def _storage(t: torch.Tensor) -> int:
-        return t.untyped_storage().data_ptr()
 
     def plan(self, loaded: Iterable[str]) -> TensorPlan:
         refused = self.refused or (None if self.copies else "the load copied nothing from the tensor")
