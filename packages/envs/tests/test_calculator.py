@@ -1,0 +1,47 @@
+"""The calculator environment and tool, through the entry point."""
+
+import pytest
+
+from posttrain.core.env import ToolResult, Turn, environment_class, tool_schema
+from posttrain.envs.calculator import CalculatorEnv, calculator, final_answer
+
+
+def test_registered_by_entry_point():
+    assert environment_class("calculator") is CalculatorEnv
+    with pytest.raises(ValueError, match="calculator"):
+        environment_class("nope")
+
+
+def test_calculator_tool():
+    assert calculator("123 * 45") == "5535"
+    assert calculator("(7 - 10) * 2") == "-6"
+    assert calculator("7 / 2") == "3.5"
+    for bad in ("__import__('os')", "2 ** 99999", "x + 1"):
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+def test_schema_from_signature_and_docstring():
+    schema = tool_schema(calculator)["function"]
+    assert schema["name"] == "calculator"
+    assert schema["description"].startswith("Evaluate an arithmetic expression")
+    assert schema["parameters"] == {
+        "type": "object",
+        "properties": {"expression": {"type": "string", "description": 'The expression, e.g. "123 * 45".'}},
+        "required": ["expression"],
+    }
+
+
+def test_episode_reward():
+    env = CalculatorEnv(max_tool_calls=2)
+    first = env.reset({"prompt": [{"role": "user", "content": "12*34?"}], "ground_truth": "408"})
+    assert first == [{"role": "user", "content": "12*34?"}]
+    assert not env.step(Turn("x", tool_results=[ToolResult("calculator", "408")])).done
+    assert env.step(Turn("It is 408.\n#### 408")).reward == 1.0
+    env.reset({"prompt": [{"role": "user", "content": "q"}], "ground_truth": "408"})
+    assert env.step(Turn("#### 407")).reward == 0.0
+    env.reset({"prompt": [{"role": "user", "content": "q"}], "ground_truth": "408"})
+    env.step(Turn("x", tool_results=[ToolResult("calculator", "1")]))
+    capped = env.step(Turn("x", tool_results=[ToolResult("calculator", "1")]))
+    assert capped.done and capped.reward == 0.0
+    assert final_answer("a #### 1,234.") == "1234"
