@@ -148,6 +148,9 @@ class RolloutSample:
     """With ``RolloutConfig.return_routed_experts``: (len(prompt_ids) + len(response_ids), MoE layers, k) int32
     expert ids the rollout's routers chose for each token, aligned with ``prompt_ids + response_ids``. The last
     token was sampled but never fed to the model: its row is -1. None otherwise."""
+    response_mask: list[int] | None = None
+    """A multi-turn episode (:mod:`posttrain.core.env`): 1 on the ids the model sampled, 0 on the environment's
+    ids between its turns (their ``log_probs`` are 0); None: every response id was sampled."""
 
 
 @dataclass
@@ -171,7 +174,9 @@ class BaseRollout(ABC):
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
-        """``sampling.n`` samples per prompt, grouped by prompt (prompt 0's n samples first)."""
+        """``sampling.n`` samples per prompt, grouped by prompt (prompt 0's n samples first). Prompts are token ids,
+        used as given (the agent loop passes whole multi-turn trajectories), and every sample carries the log-probs
+        of its sampled ids."""
 
     @abstractmethod
     def update_weights(

@@ -29,6 +29,7 @@ from posttrain.core.config.loader import ConfigError, merge_config, parse_overri
 from posttrain.core.registry import ROLLOUT_PACKAGES, rollout_config_class, rollout_config_names
 from posttrain.core.rollout import RolloutConfig
 
+from .agents.config import AgentConfig
 from .algorithms import AlgorithmConfig
 from .data.config import DataConfig
 from .rewards import RewardConfig
@@ -67,6 +68,8 @@ class PostTrainConfig:
     """Loop, logging and resume."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """What checkpoints hold."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn rollouts with an environment and tools (PPO / GRPO; off unless ``agent.env`` is set)."""
 
     def __post_init__(self) -> None:
         backend_config_class(self.model_engine, "model_engine")

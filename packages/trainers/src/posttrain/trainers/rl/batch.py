@@ -1,6 +1,7 @@
 """Turn rollout samples into the packed batch the engines consume, and cut it into PPO mini-batches.
 
-Each sample becomes one sequence ``prompt + response``; ``loss_mask`` is 1 on response tokens only. Per-token
+Each sample becomes one sequence ``prompt + response``; ``loss_mask`` is 1 on response tokens only (on a
+multi-turn episode, on the ids the model sampled: ``RolloutSample.response_mask``). Per-token
 fields: ``temperature`` (the sampling temperature, so training log-probs use the same distribution) and
 ``rollout_log_probs``, and ``routed_experts`` (T, MoE layers, k) when the rollout recorded its MoE routing (see
 :mod:`.router_replay`). Per-sequence fields: ``uid`` (the prompt's group: the n samples of one prompt share it),
@@ -29,7 +30,8 @@ def build_batch(
     for s in samples:
         n_prompt, n_resp = len(s.prompt_ids), len(s.response_ids)
         seqs.append(list(s.prompt_ids) + list(s.response_ids))
-        masks.append([0.0] * n_prompt + [1.0] * n_resp)
+        sampled = s.response_mask if s.response_mask is not None else [1] * n_resp
+        masks.append([0.0] * n_prompt + [float(m) for m in sampled])
         temps.append([max(temperature, 1e-6)] * (n_prompt + n_resp))
         rollout_lp.append(
             torch.cat([torch.zeros(n_prompt), torch.as_tensor(s.log_probs, dtype=torch.float32)])

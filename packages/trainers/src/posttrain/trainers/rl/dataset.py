@@ -34,6 +34,8 @@ class Prompt:
     """What the reward compares the answer with."""
     extra_info: dict[str, Any]
     """Anything else the row carried."""
+    messages: list[dict[str, Any]] | None = None
+    """The prompt chat as the row has it (an environment's ``reset`` reads it)."""
 
 
 def _check_reward_column(table: pa.Table, key: str) -> None:
@@ -96,7 +98,7 @@ class PromptDataset:
                     continue
                 truth = str(row["reward_model"]["ground_truth"])
                 self.items.append(
-                    Prompt(list(ids), row[config.reward_fn_key], truth, row.get("extra_info") or {})
+                    Prompt(list(ids), row[config.reward_fn_key], truth, row.get("extra_info") or {}, prompt)
                 )
         if not self.items:
             raise ValueError(

@@ -95,6 +95,7 @@ class RLTrainer(StepLoop):
         self.prompts_per_rank = cfg.data.train_batch_size // self.dp_size
         self.rollout = build_rollout(cfg, self.actor.device)
         self.rewards = RewardManager(cfg.reward)
+        self.agent = cfg.agent.build(self.tokenizer, cfg.rollout)  # None: single-turn rollouts
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
         self.actor_loss = make_actor_loss(cfg.actor, loss_scale_factor=float(cfg.rollout.response_length))
         self.critic_loss = make_critic_loss(cfg.critic) if self.use_critic else None
@@ -303,6 +304,8 @@ class RLTrainer(StepLoop):
         sampling.stop_token_ids = (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
+        if self.agent is not None:  # multi-turn episodes with an environment (posttrain.trainers.agents)
+            return self.agent.sample_and_score(self.rollout, prompts, sampling, self.rewards)
         samples = self.rollout.generate([p.ids for p in prompts], sampling)
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         owners = [prompts[s.prompt_index] for s in samples]
@@ -478,4 +481,6 @@ class RLTrainer(StepLoop):
     def release(self) -> None:
         if self.ahead is not None:
             self.ahead.close()
+        if self.agent is not None:
+            self.agent.close()
         self.rollout.release()
