@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from posttrain.core.env import Environment, StepResult, ToolResult, Turn, environment_class
+from posttrain.core.env import Environment, EnvironmentRegistry, StepResult, ToolResult, Turn
 from posttrain.core.rollout import BaseRollout, RolloutSample, SamplingConfig
 
 from .config import AgentConfig
@@ -80,6 +80,9 @@ class AgentLoop:
             max_tokens=config.max_tool_response_tokens,
             workers=config.tool_workers,
         )
+        self.environments = EnvironmentRegistry.from_entry_points()
+        """Where ``agent.env`` and a row's ``extra_info.env`` are looked up (installed entry points)."""
+        self.environments.get_environment_cls(config.env)  # an unknown name fails before any work
         self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     # ------------------------------------------------------------------ episodes
@@ -87,7 +90,7 @@ class AgentLoop:
         info = dict(prompt.extra_info or {})
         name = info.get("env") or self.config.env
         kwargs = info.get("env_kwargs") or self.config.env_kwargs
-        env = environment_class(name)(**kwargs)
+        env = self.environments.get_environment_cls(name)(**kwargs)
         row = {
             "prompt": prompt.messages,
             "data_source": prompt.data_source,
@@ -169,8 +172,7 @@ class AgentLoop:
             results = self.runner.run([(t.tool_calls, e.tools) for e, t in turns])
             for (e, t), res in zip(turns, results):
                 t.tool_results += res
-                for r in res:
-                    e.stats[r.error] += r.error is not None
+                e.stats.update(r.error for r in res if r.error is not None)
                 self._answer(e, t, e.env.step(t), turn_index == self.config.max_turns - 1)
             tool_s += time.perf_counter() - start
         return episodes, gen_s, tool_s

@@ -1,0 +1,147 @@
+"""The agent loop: tool failures become messages and metrics, limits truncate, masks and log-probs line up.
+
+The rollout here replays scripted model turns (ids and log-probs) and records every context it was given; the
+loop, the parser, the tool runner and the environment are the real ones.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from agents_fixtures import qwen_tokenizer
+
+from posttrain.core.env import Environment
+from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample
+from posttrain.trainers.agents.config import AgentConfig
+from posttrain.trainers.rl.dataset import Prompt
+
+
+def slow(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "done"
+
+
+def dump(n: int) -> str:
+    """Return a long text.
+
+    Args:
+        n: Characters.
+    """
+    return "x y " * n
+
+
+class ToolsEnv(Environment):
+    """calculator's tool plus a slow one and a verbose one; the first turn without calls ends with reward 1."""
+
+    def __init__(self) -> None:
+        from posttrain.envs.calculator import calculator
+
+        self.tools = (calculator, slow, dump)
+
+
+class ScriptedRollout(BaseRollout):
+    """Answers episode ``i`` (in prompt order) with its next scripted text; log-prob of token j is -j/100."""
+
+    def __init__(self, tok, scripts: list[list[str]]) -> None:
+        self.tok, self.scripts, self.contexts = tok, [list(s) for s in scripts], []
+        self.sampled: list[list[list[int]]] = [[] for _ in scripts]
+
+    def generate(self, prompts, sampling):
+        out = []
+        live = [i for i, s in enumerate(self.scripts) if s]
+        for ep, ctx in zip(live, prompts):
+            self.contexts.append((ep, list(ctx)))
+            ids = self.tok.encode(self.scripts[ep].pop(0), add_special_tokens=False) + [self.tok.eos_token_id]
+            ids, finish = ids[: sampling.max_new_tokens], "stop" if len(ids) <= sampling.max_new_tokens else "length"
+            self.sampled[ep].append(ids)
+            out.append(RolloutSample(0, list(ctx), ids, -torch.arange(len(ids)) / 100, finish))
+        return out
+
+    def update_weights(self, weights, **kwargs):
+        raise NotImplementedError
+
+
+def call(name: str, args: str) -> str:
+    return f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
+
+
+def run(scripts, **agent):
+    tok = qwen_tokenizer()
+    rollout_cfg = RolloutConfig(prompt_length=1536, response_length=256)
+    loop = AgentConfig(env="calculator", tool_timeout_s=0.3, **agent).build(tok, rollout_cfg)
+    loop.environments.register("tools_test", "test_agents_loop:ToolsEnv")
+    rollout = ScriptedRollout(tok, scripts)
+    prompts = [
+        Prompt([], "synthetic_arithmetic", "5", {"env": "tools_test"}, [{"role": "user", "content": f"q{i}"}])
+        for i in range(len(scripts))
+    ]
+    from posttrain.trainers.agents.loop import AgentLoop
+
+    assert isinstance(loop, AgentLoop)
+    start = time.perf_counter()
+    episodes, _, _ = loop.run_episodes(rollout, prompts, rollout_cfg.sampling())
+    run.seconds = time.perf_counter() - start
+    loop.close()
+    return tok, rollout, episodes
+
+
+def test_every_tool_failure_is_shown_counted_and_the_run_goes_on():
+    scripts = [
+        ["<tool_call>{not json}</tool_call>", "#### 5"],
+        [call("nope", "{}"), "#### 5"],
+        [call("calculator", '{"expression": "x + 1"}'), "#### 5"],
+        [call("slow", '{"seconds": 3}'), "#### 5"],
+        [call("calculator", '{"expression": "2 + 3"}'), "#### 5"],
+    ]
+    tok, rollout, episodes = run(scripts)
+    assert run.seconds < 2.5  # the slow tool was not awaited
+    kinds = ["malformed", "unknown_tool", "raised", "timeout", None]
+    shown = ["not valid JSON", "unknown tool 'nope'", "raised ValueError", "did not return within 0.3s", "5"]
+    for e, kind, text, sampled in zip(episodes, kinds, shown, rollout.sampled):
+        assert e.done and e.truncated is None and e.turns == 2
+        for k in ("malformed", "unknown_tool", "raised", "timeout"):
+            assert e.stats[k] == (k == kind), (kind, k)
+        env_ids = [i for i, m in zip(e.traj.ids, e.traj.mask) if not m]
+        assert text in tok.decode(env_ids)
+        model_ids = [i for i, m in zip(e.traj.ids, e.traj.mask) if m]
+        assert model_ids == sampled[0] + sampled[1]  # trained ids == sampled ids
+        lp = torch.tensor(e.traj.log_probs)
+        assert lp[torch.tensor(e.traj.mask) == 0].eq(0).all()
+        assert lp[torch.tensor(e.traj.mask) == 1].tolist() == pytest.approx(
+            [-j / 100 for s in sampled for j in range(len(s))]
+        )
+    for ep, ctx in rollout.contexts:  # each turn generated from the trajectory's exact ids
+        assert ctx == episodes[ep].traj.context()[: len(ctx)]
+
+
+def test_limits_truncate_and_mark():
+    tok, _, episodes = run(
+        [
+            [call("dump", '{"n": 500}'), "#### 5"],
+            [call("calculator", '{"expression": "1+1"}')] * 3,
+            ["#### " + "5" * 250],
+        ],
+        max_tool_response_tokens=16,
+        max_turns=2,
+        max_episode_tokens=200,
+    )
+    long_tool, looping, too_long = episodes
+    assert long_tool.stats["tool_truncated"] == 1 and long_tool.truncated is None
+    assert "[truncated]" in tok.decode(long_tool.traj.ids)
+    assert looping.truncated == "max_turns" and looping.turns == 2
+    assert too_long.truncated == "episode_tokens" and len(too_long.traj.ids) == 200
+    assert all(e.traj.mask[-1] == 1 for e in episodes)  # every trajectory ends on a sampled token
+
+
+def test_bad_agent_config():
+    with pytest.raises(ValueError, match="agent.parser"):
+        AgentConfig(parser="xml")
+    with pytest.raises(ValueError, match="no environment named 'nope'"):
+        AgentConfig(env="nope").build(qwen_tokenizer(), RolloutConfig())
