@@ -14,7 +14,16 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-MEMBERS = ["engine-core", "ckpt", "engine-fsdp", "engine-megatron", "rollout-hf", "rollout-vllm", "trainers", "envs"]
+MEMBERS = [
+    "engine-core",
+    "ckpt",
+    "engine-fsdp",
+    "engine-megatron",
+    "rollout-hf",
+    "rollout-vllm",
+    "trainers",
+    "envs",
+]
 PYTHON = os.environ.get("UV_PYTHON", "3.12")
 
 nox.options.default_venv_backend = "uv"

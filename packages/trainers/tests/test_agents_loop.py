@@ -59,7 +59,10 @@ class ScriptedRollout(BaseRollout):
         for ep, ctx in zip(live, prompts):
             self.contexts.append((ep, list(ctx)))
             ids = self.tok.encode(self.scripts[ep].pop(0), add_special_tokens=False) + [self.tok.eos_token_id]
-            ids, finish = ids[: sampling.max_new_tokens], "stop" if len(ids) <= sampling.max_new_tokens else "length"
+            ids, finish = (
+                ids[: sampling.max_new_tokens],
+                "stop" if len(ids) <= sampling.max_new_tokens else "length",
+            )
             self.sampled[ep].append(ids)
             out.append(RolloutSample(0, list(ctx), ids, -torch.arange(len(ids)) / 100, finish))
         return out

@@ -12,6 +12,11 @@
 Why this task: a 0.35 M-parameter model memorises arithmetic facts rather than learning addition, so RL gains on
 training sums do not reach unseen sums; "largest of three" it learns as a rule, so they do.
 
+``posttrain demo --task calculator`` (or ``task=calculator``) runs the multi-turn version: "What is 47 * 83?"
+with a ``calculator`` tool (posttrain-envs). SFT on tool-use traces (call, result, ``#### <product>``), then GRPO
+through the agent loop (docs/agents.md): each episode calls the tool, reads its result and answers; the
+environment scores the answer. The test-set reward is then the held-out success rate.
+
 Every knob is a ``key=value`` override of :class:`DemoConfig`, e.g. ``posttrain demo grpo_steps=40``.
 """
 
@@ -29,7 +34,7 @@ from posttrain.core.config.loader import ConfigError, merge_config
 
 from . import main_ppo, sft
 from .data.convert import write_parquet
-from .data.synthetic import largest_rows
+from .data.synthetic import calculator_rows, largest_rows
 from .model_init import init_model
 
 
@@ -37,6 +42,8 @@ from .model_init import init_model
 class DemoConfig:
     """The demo's knobs."""
 
+    task: str = "largest"
+    """``largest`` (single-turn) or ``calculator`` (multi-turn with a tool; needs posttrain-envs)."""
     out_dir: str = "outputs/demo"
     """Everything goes here: model/, data/, sft/, grpo/."""
     num_train: int = 800
@@ -62,7 +69,25 @@ def _last(metrics_path: Path, key: str) -> tuple[float | None, float | None]:
     return (values[0], values[-1]) if values else (None, None)
 
 
+TASK_ARGS = {
+    "largest": ([], []),
+    "calculator": (
+        ["data.max_length=192"],
+        [
+            "agent.env=calculator",
+            "agent.max_turns=3",
+            "agent.max_tokens_per_turn=96",
+            "rollout.prompt_length=96",
+            "rollout.response_length=160",
+        ],
+    ),
+}
+"""(SFT overrides, GRPO overrides) of each task."""
+
+
 def run(cfg: DemoConfig) -> dict[str, float]:
+    if cfg.task not in TASK_ARGS:
+        raise ConfigError(f"task={cfg.task!r} is unknown: use one of {', '.join(TASK_ARGS)}")
     out = Path(cfg.out_dir)
     start = time.perf_counter()
     stale = [out / d for d in ("model", "data", "sft", "grpo") if (out / d).exists()]
@@ -71,7 +96,9 @@ def run(cfg: DemoConfig) -> dict[str, float]:
         for path in stale:
             shutil.rmtree(path)
     model = init_model(out / "model", size="tiny", seed=cfg.seed)
-    splits = largest_rows(cfg.num_train, cfg.num_test, seed=cfg.seed)
+    rows = calculator_rows if cfg.task == "calculator" else largest_rows
+    splits = rows(cfg.num_train, cfg.num_test, seed=cfg.seed)
+    sft_args, grpo_args = TASK_ARGS[cfg.task]
     train, test = (write_parquet(splits[s], out / "data" / f"{s}.parquet") for s in ("train", "test"))
     print(f"[demo] model {model}, data {train.parent} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
     data = [f"data.train_files=[{train}]", f"data.val_files=[{test}]", "trainer.resume_mode=disable"]
@@ -85,6 +112,7 @@ def run(cfg: DemoConfig) -> dict[str, float]:
             f"trainer.default_local_dir={out / 'sft'}",
             "trainer.test_freq=-1",
             "checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+            *sft_args,
         ]
     )
     sft_model = out / "sft" / f"global_step_{cfg.sft_steps}" / "actor" / "huggingface"
@@ -105,6 +133,7 @@ def run(cfg: DemoConfig) -> dict[str, float]:
             "actor.kl_loss_coef=0.001",
             "trainer.test_freq=10",
             f"trainer.mode={cfg.trainer_mode}",
+            *grpo_args,
         ],
         "grpo",
     )
@@ -124,6 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 0
     try:
+        if "--task" in args:  # posttrain demo --task calculator
+            at = args.index("--task")
+            args[at : at + 2] = [f"task={args[at + 1]}"] if at + 1 < len(args) else ["task="]
         cfg = merge_config(DemoConfig(), [], args)
         run(cfg)
     except ConfigError as exc:

@@ -7,7 +7,9 @@ training ones: the demo's task, where RL gains on the training prompts show up o
 ``arithmetic``: "What is a + b?" with ``digits``-digit operands; the answer restates the sum and ends with
 ``#### <sum>`` (the GSM8K convention the rule reward reads). Each row carries both layouts: ``messages`` (a
 user/assistant chat for SFT) and verl's RL columns ``data_source``, ``prompt`` (the user turn as a chat list),
-``ability``, ``reward_model`` ({style, ground_truth}) and ``extra_info``. Rows come from a seeded
+``ability``, ``reward_model`` ({style, ground_truth}) and ``extra_info``. ``calculator``: "What is a * b?" over 2-digit numbers, beyond what a tiny model can multiply; the SFT
+``messages`` are tool-use traces (a ``calculator`` call, the tool's result, ``#### <product>``) and the RL rows
+are played in the ``calculator`` environment (posttrain-envs). Rows come from a seeded
 ``random.Random``, so the same seed gives the same files; test rows never repeat a training question.
 """
 
@@ -21,7 +23,9 @@ DATA_SOURCE = "synthetic_arithmetic"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 LARGEST_SOURCE = "synthetic_largest"
 LARGEST_INSTRUCTION = 'Output the final answer after "####".'
-TASKS = ("arithmetic", "largest")
+CALCULATOR_SOURCE = "synthetic_calculator"
+CALCULATOR_INSTRUCTION = 'Use the calculator, then output the final answer after "####".'
+TASKS = ("arithmetic", "largest", "calculator")
 
 
 def arithmetic_example(a: int, b: int) -> tuple[str, str, str]:
@@ -121,6 +125,41 @@ def largest_rows(num_train: int, num_test: int, *, seed: int = 0) -> dict[str, l
     return out
 
 
+def calculator_call(expression: str) -> str:
+    """The Hermes-format call of the ``calculator`` tool that the SFT traces teach."""
+    return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+
+
+def calculator_rows(num_train: int, num_test: int, *, seed: int = 0) -> dict[str, list[dict]]:
+    """``{"train": rows, "test": rows}`` of distinct products of two 2-digit numbers, whose ``messages`` are tool-use
+    traces: the user's question, a ``calculator`` call, the tool's result, the answer after ``####``."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    if num_train + num_test > len(pairs):
+        raise ValueError(f"num_train + num_test = {num_train + num_test} exceeds the {len(pairs)} products")
+    random.Random(seed).shuffle(pairs)
+    out: dict[str, list[dict]] = {"train": [], "test": []}
+    for i, (a, b) in enumerate(pairs[: num_train + num_test]):
+        split = "train" if i < num_train else "test"
+        expression, product = f"{a} * {b}", str(a * b)
+        row = make_row(
+            f"What is {expression}?",
+            f"#### {product}",
+            product,
+            data_source=CALCULATOR_SOURCE,
+            ability="tool_use",
+            instruction=CALCULATOR_INSTRUCTION,
+            split=split,
+            index=len(out[split]),
+        )
+        row["messages"][1:] = [
+            {"role": "assistant", "content": calculator_call(expression)},
+            {"role": "tool", "content": product},
+            {"role": "assistant", "content": f"#### {product}"},
+        ]
+        out[split].append(row)
+    return out
+
+
 def synthetic_rows(
     task: str, num_train: int, num_test: int, *, digits: int = 2, seed: int = 0
 ) -> dict[str, list[dict]]:
@@ -129,6 +168,8 @@ def synthetic_rows(
         return largest_rows(num_train, num_test, seed=seed)
     if task == "arithmetic":
         return arithmetic_rows(num_train, num_test, digits=digits, seed=seed)
+    if task == "calculator":
+        return calculator_rows(num_train, num_test, seed=seed)
     raise ValueError(f"synthetic task {task!r} is unknown: choose one of {', '.join(TASKS)}")
 
 
