@@ -148,3 +148,49 @@ def test_bad_agent_config():
         AgentConfig(parser="xml")
     with pytest.raises(ValueError, match="no environment named 'nope'"):
         AgentConfig(env="nope").build(qwen_tokenizer(), RolloutConfig())
+
+
+class AsyncScriptedRollout(ScriptedRollout):
+    """The scripted turns, one request at a time (``agenerate``), each taking ``delay`` seconds; logs requests."""
+
+    def __init__(self, tok, scripts, delay: float = 0.02) -> None:
+        super().__init__(tok, scripts)
+        self.delay, self.log = delay, []
+
+    async def agenerate(self, prompt_ids, sampling, prompt_index=0):
+        import asyncio
+
+        self.log.append((prompt_index, time.perf_counter(), sampling.seed))
+        await asyncio.sleep(self.delay)
+        ids = self.tok.encode(self.scripts[prompt_index].pop(0), add_special_tokens=False) + [
+            self.tok.eos_token_id
+        ]
+        self.sampled[prompt_index].append(ids)
+        return [RolloutSample(prompt_index, list(prompt_ids), ids, -torch.arange(len(ids)) / 100, "stop")]
+
+
+def test_async_loop_has_no_barrier_between_turns():
+    """A slow tool in episode 0 does not hold episode 1, which plays all its turns meanwhile."""
+    tok = qwen_tokenizer()
+    rollout_cfg = RolloutConfig(prompt_length=1536, response_length=512)
+    loop = AgentConfig(env="calculator", loop="async", tool_timeout_s=5.0).build(tok, rollout_cfg)
+    loop.environments.register("tools_test", "test_agents_loop:ToolsEnv")
+    quick = call("calculator", '{"expression": "2 + 3"}')
+    rollout = AsyncScriptedRollout(
+        tok, [[call("slow", '{"seconds": 0.8}'), "#### 5"], [quick] * 3 + ["#### 5"]]
+    )
+    prompts = [
+        Prompt([], "synthetic_arithmetic", "5", {"env": "tools_test"}, [{"role": "user", "content": f"q{i}"}])
+        for i in range(2)
+    ]
+    sampling = rollout_cfg.sampling()
+    sampling.seed = 3
+    episodes, gen_s, tool_s = loop.run_episodes(rollout, prompts, sampling)
+    loop.close()
+    assert [e.turns for e in episodes] == [2, 4] and all(e.done and e.truncated is None for e in episodes)
+    assert tool_s > 0.8 and gen_s > 0  # the slow tool was waited for, by episode 0 only
+    second_turn_of_0 = [t for ep, t, _ in rollout.log if ep == 0][1]
+    assert all(t < second_turn_of_0 for ep, t, _ in rollout.log if ep == 1)
+    assert len({seed for *_, seed in rollout.log}) == len(rollout.log)  # every request its own seed
+    for e, sampled in zip(episodes, rollout.sampled):
+        assert [i for i, m in zip(e.traj.ids, e.traj.mask) if m] == [i for s in sampled for i in s]

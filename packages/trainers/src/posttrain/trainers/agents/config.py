@@ -17,6 +17,10 @@ class AgentConfig:
     """Keyword arguments of the environment's constructor; a row's ``extra_info.env_kwargs`` replaces them."""
     parser: str = "hermes"
     """Tool-call format: ``hermes`` (``<tool_call>{json}</tool_call>``, Qwen2.5) or ``llama3_json``."""
+    loop: str = "batched"
+    """``batched``: one generate call per turn over every live episode (any rollout; the CPU default). ``async``:
+    each episode advances on its own through ``rollout.agenerate`` (the vLLM rollout with ``rollout.mode=async``),
+    no barrier between turns."""
     max_turns: int = 4
     """Assistant turns per episode; an episode still calling tools after the last one is truncated."""
     max_tokens_per_turn: int | None = None
@@ -39,6 +43,8 @@ class AgentConfig:
 
         if self.parser not in PARSERS:
             raise ValueError(f"agent.parser={self.parser!r} is unknown: use one of {', '.join(PARSERS)}")
+        if self.loop not in ("batched", "async"):
+            raise ValueError(f"agent.loop={self.loop!r} is unknown: use batched or async")
         for key in ("max_turns", "max_tool_response_tokens", "tool_workers"):
             if getattr(self, key) < 1:
                 raise ValueError(f"agent.{key}={getattr(self, key)} must be >= 1")

@@ -5,7 +5,11 @@ turn: one ``rollout.generate`` call over the context ids of every live episode (
 :mod:`.tito`), one sample each; the sampled ids and log-probs are appended as they are; the decoded text is
 parsed for tool calls (:mod:`.parsers`), every live episode's calls run at once on the tool pool (:mod:`.tools`),
 and ``env.step`` answers. Its tool results and observation are rendered incrementally and appended with mask 0.
-There is a barrier at every turn (one batched generate); the transformers rollout cannot do better.
+With ``agent.loop=batched`` there is a barrier at every turn (one batched generate over the live episodes; any
+rollout). With ``agent.loop=async`` every episode advances on its own: it awaits ``rollout.agenerate`` for its
+turn (the vLLM rollout with ``rollout.mode=async``: vLLM's ``AsyncLLM`` batches whatever requests are in flight),
+runs its tools on a worker thread, and asks for its next turn at once, so a slow episode or tool holds back no other.
+Each request then samples with its own seed (the step's seed mixed with the episode and the turn).
 
 An episode ends when the environment says done, or is *truncated*: its turn hit ``rollout`` length limits or
 ``agent.max_episode_tokens``, the environment's answer would not fit, or it still calls tools after
@@ -17,6 +21,7 @@ one, else the trainer's reward function over the decoded trajectory; a truncated
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections import Counter
@@ -155,9 +160,16 @@ class AgentLoop:
             return
         e.traj.add_env(ids)
 
+    def _finish_turn(self, e: Episode, turn: Turn, results: list[ToolResult], turn_index: int) -> None:
+        turn.tool_results += results
+        e.stats.update(r.error for r in results if r.error is not None)
+        self._answer(e, turn, e.env.step(turn), turn_index == self.config.max_turns - 1)
+
     def run_episodes(self, rollout: BaseRollout, prompts: Sequence[Any], sampling: SamplingConfig):
         """(episodes grouped by prompt, seconds generating, seconds running tools and the environment)."""
         episodes = [self.start(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        if self.config.loop == "async":
+            return episodes, *asyncio.run(self._run_async(episodes, rollout, sampling))
         gen_s = tool_s = 0.0
         for turn_index in range(self.config.max_turns):
             live = [e for e in episodes if not e.done]
@@ -171,11 +183,51 @@ class AgentLoop:
             turns = [(e, t) for e, t in turns if t is not None]
             results = self.runner.run([(t.tool_calls, e.tools) for e, t in turns])
             for (e, t), res in zip(turns, results):
-                t.tool_results += res
-                e.stats.update(r.error for r in res if r.error is not None)
-                self._answer(e, t, e.env.step(t), turn_index == self.config.max_turns - 1)
+                self._finish_turn(e, t, res, turn_index)
             tool_s += time.perf_counter() - start
         return episodes, gen_s, tool_s
+
+    # ------------------------------------------------------------------ asynchronous episodes
+    async def _run_async(self, episodes: list[Episode], rollout: Any, sampling: SamplingConfig):
+        """Every episode on its own (``agent.loop=async``): (seconds waiting for generations, seconds waiting
+        for tools and the environment), summed over episodes."""
+        if not hasattr(rollout, "agenerate"):
+            raise ValueError(
+                f"agent.loop=async needs a rollout that generates one request at a time (agenerate): "
+                f"{type(rollout).__name__} has none; use rollout.name=vllm with rollout.mode=async, or agent.loop=batched"
+            )
+        totals = await asyncio.gather(
+            *(self._episode(k, e, rollout, sampling) for k, e in enumerate(episodes))
+        )
+        return sum(t[0] for t in totals), sum(t[1] for t in totals)
+
+    async def _episode(self, k: int, e: Episode, rollout: Any, sampling: SamplingConfig):
+        """One episode's turns: generate, then its tools on a worker thread, with no wait for other episodes."""
+        gen_s = tool_s = 0.0
+        for turn_index in range(self.config.max_turns):
+            context = e.traj.context()
+            seed = None
+            if sampling.seed is not None:  # one request per episode: each needs its own seed
+                seed = (sampling.seed * 1_000_003 + k * 104_729 + turn_index * 7919) % (2**31)
+            call = dataclasses.replace(
+                sampling,
+                n=1,
+                seed=seed,
+                stop_token_ids=self.stop_ids,
+                max_new_tokens=min(self.turn_tokens, self.context_limit - len(context)),
+            )
+            start = time.perf_counter()
+            (sample,) = await rollout.agenerate(context, call, e.index)
+            gen_s += time.perf_counter() - start
+            start = time.perf_counter()
+            turn = self._take(e, sample)
+            if turn is not None:
+                (results,) = await asyncio.to_thread(self.runner.run, [(turn.tool_calls, e.tools)])
+                self._finish_turn(e, turn, results, turn_index)
+            tool_s += time.perf_counter() - start
+            if e.done:
+                break
+        return gen_s, tool_s
 
     # ------------------------------------------------------------------ batch
     def sample_and_score(
