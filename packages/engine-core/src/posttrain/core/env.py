@@ -20,9 +20,10 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any
 
-from .registry import _EntryPointRegistry
+from .registry import ConfigRegistry, load_target
 
 ENVIRONMENT_GROUP = "posttrain.environments"
 
@@ -157,17 +158,30 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
 
 
-class EnvironmentRegistry(_EntryPointRegistry):
+class EnvironmentRegistry(ConfigRegistry):
     """environment name -> :class:`Environment` subclass, from the ``posttrain.environments`` group."""
 
-    group = ENVIRONMENT_GROUP
+    def __init__(self, targets: dict[str, str] | None = None) -> None:
+        super().__init__(ENVIRONMENT_GROUP, targets)
+
+    @classmethod
+    def from_entry_points(cls, group: str = ENVIRONMENT_GROUP) -> EnvironmentRegistry:
+        reg = cls()
+        for ep in entry_points(group=group):
+            reg.register(ep.name, ep.value, source=ep.dist.name if ep.dist is not None else "?")
+        return reg
 
     def get_environment_cls(self, name: str) -> type[Environment]:
-        missing = (
-            f"no environment named {name!r} (installed environments: {{have}}): install the package that "
-            f"registers it in the {self.group} entry-point group (posttrain-envs has calculator), or pick one of those"
-        )
-        return self._resolve(name, Environment, missing)
+        if name not in self._targets:
+            raise ValueError(
+                f"no environment named {name!r} (installed environments: {', '.join(self.names()) or 'none'}): "
+                f"install the package that registers it in the {self.group} entry-point group (posttrain-envs "
+                "has calculator), or pick one of those"
+            )
+        cls = load_target(self._targets[name])
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise TypeError(f"{self._targets[name]} ({self.group} {name}) is not an Environment subclass")
+        return cls
 
 
 def environment_class(name: str) -> type[Environment]:
