@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from posttrain.ckpt import CheckpointManager, load_trainer_state
-from posttrain.core import EngineRegistry
 
 from .. import distributed as pdist
 from ..algorithms import adv_estimator_traits, get_kl_controller, make_actor_loss, make_critic_loss
@@ -51,7 +50,7 @@ from . import phases, router_replay
 from .batch import build_batch
 from .dataset import PromptDataset
 from .generation import RolloutSampler, WeightSync
-from .modes import build_rollout
+from .placement import build_rollout
 from .step_metrics import Timer
 
 
@@ -119,11 +118,10 @@ class RLTrainer(StepLoop):
         )
         if self.use_critic and cfg.critic.model.path:
             cfg.critic.model.require_weights("critic.model.path")
-        actor_cls = EngineRegistry.from_entry_points().get_engine_cls(
-            "language_model", cfg.actor.engine.strategy
-        )
         self.replay_mode = router_replay.replay_mode(
-            cfg.actor.engine.router_replay.mode, actor_cls, cfg.rollout.return_routed_experts
+            cfg.actor.engine.router_replay.mode,
+            cfg.actor.engine.engine_class("language_model"),
+            cfg.rollout.return_routed_experts,
         )
         cfg.trainer.check_estimator(self.estimator)
         phases.check_behaviour_old_log_probs(cfg.algorithm.rollout_correction, cfg.rollout, self.replay_mode)
@@ -134,20 +132,10 @@ class RLTrainer(StepLoop):
             )
 
     def _new_engine(self, model_type: str, role_cfg: Any, model_cfg: Any, optim: Any = None) -> Any:
-        registry = EngineRegistry.from_entry_points()
         optim = optim or self.cfg.actor.optim
         if optim.total_training_steps < 0:
             optim = dataclasses.replace(optim, total_training_steps=self.total_steps)
-        engine = registry.new(
-            model_type,
-            role_cfg.engine.strategy,
-            model_config=model_cfg,
-            engine_config=role_cfg.engine,
-            optimizer_config=optim,
-            checkpoint_config=self.cfg.checkpoint,
-        )
-        engine.initialize()
-        return engine
+        return role_cfg.engine.build(model_type, model=model_cfg, optim=optim, ckpt=self.cfg.checkpoint)
 
     def _build_engines(self) -> None:
         cfg = self.cfg
