@@ -17,7 +17,8 @@ with a ``calculator`` tool (posttrain-envs). SFT on tool-use traces (call, resul
 through the agent loop (docs/agents.md): each episode calls the tool, reads its result and answers; the
 environment scores the answer. The test-set reward is then the held-out success rate.
 
-Every knob is a ``key=value`` override of :class:`DemoConfig`, e.g. ``posttrain demo grpo_steps=40``.
+Every knob is a ``key=value`` override of :class:`DemoConfig`, e.g. ``posttrain demo grpo_steps=40``;
+``posttrain demo --help`` lists them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 from posttrain.core.config.loader import ConfigError, merge_config
 
 from . import main_ppo, sft
+from .command import exit_code, fields_help
 from .data.convert import write_parquet
 from .data.synthetic import calculator_rows, largest_rows
 from .model_init import init_model
@@ -151,21 +153,20 @@ def run(cfg: DemoConfig) -> dict[str, float]:
     return result
 
 
+def usage() -> str:
+    """``posttrain demo --help``: what the demo does and every knob with its default and meaning."""
+    return f"usage: posttrain demo [key=value ...]\n\n{__doc__.strip()}\n\nknobs (key=default):\n{fields_help(DemoConfig)}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
-        print(__doc__)
+        print(usage())
         return 0
-    try:
-        if "--task" in args:  # posttrain demo --task calculator
-            at = args.index("--task")
-            args[at : at + 2] = [f"task={args[at + 1]}"] if at + 1 < len(args) else ["task="]
-        cfg = merge_config(DemoConfig(), [], args)
-        run(cfg)
-    except ConfigError as exc:
-        print(f"posttrain demo: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    if "--task" in args:  # posttrain demo --task calculator
+        at = args.index("--task")
+        args[at : at + 2] = [f"task={args[at + 1]}"] if at + 1 < len(args) else ["task="]
+    return exit_code("posttrain demo", lambda: run(merge_config(DemoConfig(), [], args)))
 
 
 if __name__ == "__main__":
