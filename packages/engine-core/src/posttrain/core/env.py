@@ -172,6 +172,9 @@ class EnvironmentRegistry(ConfigRegistry):
         return reg
 
     def get_environment_cls(self, name: str) -> type[Environment]:
+        """The class registered as ``name``, or the class ``name`` points at when written ``module:Class``."""
+        if ":" in name:
+            self.register(name, name)
         if name not in self._targets:
             raise ValueError(
                 f"no environment named {name!r} (installed environments: {', '.join(self.names()) or 'none'}): "

@@ -11,8 +11,8 @@ class AgentConfig:
     """Multi-turn rollouts with an environment and tools (see docs/agents.md)."""
 
     env: str | None = None
-    """Environment name in the ``posttrain.environments`` entry-point group (e.g. ``calculator``); None: single-turn
-    rollouts. A data row's ``extra_info.env`` names another one for that row."""
+    """Environment name in the ``posttrain.environments`` entry-point group (e.g. ``calculator``), or an importable
+    ``module:Class``; None: single-turn rollouts. A data row's ``extra_info.env`` names another one for that row."""
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor; a row's ``extra_info.env_kwargs`` replaces them."""
     parser: str = "hermes"
