@@ -7,7 +7,7 @@ parsed for tool calls (:mod:`.parsers`), every live episode's calls run at once 
 and ``env.step`` answers. Its tool results and observation are rendered incrementally and appended with mask 0.
 With ``agent.loop=batched`` there is a barrier at every turn (one batched generate over the live episodes; any
 rollout). With ``agent.loop=async`` every episode advances on its own: it awaits ``rollout.agenerate`` for its
-turn (the vLLM rollout with ``rollout.mode=async``: vLLM's ``AsyncLLM`` batches whatever requests are in flight),
+turn (the vLLM rollout with ``rollout.executor=server``: vLLM's ``AsyncLLM`` batches whatever requests are in flight),
 runs its tools on a worker thread, and asks for its next turn at once, so a slow episode or tool holds back no other.
 Each request then samples with its own seed (the step's seed mixed with the episode and the turn).
 
@@ -194,7 +194,7 @@ class AgentLoop:
         if not hasattr(rollout, "agenerate"):
             raise ValueError(
                 f"agent.loop=async needs a rollout that generates one request at a time (agenerate): "
-                f"{type(rollout).__name__} has none; use rollout.name=vllm with rollout.mode=async, or agent.loop=batched"
+                f"{type(rollout).__name__} has none; use rollout.name=vllm with rollout.executor=server, or agent.loop=batched"
             )
         totals = await asyncio.gather(
             *(self._episode(k, e, rollout, sampling) for k, e in enumerate(episodes))
