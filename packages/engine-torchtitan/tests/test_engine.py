@@ -127,3 +127,5 @@ def test_bad_settings_refused_with_the_fix(tmp_path):
         TorchTitanEngineConfig(pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="fsdp_size=3 does not divide the world size 4"):
         TorchTitanEngineConfig(fsdp_size=3).check_world_size(4)
+    with pytest.raises(ValueError, match="fsdp_size=1 on 2 ranks.*at least 2"):
+        TorchTitanEngineConfig(fsdp_size=1).check_world_size(2)

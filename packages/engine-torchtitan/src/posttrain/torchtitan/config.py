@@ -86,6 +86,11 @@ class TorchTitanEngineConfig(EngineConfig):
                 f"engine.fsdp_size={self.fsdp_size} does not divide the world size {world_size}: use a "
                 f"divisor of {world_size} or -1"
             )
+        if self.fsdp_size == 1 and world_size > 1:
+            raise ValueError(
+                f"engine.fsdp_size=1 on {world_size} ranks is pure replication, where FSDP2 (torch 2.14) "
+                "divides the gradients twice: use a shard group of at least 2 ranks (or -1)"
+            )
         return world_size
 
     def ac_mode(self, enable_gradient_checkpointing: bool) -> str:

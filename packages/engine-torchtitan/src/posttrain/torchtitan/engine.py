@@ -321,12 +321,9 @@ class TorchTitanLanguageModelEngine(BaseEngine):
             self.module.zero_grad(set_to_none=True)
 
     def clip_grad_norm(self) -> float:
-        max_norm = self.optimizer_config.clip_grad
+        group = self.device_mesh.get_group("fsdp") if self.device_mesh is not None else None
         params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        return parallel.grad_norm_and_clip(params, self.optimizer_config.clip_grad, group, self._device)
 
     def apply_optimizer_step(self) -> None:
         self.optimizer.step()

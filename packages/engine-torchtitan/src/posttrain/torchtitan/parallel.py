@@ -8,6 +8,7 @@ output layer as one unit when tied). The device mesh is built here on the comput
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -61,6 +62,15 @@ def apply_fsdp(model: nn.Module, mesh: Any, cfg: TorchTitanEngineConfig) -> None
         pp_enabled=False,
         reshard_after_forward_policy=cfg.reshard_after_forward,
     )
+    # Gradients are the mean over all data-parallel ranks (the loss functions scale by dp_size). gloo has no
+    # AVG / PREMUL_SUM reduction: there FSDP sums and divides afterwards.
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in model.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_gradient_divide_factor(float(dist.get_world_size()))
+            if dist.get_backend() == "gloo":
+                sub.set_force_sum_reduction_for_comms(True)
 
 
 def full_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -83,3 +93,24 @@ def move_grads(params: list[torch.Tensor], device: torch.device) -> None:
     for p in params:
         if p.grad is not None:
             p.grad = p.grad.to(device, non_blocking=True)
+
+
+def grad_norm_and_clip(
+    params: list[torch.Tensor], max_norm: float, shard_group: Any, device: torch.device
+) -> float:
+    """Global L2 norm of the gradients (local shards' squares summed over ``shard_group``: HSDP replicas hold
+    the same shards); clip to ``max_norm`` when it is > 0."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        total += torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2).sum().to(device)
+    if shard_group is not None:
+        dist.all_reduce(total, group=shard_group)
+    norm = float(total.sqrt())
+    if max_norm > 0 and math.isfinite(norm):
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+    return norm
