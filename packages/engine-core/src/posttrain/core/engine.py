@@ -172,8 +172,19 @@ class BaseEngine(ABC):
 
     # ------------------------------------------------------------------ weights and checkpoints
     @abstractmethod
-    def get_per_tensor_param(self, **kwargs: Any) -> PerTensorParams:
-        """Lazy stream of full, HF-named tensors for the rollout, and the peft config (LoRA) or None."""
+    def get_per_tensor_param(
+        self,
+        *,
+        base_sync_done: bool = False,
+        peft_merge: bool | None = None,
+        dtype: torch.dtype | str | None = None,
+    ) -> PerTensorParams:
+        """Lazy stream of full, HF-named tensors for the rollout, and the peft config (LoRA) or None.
+
+        ``dtype``: cast each tensor to it (None: as stored). Without LoRA: every weight, peft config None. With
+        LoRA and ``peft_merge`` (None: the engine's ``peft_merge`` attribute): base weights with the adapter merged,
+        peft config None; otherwise the base weights when ``base_sync_done`` is False and only the adapter tensors
+        (peft names) when it is True, with the peft config dict. Every rank must consume the stream."""
 
     @abstractmethod
     def save_checkpoint(
