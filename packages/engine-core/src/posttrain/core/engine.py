@@ -18,6 +18,7 @@ import torch
 
 from .batch import LossFn, PackedBatch
 from .config import CheckpointConfig, EngineConfig, ModelConfig, OptimizerConfig
+from .config.engine import resolve_compute_dtype
 
 PerTensorParams = tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any] | None]
 """(lazy stream of (HF name, full tensor), peft config dict or None)."""
@@ -67,6 +68,7 @@ class BaseEngine(ABC):
         optimizer_config: OptimizerConfig,
         checkpoint_config: CheckpointConfig,
     ) -> None:
+        resolve_compute_dtype(engine_config)
         self.model_config = model_config
         self.engine_config = engine_config
         self.optimizer_config = optimizer_config
