@@ -138,7 +138,6 @@ def test_executor_choices_are_checked_before_vllm_starts(tmp_path):
 
     (tmp_path / "config.json").write_text("{}")
     cases = [
-        (VLLMRolloutConfig(mode="async", executor="inprocess"), "async mode runs the server"),
         (VLLMRolloutConfig(executor="external_launcher"), "launch with torchrun"),
         (VLLMRolloutConfig(executor="multiprocess", transport="inprocess"), "use shm"),
         (RolloutConfig(dtype="int4"), "int4"),  # a plain RolloutConfig takes the vLLM defaults
