@@ -1,7 +1,7 @@
 """``TorchTitanEngineConfig``: the torchtitan engine's knobs on top of the shared :class:`EngineConfig`.
 
-Registered as the config of backend ``torchtitan`` (entry-point group ``posttrain.engine_configs``). This module
-imports only engine-core's config (no torchtitan). Parallelisms torchtitan 0.3.0 has but this engine does not
+Registered as backend ``torchtitan`` (entry-point group ``posttrain.engines``); :meth:`build` returns the
+engine, initialised. This module imports only engine-core's config (no torchtitan). Parallelisms torchtitan 0.3.0 has but this engine does not
 drive yet (tensor, pipeline, context and expert parallelism) are fields that accept 1 and refuse anything else by
 name, so a run asking for them stops before any work.
 """
@@ -9,6 +9,7 @@ name, so a run asking for them stops before any work.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from posttrain.core.config.engine import EngineConfig, normalize_dtype
 
@@ -18,6 +19,10 @@ AC_MODES = ("none", "full", "selective")
 @dataclass(kw_only=True)
 class TorchTitanEngineConfig(EngineConfig):
     """torchtitan's Qwen3 / Llama-3 models sharded by torchtitan's own FSDP2 (HSDP) function."""
+
+    engines: ClassVar[dict[str, str]] = {
+        "language_model": "posttrain.torchtitan.engine:TorchTitanLanguageModelEngine",
+    }
 
     strategy: str | None = "torchtitan"
     """Always ``torchtitan`` (the backend name)."""
@@ -35,6 +40,8 @@ class TorchTitanEngineConfig(EngineConfig):
     ``model.enable_gradient_checkpointing`` (full when true, none when false)."""
     compile: bool = False
     """``torch.compile`` each transformer block (torchtitan's ``apply_compile``); the first steps pay for it."""
+    use_torch_compile: bool = True
+    """Compile the log-prob/entropy head's per-chunk function on CUDA."""
     entropy_checkpointing: bool = True
     """Recompute each head chunk's fp32 softmax in backward instead of keeping it."""
     tensor_parallel_size: int = 1

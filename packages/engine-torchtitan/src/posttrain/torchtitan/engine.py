@@ -130,6 +130,7 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         model = modeling.build_model(self.hf_config, inner_attention_config(self._device))
         self.hf_module = modeling.hf_view(model, self.hf_config.model_type)
         self._tied = {"lm_head.weight"} if model.enable_weight_tying else set()
+        model.lm_head.use_compile = cfg.use_torch_compile
         parallel.apply_activation_checkpointing(
             model, cfg.ac_mode(self.model_config.enable_gradient_checkpointing)
         )
@@ -333,10 +334,16 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         return float(self.lr_scheduler.get_last_lr()[0])
 
     # ------------------------------------------------------------------ weights and checkpoints
-    def get_per_tensor_param(self, dtype: torch.dtype | str | None = None, **kwargs: Any) -> PerTensorParams:
+    def get_per_tensor_param(
+        self,
+        *,
+        base_sync_done: bool = False,
+        peft_merge: bool | None = None,
+        dtype: torch.dtype | str | None = None,
+    ) -> PerTensorParams:
         """Lazy (HF name, full tensor) stream in ``dtype`` (default: as stored); a tied ``lm_head`` is left out
-        as ``save_pretrained`` does. Every rank must consume it (each gather is a collective). No LoRA here, so
-        the peft config is None."""
+        as ``save_pretrained`` does. Every rank must consume it (each gather is a collective). There is no LoRA
+        here: ``base_sync_done`` and ``peft_merge`` change nothing, and the peft config is None."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         state = self.hf_module.state_dict(keep_vars=True)

@@ -16,6 +16,7 @@ engines.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,21 +62,31 @@ class StatsHead(Linear):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.request: HeadRequest | None = None
+        self.use_compile = False
+        """Compile the per-chunk function on first use on CUDA (``engine.use_torch_compile``)."""
+        self._stats_fn: Any = None
+
+    def _chunk_fn(self, device: torch.device) -> Any:
+        if self._stats_fn is None:
+            use = self.use_compile and device.type == "cuda"
+            self._stats_fn = torch.compile(_chunk_stats, dynamic=True) if use else _chunk_stats
+        return self._stats_fn
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.request is None:
             return super().forward(hidden)
         req = self.request
         flat = hidden.reshape(-1, hidden.shape[-1])
+        fn = self._chunk_fn(flat.device)
         outs = []
         for start in range(0, flat.shape[0], req.chunk_size):
             end = start + req.chunk_size
             logits = F.linear(flat[start:end], self.weight, self.bias)
             args = (logits, req.targets[start:end], req.inv_temperature[start:end], req.with_entropy)
             if req.checkpoint and torch.is_grad_enabled():
-                log_prob, entropy = checkpoint(_chunk_stats, *args, use_reentrant=False)
+                log_prob, entropy = checkpoint(fn, *args, use_reentrant=False)
             else:
-                log_prob, entropy = _chunk_stats(*args)
+                log_prob, entropy = fn(*args)
             outs.append(torch.stack([log_prob, entropy], -1) if entropy is not None else log_prob[:, None])
         return torch.cat(outs, dim=0)
 
