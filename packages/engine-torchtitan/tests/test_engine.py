@@ -129,3 +129,47 @@ def test_bad_settings_refused_with_the_fix(tmp_path):
         TorchTitanEngineConfig(fsdp_size=3).check_world_size(4)
     with pytest.raises(ValueError, match="fsdp_size=1 on 2 ranks.*at least 2"):
         TorchTitanEngineConfig(fsdp_size=1).check_world_size(2)
+
+
+def test_fsdp2_checkpoint_resumes_on_torchtitan_and_exports_hf(tmp_path):
+    """A role saved by the FSDP engine (model, optimizer, extra, hf_model) loads into the torchtitan engine with
+    the same weights and AdamW moments; the torchtitan engine's own hf_model export is those weights."""
+    from safetensors.torch import load_file
+
+    from posttrain.fsdp.config import FSDP2EngineConfig
+    from posttrain.fsdp.engine import FSDPLanguageModelEngine
+
+    path = save_tiny_model(tmp_path / "model")
+    contents = ["model", "optimizer", "extra", "hf_model"]
+    fsdp = FSDPLanguageModelEngine(
+        ModelConfig(path=path),
+        FSDP2EngineConfig(dtype="fp32", max_token_len_per_gpu=4096),
+        OptimizerConfig(lr=1e-3),
+        CheckpointConfig(save_contents=contents),
+    )
+    fsdp.initialize()
+    with fsdp.train_mode():
+        fsdp.train_batch(make_batch(LENGTHS, seed=3), pg_loss)
+    fsdp.save_checkpoint(str(tmp_path / "a" / "global_step_1" / "actor"), global_step=1)
+    want = dict(fsdp.get_per_tensor_param()[0])
+
+    titan = make_engine(path)
+    titan.load_checkpoint(str(tmp_path / "a" / "global_step_1" / "actor"))
+    got = dict(titan.get_per_tensor_param()[0])
+    assert set(got) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+    by_name = dict(titan.hf_module.named_parameters())
+    ref = dict(fsdp.module.named_parameters())
+    for name in ("model.layers.1.mlp.up_proj.weight", "model.norm.weight"):
+        torch.testing.assert_close(
+            titan.optimizer.state[by_name[name]]["exp_avg"], fsdp.optimizer.state[ref[name]]["exp_avg"]
+        )
+    titan.checkpoint_config = CheckpointConfig(save_contents=contents)
+    titan.save_checkpoint(str(tmp_path / "b" / "global_step_1" / "actor"), global_step=1)
+    exported = load_file(
+        str(tmp_path / "b" / "global_step_1" / "actor" / "huggingface" / "model.safetensors")
+    )
+    assert set(exported) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(exported[name], value, rtol=0, atol=0, msg=name)

@@ -3,7 +3,7 @@
 The role's model is the engine's HF-named view (:func:`posttrain.torchtitan.modeling.hf_view`), so the DCP shards,
 the optimizer state (``state.<HF name>.exp_avg``) and the ``huggingface/`` export are keyed exactly as the FSDP
 engine writes them: a role saved by either engine loads on the other, on any number of ranks. ``config.json`` of
-the export is copied from ``model.path``. Both calls are collective.
+the export is ``model.path``'s with ``model.override_config`` applied. Both calls are collective.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _role_info(engine: Any) -> RoleInfo:
     return RoleInfo(
         backend="torchtitan",
         parallel_sizes=sizes,
-        hf_config=None,
+        hf_config=engine.hf_config,
         model_dir=engine.model_config.path,
         tokenizer_dir=engine.model_config.tokenizer_dir,
     )

@@ -53,14 +53,20 @@ def ensure_process_group() -> bool:
     return dist.is_initialized()
 
 
-def read_hf_config(model_config: ModelConfig) -> SimpleNamespace:
-    """``config.json`` of ``model.path`` with ``model.override_config`` applied, as attributes."""
+class HFConfig(SimpleNamespace):
+    """An HF ``config.json`` as attributes; ``save_pretrained`` writes it back (what checkpoints call)."""
+
+    def save_pretrained(self, out_dir: str) -> None:
+        Path(out_dir, "config.json").write_text(json.dumps(vars(self), indent=2, sort_keys=True) + "\n")
+
+
+def read_hf_config(model_config: ModelConfig) -> HFConfig:
+    """``config.json`` of ``model.path`` with ``model.override_config`` applied."""
     model_config.require_weights()
     path = Path(model_config.path) / "config.json"
     if not path.is_file():
         raise ValueError(f"model.path={model_config.path!r} has no config.json: point it at an HF model dir")
-    data = json.loads(path.read_text()) | dict(model_config.override_config)
-    return SimpleNamespace(**data)
+    return HFConfig(**(json.loads(path.read_text()) | dict(model_config.override_config)))
 
 
 def check_model_config(model_config: ModelConfig) -> None:
