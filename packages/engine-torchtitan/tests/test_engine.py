@@ -119,12 +119,13 @@ def test_bad_settings_refused_with_the_fix(tmp_path):
     qwen3 = save_tiny_model(tmp_path / "q3", "qwen3")
     with pytest.raises(ValueError, match="lora_rank=8.*model.lora_rank=0"):
         _engine(qwen3, model={"lora_rank": 8})
-    with pytest.raises(ValueError, match="tensor_parallel_size=2.*set it to 1"):
-        TorchTitanEngineConfig(tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="expert_parallel_size=2.*expert parallelism"):
-        TorchTitanEngineConfig(expert_parallel_size=2)
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2.*pipeline parallelism"):
-        TorchTitanEngineConfig(pipeline_parallel_size=2)
+    moe = save_tiny_model(
+        tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    with pytest.raises(
+        ValueError, match="MoE \\(expert parallelism\\) is not implemented.*model_engine=fsdp2"
+    ):
+        _engine(moe)
     with pytest.raises(ValueError, match="fsdp_size=3 does not divide the world size 4"):
         TorchTitanEngineConfig(fsdp_size=3).check_world_size(4)
     with pytest.raises(ValueError, match="fsdp_size=1 on 2 ranks.*at least 2"):

@@ -44,12 +44,6 @@ class TorchTitanEngineConfig(EngineConfig):
     """Compile the log-prob/entropy head's per-chunk function on CUDA."""
     entropy_checkpointing: bool = True
     """Recompute each head chunk's fp32 softmax in backward instead of keeping it."""
-    tensor_parallel_size: int = 1
-    """Tensor parallel degree: only 1 (not driven by this engine yet)."""
-    pipeline_parallel_size: int = 1
-    """Pipeline parallel degree: only 1 (not driven by this engine yet)."""
-    expert_parallel_size: int = 1
-    """Expert parallel degree: only 1 (the engine builds dense models only)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -70,21 +64,6 @@ class TorchTitanEngineConfig(EngineConfig):
                 f"engine.activation_checkpointing={self.activation_checkpointing!r}: use one of "
                 f"{', '.join(AC_MODES)}"
             )
-        self._refuse_parallelisms()
-
-    def _refuse_parallelisms(self) -> None:
-        left = {
-            "tensor_parallel_size": "tensor parallelism",
-            "pipeline_parallel_size": "pipeline parallelism",
-            "expert_parallel_size": "expert parallelism (MoE)",
-        }
-        for name, what in left.items():
-            value = getattr(self, name)
-            if value != 1:
-                raise ValueError(
-                    f"engine.{name}={value}: the torchtitan engine does not drive {what} yet; set it to 1 "
-                    "(FSDP2/HSDP via engine.fsdp_size), or use model_engine=megatron"
-                )
 
     def check_world_size(self, world_size: int) -> int:
         """Check ``fsdp_size`` divides ``world_size``; every rank is a data-parallel rank."""
