@@ -35,12 +35,12 @@ def test_two_ranks_equal_one_process(tmp_path: Path) -> None:
             torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"{case} {name}")
 
     from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
-    from posttrain.fsdp.config import FSDPEngineConfig
+    from posttrain.fsdp.config import FSDP2EngineConfig
     from posttrain.fsdp.engine import FSDPLanguageModelEngine
 
     fsdp = FSDPLanguageModelEngine(
         ModelConfig(path=str(tmp_path / "model")),
-        FSDPEngineConfig(dtype="fp32"),
+        FSDP2EngineConfig(dtype="fp32"),
         OptimizerConfig(lr=1e-3),
         CheckpointConfig(),
     )

@@ -58,14 +58,14 @@ def test_logits_and_log_probs_equal_hf(model_type, tmp_path):
 
 def test_gradients_equal_fsdp_engine(model_dir):
     """One step's gradients (micro-batched, entropy bonus, temperatures) equal the FSDP engine's by HF name."""
-    from posttrain.fsdp.config import FSDPEngineConfig
+    from posttrain.fsdp.config import FSDP2EngineConfig
     from posttrain.fsdp.engine import FSDPLanguageModelEngine
 
     batch = make_batch(LENGTHS, seed=1)
     titan = make_engine(model_dir, max_token_len_per_gpu=20)
     fsdp = FSDPLanguageModelEngine(
         ModelConfig(path=model_dir),
-        FSDPEngineConfig(dtype="fp32", max_token_len_per_gpu=20),
+        FSDP2EngineConfig(dtype="fp32", max_token_len_per_gpu=20),
         OptimizerConfig(lr=1e-3),
         CheckpointConfig(),
     )
