@@ -230,12 +230,17 @@ def check_file(base: Path, name: str, record: list[Any]) -> list[str]:
     if size != record[0]:
         return [f"{path}: {size} bytes, saved with {record[0]} (torn or truncated)"]
     found = file_record(path, [(o, n, k) for o, n, _, k in record[1] if k is not None])
-    bad = [
-        f"{path}: bytes {o}-{o + n} ({'tensor ' + k.split('@')[0] if k else 'file header/metadata'}) changed"
+    return [
+        f"{path}: bytes {o}-{o + n} ({_what(k)}) changed"
         for (o, n, c, k), (_, _, now, _) in zip(record[1], found[1])
         if c != now
     ]
-    return bad
+
+
+def _what(key: str | None) -> str:
+    if key is None:
+        return "bytes outside any stored item"
+    return f"tensor {key.split('@')[0]}" if "@" in key else f"stored value {key}"
 
 
 def verify_files(
@@ -287,4 +292,9 @@ def raise_if(problems: list[str], what: str) -> None:
 
 def _report(problems: list[str], what: str) -> str:
     shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
-    return f"{what} failed verification:\n  " + "\n  ".join(shown)
+    return (
+        f"{what} failed verification:\n  "
+        + "\n  ".join(shown)
+        + "\n(it was changed or lost after its save; `posttrain ckpt verify <checkpoint root>` names the newest "
+        "intact step, which trainer.resume_mode=auto resumes from)"
+    )
