@@ -31,6 +31,7 @@ from posttrain.core.rollout import RolloutConfig
 
 from .algorithms import AlgorithmConfig
 from .data.config import DataConfig
+from .data.files import coerce_file_lists
 from .rewards import RewardConfig
 from .roles import ActorConfig, CriticConfig, RefConfig
 from .trainer_config import TrainerConfig
@@ -174,7 +175,7 @@ def resolve_preset(name: str) -> Path:
 def load_config(overrides: Sequence[str] = (), presets: Sequence[str] = ()) -> PostTrainConfig:
     """Defaults <- presets (in order) <- overrides, with each role's engine dataclass chosen by its backend."""
     preset_paths = [resolve_preset(p) for p in presets]
-    dotlist = parse_overrides(overrides)
+    dotlist = coerce_file_lists(parse_overrides(overrides))  # data.train_files=/x.parquet -> [/x.parquet]
     raw = OmegaConf.merge(*[OmegaConf.load(p) for p in preset_paths], dotlist)
     try:
         with warnings.catch_warnings():

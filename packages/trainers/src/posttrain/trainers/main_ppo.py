@@ -14,6 +14,8 @@ from typing import Any
 
 from posttrain.core.config.loader import ConfigError
 
+from . import preflight, threads
+from .algorithms import adv_estimator_traits
 from .config import load_config
 from .rl.trainer import RLTrainer
 
@@ -33,6 +35,8 @@ def run(argv: Sequence[str], algorithm: str = "ppo") -> dict[str, Any]:
     """Train with ``argv`` and return the last step's metrics."""
     args = parser(f"posttrain {algorithm}").parse_args(list(argv))
     cfg = load_config([*ALGORITHM_DEFAULTS[algorithm], *args.overrides], args.config)
+    preflight.check_rl(cfg, use_critic=adv_estimator_traits(cfg.algorithm.adv_estimator).needs_critic)
+    threads.configure()
     trainer = RLTrainer(cfg)
     try:
         return trainer.fit()

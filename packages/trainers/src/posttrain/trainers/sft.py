@@ -33,6 +33,7 @@ from posttrain.core.config import OptimizerConfig
 from posttrain.core.config.loader import ConfigError
 
 from . import distributed as pdist
+from . import preflight, threads
 from .config import PostTrainConfig, load_config
 from .data.sampler import StatefulSampler, rank_slice
 from .data.sft_dataset import SFTDataset
@@ -244,6 +245,8 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     """Parse ``argv``, train, and return the last step's metrics."""
     args = parser().parse_args(list(argv))
     cfg = load_config(args.overrides, args.config)
+    preflight.check_sft(cfg)  # before any engine: each failure exits 2 naming the key
+    threads.configure()
     trainer = SFTTrainer(cfg)
     try:
         return trainer.fit()
