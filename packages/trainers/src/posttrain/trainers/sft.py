@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -181,6 +182,9 @@ class SFTTrainer(StepLoop):
         metrics = {
             "train/loss": loss_sum / self.dp_size,
             "train/grad_norm": grad_norm,
+            "train/skipped_step": float(
+                not math.isfinite(grad_norm)
+            ),  # counted by the engine, shown by the console
             "train/lr": lr,
             "train/epoch": epoch,
             "train/samples_seen": self._samples_seen(),
