@@ -57,8 +57,8 @@ from posttrain.ckpt.layout import (
     read_json,
 )
 from posttrain.ckpt.role import write_role_files
-from posttrain.ckpt.verify import raise_if, verify_role
 from posttrain.ckpt.snapshot import snapshot_to_host
+from posttrain.ckpt.verify import raise_if, verify_role
 
 from . import build
 
