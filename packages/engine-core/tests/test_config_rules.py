@@ -6,7 +6,6 @@ from posttrain.core.config import (
     CheckpointConfig,
     EngineConfig,
     OptimizerConfig,
-    QATConfig,
     RouterReplayConfig,
 )
 
@@ -34,36 +33,6 @@ def test_router_replay_modes():
         RouterReplayConfig(mode=mode)
     with pytest.raises(ValueError, match="use disabled, R2 or R3"):
         RouterReplayConfig(mode="R4")
-
-
-@pytest.mark.parametrize("key", ["record_file", "replay_file"])
-def test_router_replay_files_are_refused(key):
-    with pytest.raises(
-        ValueError, match=rf"router_replay.{key}='r.pt' is not supported.*set engine.router_replay.{key}=null"
-    ):
-        RouterReplayConfig(mode="R2", **{key: "r.pt"})
-
-
-@pytest.mark.parametrize(
-    "override",
-    [
-        {"enable": True},
-        {"mode": "w8a8"},
-        {"group_size": 32},
-        {"ignore_patterns": ["lm_head"]},
-        {"activation_observer": "minmax"},
-        {"quantization_config_path": "q.json"},
-    ],
-)
-def test_qat_accepts_only_its_defaults(override):
-    QATConfig(**QATConfig().__dict__)  # the defaults, spelled out, are fine
-    with pytest.raises(ValueError, match=rf"engine.qat.{next(iter(override))}=.*quantisation-aware training"):
-        QATConfig(**override)
-
-
-def test_fused_kernels_are_refused():
-    with pytest.raises(ValueError, match="use_fused_kernels=true.*Set engine.use_fused_kernels=false"):
-        EngineConfig(use_fused_kernels=True)
 
 
 def test_logits_chunk_size_follows_chunking_flag():

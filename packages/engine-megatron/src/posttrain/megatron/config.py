@@ -1,6 +1,6 @@
 """``McoreEngineConfig``: the megatron engine's knobs on top of the shared :class:`EngineConfig`.
 
-Registered as the config of backend ``megatron`` (entry-point group ``posttrain.engine_configs``). Field names
+Registered as backend ``megatron`` (entry-point group ``posttrain.engines``); it builds the megatron engines. Field names
 and defaults follow verl's ``McoreEngineConfig``. This module imports only engine-core's config: resolving
 ``model_engine=megatron`` needs no megatron-core. Rules that need the HF model config or CUDA are in
 :mod:`posttrain.megatron.rules`.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from posttrain.core.config.checkpoint import CheckpointConfig
 from posttrain.core.config.engine import EngineConfig
@@ -19,6 +19,11 @@ from posttrain.core.config.engine import EngineConfig
 @dataclass(kw_only=True)
 class McoreEngineConfig(EngineConfig):
     """Megatron-Core through Megatron-Bridge (``strategy`` megatron)."""
+
+    engines: ClassVar[dict[str, str]] = {
+        "language_model": "posttrain.megatron.engine:MegatronLanguageModelEngine",
+        "value_model": "posttrain.megatron.engine:MegatronValueModelEngine",
+    }
 
     strategy: str | None = "megatron"
     """Always ``megatron``."""

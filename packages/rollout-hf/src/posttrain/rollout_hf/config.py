@@ -1,6 +1,6 @@
 """The HF rollout's config: the fields every rollout shares plus the decode loop's own knobs.
 
-Registered as ``hf`` in the ``posttrain.rollout_configs`` entry-point group, so with ``rollout.name=hf`` (the
+Registered as ``hf`` in the ``posttrain.rollouts`` entry-point group (it builds :class:`~posttrain.rollout_hf.rollout.HFRollout`), so with ``rollout.name=hf`` (the
 default) every field here is a ``rollout.<field>`` key (``rollout.compile=true``). Importing this module imports
 no transformers.
 """
@@ -8,6 +8,7 @@ no transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from posttrain.core.rollout import RolloutConfig
 
@@ -19,6 +20,8 @@ LOAD_FORMATS = ("auto", "dummy")
 class HFRolloutConfig(RolloutConfig):
     """:class:`~posttrain.core.rollout.RolloutConfig` and what only the HF rollout reads
     (:mod:`posttrain.rollout_hf.decode`)."""
+
+    rollout_class: ClassVar[str] = "posttrain.rollout_hf.rollout:HFRollout"
 
     name: str = "hf"
     """The rollout backend (``hf``)."""
