@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from posttrain.ckpt import find_intact, verify_step
 from posttrain.ckpt.layout import parse_step
 
-from .trainer_config import TrainerConfig
+if TYPE_CHECKING:
+    from .trainer_config import TrainerConfig
 
 
 def resume_point(cfg: TrainerConfig) -> tuple[int, Path] | None:
