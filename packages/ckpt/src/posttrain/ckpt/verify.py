@@ -22,7 +22,9 @@ finding.
 from __future__ import annotations
 
 import mmap
+import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,8 @@ from posttrain.core.checksum import tensor_checksums
 
 from . import dist as ckpt_dist
 from .layout import DIST_CKPT, FORMAT, ROLE_MANIFEST, STEP_MANIFEST, read_json
+
+_PARALLEL_BYTES = 64 << 20  # files this large have their segments' CRCs computed on a thread pool
 
 METADATA = ".metadata"
 """DCP's metadata file in ``dist_ckpt/``."""
@@ -190,9 +194,20 @@ def file_record(path: Path, items: list[tuple[int, int, str | None]]) -> list[An
     with open(path, "rb") as f:
         view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if size else memoryview(b"")
         try:
-            return [size, [[o, n, zlib.crc32(view[o : o + n]), k] for o, n, k in cuts]]
+            crcs = _crcs(view, [(o, n) for o, n, _ in cuts])
+            return [size, [[o, n, c, k] for (o, n, k), c in zip(cuts, crcs)]]
         finally:
             view.release()
+
+
+def _crcs(view: memoryview, spans: list[tuple[int, int]]) -> list[int]:
+    """CRC-32 of each span of ``view``, the spans of a large file on a thread pool (zlib releases the GIL)."""
+    total = sum(n for _, n in spans)
+    if total < _PARALLEL_BYTES or (os.cpu_count() or 1) < 2:
+        return [zlib.crc32(view[o : o + n]) for o, n in spans]
+    workers = min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="posttrain-ckpt-crc") as pool:
+        return list(pool.map(lambda span: zlib.crc32(view[span[0] : span[0] + span[1]]), spans))
 
 
 def _listed(role_dir: Path) -> list[str]:
