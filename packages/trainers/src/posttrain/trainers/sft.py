@@ -54,8 +54,6 @@ def sft_loss(model_output: dict[str, torch.Tensor], micro: PackedBatch, ctx: Los
     return loss, {}
 
 
-
-
 class SFTTrainer(StepLoop):
     """The SFT loop over one engine (the ``actor`` role)."""
 
