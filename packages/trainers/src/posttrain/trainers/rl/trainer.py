@@ -50,7 +50,7 @@ from . import phases, router_replay
 from .batch import build_batch
 from .dataset import PromptDataset
 from .generation import RolloutSampler, WeightSync
-from .placement import build_rollout
+from .modes import build_rollout
 from .step_metrics import Timer
 
 
