@@ -126,6 +126,8 @@ def test_plain_stream_has_hf_names_in_rollout_dtype(lm_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     eng = make_engine(lm_dir)
+    with pytest.raises(TypeError, match="layered_summon"):  # the contract's keywords only, none swallowed
+        eng.get_per_tensor_param(layered_summon=True)
     stream, peft_cfg = eng.get_per_tensor_param(dtype="bfloat16")
     got = dict(stream)
     want = AutoModelForCausalLM.from_pretrained(lm_dir).state_dict()

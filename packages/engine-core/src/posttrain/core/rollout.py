@@ -74,8 +74,6 @@ class RolloutConfig(SamplingKnobs):
 
     name: str = "hf"
     """Backend: ``hf`` (transformers generate, the CPU default), ``vllm``, or another installed rollout."""
-    mode: str = "sync"
-    """``sync`` (colocated SPMD) or ``async`` (a server: vLLM's AsyncLLM; the hf rollout refuses it)."""
     prompt_length: int = 512
     """Longest prompt in tokens."""
     response_length: int = 512
@@ -104,8 +102,6 @@ class RolloutConfig(SamplingKnobs):
 
     def __post_init__(self) -> None:
         self._check_sampling("rollout.")
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"rollout.mode={self.mode!r}: use sync or async")
         if self.update_weights_bucket_megabytes < 1:
             raise ValueError(
                 f"rollout.update_weights_bucket_megabytes={self.update_weights_bucket_megabytes} must be >= 1"

@@ -334,16 +334,15 @@ class FSDPEngine(BaseEngine):
     # ------------------------------------------------------------------ weights and checkpoints
     def get_per_tensor_param(
         self,
-        layered_summon: bool = False,
+        *,
         base_sync_done: bool = False,
-        dtype: torch.dtype | str | None = None,
         peft_merge: bool | None = None,
-        **kwargs: Any,
+        dtype: torch.dtype | str | None = None,
     ) -> PerTensorParams:
         """Lazy (HF name, full tensor) stream in ``dtype``; by default as stored (fp32 master weights stay fp32: a
         rollout's bucket sender casts them while packing, one kernel per tensor instead of two).
 
-        Tensors are gathered one at a time whatever ``layered_summon`` says. Without LoRA: every weight, peft
+        Tensors are gathered one at a time. Without LoRA: every weight, peft
         config None. With LoRA and ``peft_merge`` (default :attr:`peft_merge`): base weights with the adapter
         merged, peft config None. Otherwise the base weights when ``base_sync_done`` is False, and only the
         adapter tensors (peft names) when it is True, with the peft config dict. Every rank must consume it."""
@@ -384,11 +383,12 @@ class FSDPEngine(BaseEngine):
 
         prepare_fsdp_checkpoint(self, role, writer)
 
-    def load_checkpoint(self, local_path: str, **kwargs: Any) -> None:
-        """Delegates to ``posttrain.fsdp.checkpoint.load_fsdp_checkpoint``."""
+    def load_checkpoint(self, local_path: str, **kwargs: Any) -> dict[str, Any]:
+        """Delegates to ``posttrain.fsdp.checkpoint.load_fsdp_checkpoint``: the saved counters (``global_step``,
+        ``skipped_steps``) when ``extra`` is loaded, else ``{}``."""
         from .checkpoint import load_fsdp_checkpoint
 
-        load_fsdp_checkpoint(self, local_path)
+        return load_fsdp_checkpoint(self, local_path)
 
 
 def _floats(values: list[Any]) -> list[float]:

@@ -50,11 +50,6 @@ class HFRolloutConfig(RolloutConfig):
             )
         if self.stop_check_interval < 1:
             raise ValueError(f"rollout.stop_check_interval={self.stop_check_interval} must be >= 1")
-        if self.mode != "sync":
-            raise ValueError(
-                f"rollout.mode={self.mode!r}: the hf rollout has no server (rollout.mode=async is vLLM's AsyncLLM "
-                "executor, rollout.name=vllm); to generate while the actor trains, set trainer.mode=one_step_off"
-            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"rollout.load_format={self.load_format!r}: the hf rollout loads {' or '.join(LOAD_FORMATS)} "

@@ -26,7 +26,7 @@ class VLLMRolloutConfig(RolloutConfig):
     """The rollout backend (``vllm``)."""
     executor: str = "auto"
     """Where vLLM's workers run: ``auto``, ``external_launcher``, ``inprocess``, ``multiprocess`` or ``server``
-    (:mod:`posttrain.rollout_vllm.rollout`); ``auto`` picks ``server`` for ``mode=async``, ``external_launcher``
+    (:mod:`posttrain.rollout_vllm.rollout`); ``auto`` picks ``external_launcher``
     under an initialised torch.distributed and ``inprocess`` otherwise."""
     transport: str = "auto"
     """Weight-sync transport: ``auto``, ``inprocess``, ``shm`` or ``cuda_ipc``; ``auto`` passes tensors by reference

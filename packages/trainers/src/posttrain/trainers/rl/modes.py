@@ -318,7 +318,8 @@ class RolloutAhead:
 
 
 RolloutSource = SyncRollouts | RolloutAhead
-"""What the trainer calls for each step's rollouts; :meth:`.mode_config.RolloutModeConfig.build` picks one."""
+"""What the trainer calls for each step's rollouts; :meth:`.mode_config.RolloutModeConfig.build_rollout_source`
+picks one."""
 
 
 def build_rollout(cfg: PostTrainConfig, device: Any) -> BaseRollout:
