@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rl_report import PHASES, emit, mean, summarize, table  # noqa: F401  (trl_grpo.py uses them as rl.*)
+from rl_report import PHASES, drift_failures, emit, mean, summarize, table  # noqa: F401  (trl_grpo.py uses them as rl.*)
 
 MODES = ("sync", "one_step_off")
 
@@ -79,23 +79,37 @@ class Work:
     """Response cap in tokens."""
     vocab: int | None = None
     """Tokenizer size (None: the shape's own)."""
-    tokens_per_gpu: int = 16384
-    """``max_token_len_per_gpu`` of actor and reference."""
-    preset: str | None = None
-    """A ``--config`` preset under the overrides."""
+    tokens_per_gpu: int | None = None
+    """``max_token_len_per_gpu`` of actor and reference (None: the preset's)."""
+    preset: str = "grpo_gsm8k"
+    """The ``--config`` task preset the run starts from (``vllm_gpu`` is stacked on ``grpo_gsm8k`` for vLLM, as
+    examples/grpo_fsdp.sh does)."""
+    mini_prompts: int | None = None
+    """``actor.ppo_mini_batch_size`` per GPU (None: all the step's prompts, one optimizer step)."""
     bf16: bool = True
-    """bf16 engines and rollout (fp32 otherwise)."""
+    """bf16 engines and rollout (the preset's); fp32 otherwise."""
 
 
 WORKS = {
     "bench": Work(shape=None, prompts=32, n=8, prompt_len=256, response_len=1024),
+    # the README's GRPO command: examples/grpo_fsdp.sh with data.train_batch_size=128 actor.ppo_mini_batch_size=64
+    "readme": Work(shape=None, prompts=128, n=5, prompt_len=256, response_len=1024, mini_prompts=64),
     "issue": Work(
-        shape="0.5b", prompts=32, n=8, prompt_len=32, response_len=256, vocab=448, preset="grpo_tiny"
+        shape="0.5b",
+        prompts=32,
+        n=8,
+        prompt_len=32,
+        response_len=256,
+        vocab=448,
+        preset="grpo_tiny",
+        tokens_per_gpu=16384,
     ),
     "tiny": Work(
         shape="tiny", prompts=4, n=4, prompt_len=24, response_len=16, tokens_per_gpu=4096, bf16=False
     ),
 }
+DRIFT = 0.10
+"""The most a later step's generation may be slower than the first's, per generated token."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -129,8 +143,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default: the work's)")
     p.add_argument("--response-len", type=int, default=None, help="response cap (default: the work's)")
     p.add_argument("--tokens-per-gpu", type=int, default=None, help="max_token_len_per_gpu (default 16384)")
-    p.add_argument("--no-grad-ckpt", action="store_true", help="bench work: no activation recomputation")
-    p.add_argument("--no-kl", action="store_true", help="bench work: no KL loss, so no reference model")
+    p.add_argument("--no-kl", action="store_true", help="no KL loss, so no reference model")
+    p.add_argument(
+        "--check-drift",
+        action="store_true",
+        help=f"exit 1 when a run's last step generates more than {DRIFT:.0%} slower per token than its first",
+    )
     p.add_argument("--set", action="append", default=[], help="extra key=value override (repeatable)")
     p.add_argument("--workdir", default=None, help="models, data and run dirs (default /tmp/rl_bench)")
     p.add_argument("--json", default=None, help="append one JSON line per run to this file")
@@ -211,49 +229,45 @@ def overrides(
     mode: str = "sync",
     placement: str = "colocated",
 ):
-    """The ``key=value`` list of one run."""
-    dtype = "bfloat16" if work.bf16 else "float32"
+    """The ``key=value`` list of one run: what examples/grpo_fsdp.sh passes on top of its presets (model, data,
+    batch, rollout, trainer) and the work's sizes; every other setting is the preset's."""
     prompts = work.prompts * world
     out = [
         f"model.path={model}",
         f"data.train_files=[{data}]",
-        f"data.max_prompt_length={work.prompt_len}",
+        "data.prompt_key=prompt",
         f"data.train_batch_size={prompts}",
+        f"actor.ppo_mini_batch_size={(work.mini_prompts or work.prompts) * world}",
         "algorithm.adv_estimator=grpo",
         f"rollout.name={rollout}",
         f"rollout.n={work.n}",
-        f"rollout.prompt_length={work.prompt_len}",
         f"rollout.response_length={work.response_len}",
-        "rollout.temperature=1.0",
-        f"rollout.dtype={dtype}",
         f"trainer.total_training_steps={args.warmup + args.steps}",
         f"trainer.n_gpus_per_node={world}",
         f"trainer.default_local_dir={run_dir}",
         "trainer.resume_mode=disable",
         "trainer.logger=[console]",
     ]
-    for role in ("actor", "ref"):
-        out += [f"{role}.engine.dtype={dtype}", f"{role}.engine.max_token_len_per_gpu={work.tokens_per_gpu}"]
-    if rollout == "vllm":
-        out += ["rollout.enforce_eager=false"]  # CUDA graphs for decoding
+    if work.prompt_len > 512 or work.preset != "grpo_gsm8k":
+        out += [f"rollout.prompt_length={work.prompt_len}"]
+    if work.tokens_per_gpu is not None:
+        out += [f"{r}.engine.max_token_len_per_gpu={work.tokens_per_gpu}" for r in ("actor", "ref")]
+    if not work.bf16:  # CPU smoke run: fp32, and compiling the log-prob chunk costs more than it saves
+        out += ["rollout.dtype=float32"]
+        for role in ("actor", "ref"):
+            out += [f"{role}.engine.dtype=float32", f"{role}.engine.use_torch_compile=false"]
+    if args.no_kl:
+        out += ["actor.use_kl_loss=false"]
     if mode != "sync":
         # one batch past the timed steps, so the last timed step also trains while the next batch generates
         out += [f"trainer.mode={mode}", f"trainer.total_training_steps={args.warmup + args.steps + 1}"]
         out += placement_overrides(placement, rollout, world, on_gpu=work.bf16)
-    if work.preset is None:  # the bench work: verl's GSM8K GRPO recipe, one optimizer step per step
-        out += [
-            f"actor.ppo_mini_batch_size={prompts}",
-            "actor.optim.lr=1e-6",
-            f"actor.use_kl_loss={str(not args.no_kl).lower()}",
-            "actor.kl_loss_coef=0.001",
-            "actor.kl_loss_type=low_var_kl",
-            "actor.entropy_coeff=0.0",
-            "actor.loss_agg_mode=token-mean",
-            f"model.enable_gradient_checkpointing={str(not args.no_grad_ckpt and work.bf16).lower()}",
-        ]
-        if not work.bf16:  # CPU smoke run: compiling the log-prob chunk costs more than it saves
-            out += ["actor.engine.use_torch_compile=false", "ref.engine.use_torch_compile=false"]
     return out + list(args.set)
+
+
+def presets(work: Work, rollout: str) -> list[str]:
+    """The ``--config`` presets of a run, as examples/grpo_fsdp.sh stacks them."""
+    return [work.preset] + (["vllm_gpu"] if rollout == "vllm" and work.preset == "grpo_gsm8k" else [])
 
 
 def placement_overrides(placement: str, rollout: str, world: int, on_gpu: bool) -> list[str]:
@@ -307,6 +321,37 @@ class MemoryPeak:
         return round(self.peak / 2**30, 2)
 
 
+class GcClock:
+    """Seconds Python's cyclic garbage collector ran, and its full (generation 2) collections, since
+    :meth:`reset` (through ``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.gc, self.t0, self.seconds, self.full = gc, 0.0, 0.0, 0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.t0 = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self.t0
+        self.full += info.get("generation") == 2
+
+    def reset(self) -> None:
+        self.seconds, self.full = 0.0, 0
+
+    def read(self) -> dict[str, float]:
+        return {
+            "gc_s": round(self.seconds, 3),
+            "gc_full": self.full,
+            "gc_tracked": len(self.gc.get_objects()),
+        }
+
+    def close(self) -> None:
+        self.gc.callbacks.remove(self._tick)
+
+
 def worker(spec_path: str) -> None:
     """Run one spec's steps in this process (one rank of it under torchrun) and write this rank's result."""
     import torch
@@ -324,14 +369,16 @@ def worker(spec_path: str) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     peak = MemoryPeak(device)  # over every step, warm-up included, as bench/trl_grpo.py measures TRL
+    gc_clock = GcClock()
     for i in range(spec["warmup"] + spec["steps"]):
         t0 = time.perf_counter()
+        gc_clock.reset()
         metrics = trainer.train_step()
         wall = time.perf_counter() - t0
         trainer.global_step += 1
         trainer.tracker.log(metrics, trainer.global_step)
-        if i >= spec["warmup"]:
-            steps.append({**metrics, "wall_s": wall})
+        steps.append({**metrics, "wall_s": wall, "warmup": i < spec["warmup"], **gc_clock.read()})
+    gc_clock.close()
     rank = int(os.environ.get("RANK", "0"))
     result = {
         "rank": rank,
@@ -462,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             spec = {
                 "overrides": overrides(work, args, model, data, rollout, world, run_dir, mode, placement),
-                "presets": [work.preset] if work.preset else [],
+                "presets": presets(work, rollout),
                 "warmup": args.warmup,
                 "steps": args.steps,
             }
@@ -475,7 +522,16 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             emit(row, args.json)
     print("\n" + table(rows))
-    return 0 if all("error" not in r for r in rows) else 1
+    for r in rows:
+        if "gen_s_each" in r:
+            print(
+                f"[rl-bench] {r['work']} {r['rollout']} {r['launcher']} {r['mode']}: gen s per step "
+                f"{r['gen_s_each']} (warm-up first), drift {r.get('gen_drift')}, gc s {r.get('gc_s_each')}"
+            )
+    drifted = drift_failures(rows, DRIFT) if args.check_drift else []
+    for line in drifted:
+        print(f"[rl-bench] DRIFT: {line}", file=sys.stderr)
+    return 0 if all("error" not in r for r in rows) and not drifted else 1
 
 
 if __name__ == "__main__":

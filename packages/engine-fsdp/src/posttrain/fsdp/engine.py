@@ -44,6 +44,7 @@ from .modeling import (
     init_rope_buffers,
     load_weights,
     materialize,
+    resolve_gradient_checkpointing,
 )
 from .weights import (
     iter_rollout_tensors,
@@ -110,6 +111,10 @@ class FSDPEngine(BaseEngine):
         self.fsdp_version = (2 if cfg.strategy == "fsdp2" else 1) if distributed else 0
         cpu_params = self.fsdp_version == 2 and cfg.offload_policy
         init_device = torch.device("cpu") if self.fsdp_version == 1 or cpu_params else self._device
+        shards = (
+            cfg.fsdp_size if cfg.fsdp_size > 0 else (torch.distributed.get_world_size() if distributed else 1)
+        )
+        self.model_config = resolve_gradient_checkpointing(self.model_config, cfg, self._device, shards)
         built = build_model(
             self.model_config,
             cfg,

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ import torch
 from posttrain.core.config import ModelConfig
 from posttrain.core.dtypes import DTYPES
 from posttrain.core.dtypes import dtype_name as core_dtype_name
+from posttrain.core.memory_policy import MAX_SEQS
 from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
 from posttrain.core.weight_sync import BucketSender, WeightSyncError
 
@@ -216,14 +218,16 @@ class VLLMRollout(BaseRollout):
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments of vLLM's ``LLM`` / ``AsyncEngineArgs`` for this config."""
         cfg = self.config
+        eager = cfg.enforce_eager if cfg.enforce_eager is not None else self.device.type != "cuda"
+        max_seqs = cfg.max_num_seqs if cfg.max_num_seqs is not None else MAX_SEQS
         kwargs: dict[str, Any] = dict(
             model=self.model_config.path,
             dtype=self.dtype,
             tensor_parallel_size=cfg.tensor_model_parallel_size,
             gpu_memory_utilization=self.memory_share(),
-            enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.device.type != "cuda",
+            enforce_eager=eager,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs,
+            max_num_seqs=max_seqs,
             max_model_len=cfg.max_model_len or cfg.prompt_length + cfg.response_length,
             enable_prefix_caching=cfg.enable_prefix_caching,
             load_format=cfg.load_format,
@@ -234,6 +238,8 @@ class VLLMRollout(BaseRollout):
             logprobs_mode="processed_logprobs",
             enable_sleep_mode=self.sleep_enabled,
         )
+        if not eager and max_seqs > 512:  # vLLM captures decode graphs up to 512 sequences unless told more
+            kwargs.update(compilation_config={"max_cudagraph_capture_size": max_seqs})
         if self.model_config.override_config:  # the fields the trainer's engine sets on the HF config
             kwargs.update(hf_overrides=dict(self.model_config.override_config))
         if self.model_config.lora_rank > 0:
@@ -290,7 +296,8 @@ class VLLMRollout(BaseRollout):
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
         self._check_ready()
-        outputs = self.engine.generate(prompts, self.sampling_params(sampling), self._lora_request)
+        with frozen_gc_heap():
+            outputs = self.engine.generate(prompts, self.sampling_params(sampling), self._lora_request)
         return [s for i, out in enumerate(outputs) for s in self._samples(i, out)]
 
     async def agenerate(
@@ -455,6 +462,24 @@ class VLLMRollout(BaseRollout):
                 engine.collective_rpc("ws_close")  # the workers' LoRA adapter directories (in /dev/shm)
             finally:
                 engine.shutdown()
+
+
+@contextlib.contextmanager
+def frozen_gc_heap() -> Iterator[None]:
+    """Hide every object alive now from Python's cyclic GC while vLLM decodes (``gc.freeze``), then give them
+    back (``gc.unfreeze``). vLLM freezes its own start-up heap, but a trainer's heap grows after that (torch.compile
+    graphs, batches, metrics), and each full collection the decode loop triggers walks all of it: with the loop
+    bound by host time, that made later steps' generation slower than the first's. Freezing moves the objects to
+    a permanent generation in O(1); garbage among them waits until the unfreeze. ``POSTTRAIN_VLLM_GC_FREEZE=0``
+    turns it off (to measure without it)."""
+    if os.environ.get("POSTTRAIN_VLLM_GC_FREEZE", "1") == "0" or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
