@@ -7,12 +7,21 @@ which ``fit()`` adds around the steps, are left out). Every run is its own subpr
 one-process launch, ``torchrun --nproc_per_node N`` for the other), so GPU memory is freed between runs and a
 crash loses only that run.
 
+Every run starts from the presets a user runs: ``--config grpo_gsm8k`` (with ``--config vllm_gpu`` stacked for
+vLLM, as examples/grpo_fsdp.sh does), and overrides only what that script passes (model, data, batch sizes,
+``rollout.n``, trainer paths) plus the work's lengths; what the presets leave null (activation recomputation, the
+reference's offload, vLLM's ``max_num_seqs``) the run chooses and logs (:mod:`posttrain.core.memory_policy`).
+``--set key=value`` adds overrides (e.g. the pre-choice settings: ``model.enable_gradient_checkpointing=true
+ref.engine.param_offload=true rollout.max_num_seqs=1024``).
+
 Model: a random-init Qwen2 from ``posttrain model init`` (the ``0.5b`` and ``1.5b`` Qwen2.5 shapes, with a
-151,936-token tokenizer), FSDP2 actor, bf16 (``actor.engine.dtype``, ``ref.engine.dtype``, ``rollout.dtype``),
-KL loss to a reference (low_var_kl 0.001, as verl's GSM8K GRPO example), one optimizer step per step. Data: the
-script writes prompts of exactly ``--prompt-len`` tokens (digits, one token each, in the chat template) with the
-``synthetic_arithmetic`` rule reward. A random model seldom samples eos, so responses run to
+151,936-token tokenizer), FSDP2 actor, bf16, KL loss to a reference (low_var_kl 0.001, as verl's GSM8K GRPO
+example). Data: the script writes prompts of exactly ``--prompt-len`` tokens (digits, one token each, in the chat
+template) with the ``synthetic_arithmetic`` rule reward. A random model seldom samples eos, so responses run to
 ``--response-len``: the step does the full work (the table's ``clip`` column is the share that hit the cap).
+Works: ``bench`` (32 prompts x 8 responses per GPU, one optimizer step), ``readme`` (the README's GRPO command:
+128 prompts x 5 responses, mini-batches of 64 prompts), ``small`` (0.5B shape with a 448-token vocabulary,
+32 x 8 x up to 256 tokens, ``--config grpo_tiny``; also named ``issue``), ``tiny`` (CPU).
 
 Reported per run (after the warm-up): tokens/s/GPU = (prompt + response tokens over all ranks) / step time /
 GPUs, as NeMo-RL counts; each ``timing_s/<phase>`` metric of the trainer (gen, old_log_prob, ref, adv,
@@ -31,13 +40,14 @@ its own per trainer rank (``trainer.rollout_placement=process``, vLLM in-process
 trainer's GPU (the push through host memory), ``disaggregated`` on a GPU of its own (``--gpus`` trainer ranks and
 as many rollout GPUs, the push over NCCL); tokens/s/GPU then counts every GPU the run holds.
 
-``--work issue`` is issue 15's baseline work (0.5B shape with a 448-token vocabulary, 32 prompts x 8 responses
-x up to 256 tokens, ``--config grpo_tiny``, max_token_len_per_gpu 16384), so the speed-up over it can be
-measured in the same launch as ``--work bench`` (256-token prompts, up to 1,024-token responses).
+Every step's generation seconds, tokens and Python GC seconds are reported too (``gen_s_each``, warm-up first),
+and ``gen_drift`` (the last step's generation seconds per token over the first's, minus one); ``--check-drift``
+exits 1 when it passes 10%.
 
     uv run python bench/rl_throughput.py --tiny     # CPU, tiny model, both launches (minutes: ~9 s a step on 2 busy cores)
     python3 bench/rl_throughput.py --shapes 0.5b --rollouts hf,vllm --json rl.json          # one GPU
-    python3 bench/rl_throughput.py --work issue,bench --rollouts vllm --launchers torchrun --gpus 2
+    python3 bench/rl_throughput.py --work small,bench --rollouts vllm --launchers torchrun --gpus 2
+    python3 bench/rl_throughput.py --work readme --rollouts vllm --launchers torchrun --steps 3 --check-drift
     python3 bench/rl_throughput.py --shapes 0.5b --rollouts vllm --launchers process --modes sync,one_step_off
     uv run python bench/rl_throughput.py --tiny --launchers process --modes sync,one_step_off   # CPU, a minute
 """
@@ -94,7 +104,7 @@ WORKS = {
     "bench": Work(shape=None, prompts=32, n=8, prompt_len=256, response_len=1024),
     # the README's GRPO command: examples/grpo_fsdp.sh with data.train_batch_size=128 actor.ppo_mini_batch_size=64
     "readme": Work(shape=None, prompts=128, n=5, prompt_len=256, response_len=1024, mini_prompts=64),
-    "issue": Work(
+    "small": Work(
         shape="0.5b",
         prompts=32,
         n=8,
@@ -108,6 +118,7 @@ WORKS = {
         shape="tiny", prompts=4, n=4, prompt_len=24, response_len=16, tokens_per_gpu=4096, bf16=False
     ),
 }
+WORKS["issue"] = WORKS["small"]  # the name BENCHMARKS.md's older records ran it under
 DRIFT = 0.10
 """The most a later step's generation may be slower than the first's, per generated token."""
 
@@ -116,7 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny model, short sequences, fp32, CPU when no GPU")
     p.add_argument(
-        "--work", default=None, help="comma list of bench, issue (default bench; tiny with --tiny)"
+        "--work",
+        default=None,
+        help="comma list of bench, readme, small, tiny (default bench; tiny with --tiny)",
     )
     p.add_argument("--shapes", default=None, help="comma list of model sizes for --work bench (default 0.5b)")
     p.add_argument(
