@@ -116,7 +116,7 @@ case "${1:-tests}" in
     ln -sf "$f" "$d/train.parquet"; ln -sf "$f" "$d/test.parquet"; rm -rf /tmp/rl_bench/readme-run
     MODEL_PATH=/tmp/rl_bench/models/0.5b-vdefault DATA_DIR="$d" SAVE_PATH=/tmp/rl_bench/readme-run ROLLOUT=vllm \
       timeout "${RL_TIMEOUT:-575}" bash examples/grpo_fsdp.sh data.train_batch_size=128 actor.ppo_mini_batch_size=64 \
-      trainer.total_training_steps="${STEPS:-4}" trainer.val_before_train=false trainer.save_freq=-1 "$@" 2>&1 \
+      trainer.total_training_steps="${STEPS:-4}" trainer.val_before_train=false trainer.save_freq=-1 trainer.test_freq=-1 "$@" 2>&1 \
       | tee "$out/readme.log" | grep -E "posttrain\]|Error|error" | head -20
     python3 bench/rl_report.py /tmp/rl_bench/readme-run/metrics.jsonl | tee "$out/readme_steps.txt" ;;
   trl)

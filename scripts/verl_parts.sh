@@ -26,17 +26,18 @@ WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp)
 for n in 17 24 26 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
 PLAT+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
-VLLM_DEPS=(annotated-types==0.8.0 apache-tvm-ffi==0.1.9 cachetools==8.0.2 cbor2==6.3.0 fastapi==0.136.0
-      gguf==0.19.0 jiter==0.19.0 llguidance==1.7.3 msgspec==0.23.0 openai==2.8.0 openai-harmony==0.0.8
+VLLM_DEPS=(annotated-types==0.8.0 apache-tvm-ffi==0.1.9 cachetools==8.0.2 cbor2==6.3.0 fastapi==0.136.1
+      gguf==0.19.0 jiter==0.19.0 llguidance==1.9.1 msgspec==0.23.0 openai==3.57.0 openai-harmony==0.0.8
       opentelemetry-api==1.45.2 partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 pydantic==2.14.4
       pydantic-core==2.50.5 pyzmq==27.3.0 sniffio==1.3.1 starlette==1.10.0 typing-inspection==0.4.5
       xgrammar==0.2.9 blake3==1.0.8 depyf==0.20.0 compressed-tensors==0.17.0)
 VERL_DEPS=(verl==0.9.1 ray==2.55.0 tensordict==0.10.0 pyvers==0.1.0 orjson==3.11.5 torchdata==0.11.0
-      hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 codetiming==1.4.0 pylatexenc==2.10
-      datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 transformers==5.10.2 jsonschema==4.25.1
+      hydra-core==1.3.2 omegaconf==2.3.0 codetiming==1.4.0 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 transformers==5.10.2 jsonschema==4.25.1
       jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==0.30.0)
 "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$WORK/whl" vllm==${VLLM_VERSION:-0.24.0} "${VLLM_DEPS[@]}" \
   "${VERL_DEPS[@]}"
+# hydra-core's antlr4 runtime (4.9.*) and pylatexenc are source-only: pure Python, built into wheels here
+"$PY" -m pip wheel -q --no-deps -w "$WORK/whl" antlr4-python3-runtime==4.9.3 pylatexenc==2.10
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$WORK"/whl/*.whl
 rm -f "$WORK/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$WORK/site/vllm/vllm-rs"
 rm -f "$WORK"/site/vllm/third_party/deep_gemm/_C.cpython-31[0134]*
