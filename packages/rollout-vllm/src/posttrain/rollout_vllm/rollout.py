@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -296,8 +295,7 @@ class VLLMRollout(BaseRollout):
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
         self._check_ready()
-        with frozen_gc_heap():
-            outputs = self.engine.generate(prompts, self.sampling_params(sampling), self._lora_request)
+        outputs = self.engine.generate(prompts, self.sampling_params(sampling), self._lora_request)
         return [s for i, out in enumerate(outputs) for s in self._samples(i, out)]
 
     async def agenerate(
@@ -464,24 +462,6 @@ class VLLMRollout(BaseRollout):
                 engine.collective_rpc("ws_close")  # the workers' LoRA adapter directories (in /dev/shm)
             finally:
                 engine.shutdown()
-
-
-@contextlib.contextmanager
-def frozen_gc_heap() -> Iterator[None]:
-    """Hide every object alive now from Python's cyclic GC while vLLM decodes (``gc.freeze``), then give them
-    back (``gc.unfreeze``). vLLM freezes its own start-up heap, but a trainer's heap grows after that (torch.compile
-    graphs, batches, metrics), and each full collection the decode loop triggers walks all of it: with the loop
-    bound by host time, that made later steps' generation slower than the first's. Freezing moves the objects to
-    a permanent generation in O(1); garbage among them waits until the unfreeze. ``POSTTRAIN_VLLM_GC_FREEZE=0``
-    turns it off (to measure without it)."""
-    if os.environ.get("POSTTRAIN_VLLM_GC_FREEZE", "1") == "0" or not gc.isenabled():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
