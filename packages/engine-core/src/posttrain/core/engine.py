@@ -199,7 +199,9 @@ class BaseEngine(ABC):
     ) -> None: ...
 
     @abstractmethod
-    def load_checkpoint(self, local_path: str, **kwargs: Any) -> None: ...
+    def load_checkpoint(self, local_path: str, **kwargs: Any) -> dict[str, Any]:
+        """Restore ``checkpoint.load_contents`` from the role directory ``local_path`` (collective); return the
+        saved step counters (``global_step``, ``skipped_steps``) when ``extra`` is loaded, else ``{}``."""
 
     def prepare_checkpoint(self, role: str, writer: Any) -> None:
         """Start allocating, in the background, the host buffers of this role's future async saves into

@@ -352,11 +352,12 @@ class FSDPEngine(BaseEngine):
 
         prepare_fsdp_checkpoint(self, role, writer)
 
-    def load_checkpoint(self, local_path: str, **kwargs: Any) -> None:
-        """Delegates to ``posttrain.fsdp.checkpoint.load_fsdp_checkpoint``."""
+    def load_checkpoint(self, local_path: str, **kwargs: Any) -> dict[str, Any]:
+        """Delegates to ``posttrain.fsdp.checkpoint.load_fsdp_checkpoint``: the saved counters (``global_step``,
+        ``skipped_steps``) when ``extra`` is loaded, else ``{}``."""
         from .checkpoint import load_fsdp_checkpoint
 
-        load_fsdp_checkpoint(self, local_path)
+        return load_fsdp_checkpoint(self, local_path)
 
 
 def _floats(values: list[Any]) -> list[float]:

@@ -8,11 +8,13 @@ step comes from that directory's own name, never from a parent's); ``disable`` a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from posttrain.ckpt import find_latest, is_complete
 from posttrain.ckpt.layout import parse_step
 
-from .trainer_config import TrainerConfig
+if TYPE_CHECKING:
+    from .trainer_config import TrainerConfig
 
 
 def resume_point(cfg: TrainerConfig) -> tuple[int, Path] | None:
