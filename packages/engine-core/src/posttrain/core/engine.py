@@ -105,6 +105,11 @@ class BaseEngine(ABC):
         """End of :meth:`initialize`: move to the CPU what ``param_offload``, ``optimizer_offload`` and
         ``grad_offload`` ask for."""
         cfg = self.engine_config
+        if cfg.param_offload is None:
+            raise ValueError(
+                "engine.param_offload=null (choose) is resolved by the RL trainer for ref.engine only: set it "
+                "to true or false for this engine"
+            )
         if cfg.param_offload or cfg.optimizer_offload or cfg.grad_offload:
             self.to("cpu", model=cfg.param_offload, optimizer=cfg.optimizer_offload, grad=cfg.grad_offload)
 
