@@ -54,3 +54,21 @@ def test_optimizer_schedule():
     assert lin.lr_multiplier(5, 10) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="use one of constant, cosine, linear"):
         OptimizerConfig(lr_decay_style="step")
+
+
+def test_auto_dtype_is_float32_without_cuda_and_bfloat16_with_it(monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from posttrain.core.config.engine import resolve_compute_dtype
+
+    assert EngineConfig().dtype == "auto"  # resolved when an engine is built, not at load time
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = EngineConfig()
+    with caplog.at_level(logging.INFO, logger="posttrain"):
+        assert resolve_compute_dtype(cpu) == "float32" and cpu.dtype == "float32"
+    assert "engine.dtype=auto -> float32" in caplog.text
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_compute_dtype(EngineConfig()) == "bfloat16"
+    assert resolve_compute_dtype(EngineConfig(dtype="fp16")) == "float16"  # an explicit dtype is kept

@@ -57,7 +57,7 @@ def test_config_show_exits_2_naming_a_wrong_key(capsys):
 
 
 def test_rollout_config_is_the_named_rollouts_own():
-    """``rollout.name`` picks the config class its package registered (posttrain.rollout_configs): the hf
+    """``rollout.name`` picks the config class its package registered (posttrain.rollouts): the hf
     rollout's own keys are ``rollout.<key>`` and reach it; a plain RolloutConfig in Python becomes the same."""
     from posttrain.rollout_hf.config import HFRolloutConfig
 

@@ -141,18 +141,10 @@ class McoreEngineConfig(EngineConfig):
         return dp
 
     def check_checkpoint(self, checkpoint: CheckpointConfig, role: str = "actor") -> None:
-        """Megatron-FSDP saves DTensor state through Megatron-Bridge's fsdp_dtensor path, which always
-        regenerates model, optimizer and extra together: an optimizer-only layout cannot be loaded, and async
-        save is not covered."""
+        """Megatron-FSDP saves DTensor state through Megatron-Bridge's fsdp_dtensor path, which async save does
+        not cover. (An optimizer without the model is refused for every engine by ``CheckpointConfig``.)"""
         if not self.use_megatron_fsdp:
             return
-        for key in ("save_contents", "load_contents"):
-            contents = getattr(checkpoint, key)
-            if "optimizer" in contents and "model" not in contents:
-                raise ValueError(
-                    f"checkpoint.{key}={list(contents)} with {role}.engine.use_megatron_fsdp=true: Megatron-FSDP "
-                    f"cannot save or load the optimizer without the model; add model to checkpoint.{key}"
-                )
         if checkpoint.async_save:
             raise ValueError(
                 f"checkpoint.async_save=true with {role}.engine.use_megatron_fsdp=true is not supported "

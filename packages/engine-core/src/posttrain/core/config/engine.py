@@ -11,6 +11,7 @@ the world size or the checkpoint config.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -26,6 +27,19 @@ def normalize_dtype(value: str, key: str) -> str:
     from ..dtypes import dtype_name
 
     return dtype_name(value, key)
+
+
+def resolve_compute_dtype(config: EngineConfig) -> str:
+    """Turn ``config.dtype=auto`` into bfloat16 when CUDA is available and float32 otherwise (a CPU has no fast
+    bf16 matmuls and its tests compare against fp32 references), log the choice, and return the dtype."""
+    if config.dtype == "auto":
+        import torch
+
+        config.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        logging.getLogger("posttrain").info(
+            "engine.dtype=auto -> %s (%s)", config.dtype, "CUDA" if config.dtype == "bfloat16" else "no CUDA"
+        )
+    return config.dtype
 
 
 @dataclass(kw_only=True)
@@ -54,16 +68,19 @@ class EngineConfig:
     strategy: str | None = None
     """Backend name (``fsdp``, ``fsdp2``, ``megatron`` or a third-party one), read once by the config loader to
     choose this config's class. null: the run's ``model_engine``."""
-    param_offload: bool = False
-    """Keep parameters on the CPU outside train/eval contexts."""
+    param_offload: bool | None = False
+    """Keep parameters on the CPU outside train/eval contexts. null (the reference only): the RL trainer chooses
+    from the model's size, the free device memory and the rollout's needs
+    (:func:`posttrain.core.memory_policy.choose_ref_offload`) and logs the choice."""
     optimizer_offload: bool = False
     """Keep optimizer state on the CPU outside the train context."""
     grad_offload: bool = False
     """Keep gradients on the CPU after initialisation."""
     forward_only: bool = False
     """Build no optimizer, scheduler or checkpoint writer (e.g. the reference policy)."""
-    dtype: str = "bfloat16"
-    """Compute dtype: bfloat16, float16 or float32 (float32 for CPU tests)."""
+    dtype: str = "auto"
+    """Compute dtype: bfloat16, float16, float32, or auto: bfloat16 when CUDA is available, float32 on a CPU
+    (resolved, and logged, when the engine is built: :func:`resolve_compute_dtype`)."""
     use_dynamic_bsz: bool = True
     """Split micro-batches by token budget (``max_token_len_per_gpu``) instead of by sequence count."""
     max_token_len_per_gpu: int | None = None
@@ -95,7 +112,8 @@ class EngineConfig:
     """MoE router replay (Megatron engine)."""
 
     def __post_init__(self) -> None:
-        self.dtype = normalize_dtype(self.dtype, "engine.dtype")
+        if self.dtype != "auto":
+            self.dtype = normalize_dtype(self.dtype, "engine.dtype")
         for name in (
             "max_token_len_per_gpu",
             "micro_batch_size_per_gpu",

@@ -2,8 +2,9 @@
 and where the rollout runs: ``trainer.rollout_placement``, ``trainer.rollout_devices``.
 
 :meth:`RolloutModeConfig.build_rollout_source` builds the object the trainer takes each step's rollouts from (one
-class per way of interleaving, in :mod:`.modes`). Mixed into :class:`~posttrain.trainers.trainer_config.TrainerConfig`
-so the keys sit under ``trainer``. Kept free of heavy imports: the config tree imports it.
+class per way of interleaving, in :mod:`.modes`). Mixed into the RL trainers'
+:class:`~posttrain.trainers.trainer_config.RLTrainerConfig`, so the keys sit under ``trainer``. Kept free of heavy
+imports: the config tree imports it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class RolloutModeConfig:
     mode: str = "sync"
     """sync (generate, then train on it, every step), one_step_off (step k+1's rollout is generated while step k
     trains: every sample is one policy version old) or async (the rollout runs up to max_staleness versions
-    ahead). The RL trainers read it; SFT refuses any mode but sync."""
+    ahead). Only this config reads it (it picks the class :meth:`build_rollout_source` builds); SFT has no such key."""
     max_staleness: int = 1
     """async: the most policy versions a sample may lag the policy it trains (0 reproduces sync bitwise;
     one_step_off is async with 1 and stale_policy=wait)."""

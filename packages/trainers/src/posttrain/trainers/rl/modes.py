@@ -36,13 +36,14 @@ separate worker group), and its lookahead is fixed, not bounded by a free-runnin
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,6 +54,11 @@ from .. import distributed as pdist
 from .buffer import Group, RolloutBuffer, merge_groups, split_groups, staleness_metrics
 from .generation import RolloutSampler, WeightSync
 from .step_metrics import extra_means
+
+if TYPE_CHECKING:
+    from posttrain.core.rollout import BaseRollout
+
+    from ..config import PostTrainConfig
 
 Draw = Callable[[], tuple[int, list]]
 """() -> (epoch, this rank's prompts) of the sampler's next batch."""
@@ -314,3 +320,36 @@ class RolloutAhead:
 RolloutSource = SyncRollouts | RolloutAhead
 """What the trainer calls for each step's rollouts; :meth:`.mode_config.RolloutModeConfig.build_rollout_source`
 picks one."""
+
+
+def build_rollout(cfg: PostTrainConfig, device: Any) -> BaseRollout:
+    """The trainer's rollout: built here on ``device`` (``trainer.rollout_placement=colocated``), or a handle on a
+    rollout worker process this rank starts (``process``, :mod:`.remote`)."""
+    from .remote import RemoteRollout
+
+    deterministic = cfg.actor.engine.full_determinism  # vLLM: batch-invariant mode
+    if cfg.trainer.rollout_placement == "process":
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return RemoteRollout(
+            cfg.rollout,
+            cfg.model,
+            threads=cfg.trainer.rollout_threads,
+            rank=rank,
+            deterministic=deterministic,
+            device=rollout_device(cfg.trainer.rollout_devices),
+            trainer_device=device,
+        )
+    return cfg.rollout.build(cfg.model, device=device, deterministic=deterministic)
+
+
+def rollout_device(devices: list[str]) -> str:
+    """This rank's entry of ``trainer.rollout_devices`` (by its local rank), or the CPU when it is empty."""
+    if not devices:
+        return "cpu"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if len(devices) != local_world:
+        raise ValueError(
+            f"trainer.rollout_devices={list(devices)} has {len(devices)} entries for {local_world} trainer "
+            "process(es) on this node: give one device per process (indexed by the local rank)"
+        )
+    return devices[int(os.environ.get("LOCAL_RANK", "0"))]
