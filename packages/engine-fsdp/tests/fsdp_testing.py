@@ -91,7 +91,7 @@ def full_grads(eng: Any) -> dict[str, torch.Tensor] | None:
             name = name.replace(part, "")
         return name
 
-    if eng.fsdp_version == 1:
+    if type(eng.layout).__name__ == "FSDP1Layout":
         if not eng.engine_config.use_orig_params and not eng.is_lora:
             return None
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

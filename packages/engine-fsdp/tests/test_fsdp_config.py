@@ -62,7 +62,7 @@ def _fsdp1_units(path: str, **wrap) -> list[str]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         eng = make_engine(path, strategy="fsdp", wrap_policy=WrapPolicy(**wrap))
-        assert eng.fsdp_version == 1
+        assert type(eng.layout).__name__ == "FSDP1Layout"
         return sorted(type(m.module).__name__ for m in eng.module.modules() if isinstance(m, FSDP))
     finally:
         dist.destroy_process_group()

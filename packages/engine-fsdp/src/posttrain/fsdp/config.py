@@ -97,6 +97,11 @@ class FSDPEngineConfig(EngineConfig):
                 "wrap_policy.transformer_layer_cls_to_wrap, or strategy=fsdp"
             )
 
+    def sharded_layout(self) -> str:
+        """The name of the :mod:`posttrain.fsdp.layout` class that shards under a process group: ``FSDP1Layout``
+        for strategy fsdp, ``FSDP2Layout`` otherwise (without a group the engine runs ``PlainLayout``)."""
+        return "FSDP1Layout" if self.strategy == "fsdp" else "FSDP2Layout"
+
     def check_world_size(self, world_size: int) -> int:
         """Check ``fsdp_size`` divides ``world_size``; every rank is a data-parallel rank."""
         if 0 < self.fsdp_size < world_size and world_size % self.fsdp_size:
