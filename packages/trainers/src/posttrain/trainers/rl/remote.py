@@ -174,7 +174,7 @@ def worker_main(
             exc = ValueError(
                 f"the rollout worker is a daemon process (it dies with its trainer), and the {config.name} "
                 "rollout tried to start processes of its own: with trainer.rollout_placement=process use an "
-                "in-process engine (vLLM: rollout.executor=inprocess, rollout.mode=sync)"
+                "in-process engine (vLLM: rollout.executor=inprocess)"
             )
         conn.send_bytes(pickle.dumps(_error(exc)))
         return

@@ -56,7 +56,7 @@ from .step_metrics import Timer
 
 
 class RLTrainer(StepLoop):
-    """PPO / GRPO over registry-built engines and a registry-built rollout."""
+    """PPO / GRPO over engines and a rollout built by their configs, with rollouts from the mode's source."""
 
     command = "ppo"  # config.yaml names its estimator, so `posttrain ppo --config` reruns a GRPO run too
 
