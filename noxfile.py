@@ -14,7 +14,16 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-MEMBERS = ["engine-core", "ckpt", "engine-fsdp", "engine-megatron", "rollout-hf", "rollout-vllm", "trainers"]
+MEMBERS = [
+    "engine-core",
+    "ckpt",
+    "engine-fsdp",
+    "engine-megatron",
+    "engine-torchtitan",
+    "rollout-hf",
+    "rollout-vllm",
+    "trainers",
+]
 PYTHON = os.environ.get("UV_PYTHON", "3.12")
 
 nox.options.default_venv_backend = "uv"
@@ -107,7 +116,7 @@ def build(session: nox.Session) -> None:
         "install",
         "--overrides",
         str(overrides),
-        f"{meta}[megatron,vllm]",
+        f"{meta}[megatron,vllm,torchtitan]",
         "--find-links",
         str(dist),
         external=True,

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from . import preflight, threads
+from .algorithms import adv_estimator_traits
 from .command import exit_code
 from .config import PostTrainConfig, load_config
 from .rl.trainer import RLTrainer
@@ -39,7 +41,10 @@ def resolve(argv: Sequence[str], algorithm: str = "ppo") -> PostTrainConfig:
 
 def run(argv: Sequence[str], algorithm: str = "ppo") -> dict[str, Any]:
     """Train with ``argv`` and return the last step's metrics."""
-    trainer = RLTrainer(resolve(argv, algorithm))
+    cfg = resolve(argv, algorithm)
+    preflight.check_rl(cfg, use_critic=adv_estimator_traits(cfg.algorithm.adv_estimator).needs_critic)
+    threads.configure()
+    trainer = RLTrainer(cfg)
     try:
         return trainer.fit()
     finally:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from posttrain.ckpt import CheckpointManager, load_trainer_state
 from posttrain.core import LossContext, PackedBatch
 
 from . import distributed as pdist
+from . import preflight, threads
 from .command import exit_code
 from .config import SFTConfig, load_config
 from .data.sampler import StatefulSampler, rank_slice
@@ -141,6 +143,9 @@ class SFTTrainer(StepLoop):
         metrics = {
             "train/loss": loss_sum / self.dp_size,
             "train/grad_norm": grad_norm,
+            "train/skipped_step": float(
+                not math.isfinite(grad_norm)
+            ),  # counted by the engine, shown by the console
             "train/lr": lr,
             "train/epoch": epoch,
             "train/samples_seen": self._samples_seen(),
@@ -205,6 +210,8 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     """Parse ``argv``, train, and return the last step's metrics."""
     args = parser().parse_args(list(argv))
     cfg = load_config(args.overrides, args.config, root=SFTConfig)
+    preflight.check_sft(cfg)  # before any engine: each failure exits 2 naming the key
+    threads.configure()
     trainer = SFTTrainer(cfg)
     try:
         return trainer.fit()

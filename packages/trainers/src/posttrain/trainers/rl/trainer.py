@@ -47,6 +47,7 @@ from ..resume import resume_point
 from ..rewards import RewardManager, reward_metrics
 from ..roles import fill_token_budget
 from . import phases, router_replay
+from .auto_memory import choose_memory_trades
 from .batch import build_batch
 from .dataset import PromptDataset
 from .generation import RolloutSampler, WeightSync
@@ -80,6 +81,7 @@ class RLTrainer(StepLoop):
         )
         steps = cfg.trainer.total_training_steps or self.sampler.steps_per_epoch * cfg.trainer.total_epochs
         self.total_steps = steps
+        choose_memory_trades(cfg, pdist.world_size(), pdist.rank())
         self._build_engines()
         self.dp_size = self.actor.get_data_parallel_size()
         self.dp_rank = self.actor.get_data_parallel_rank()
