@@ -158,7 +158,8 @@ def test_fsdp2_checkpoint_resumes_on_torchtitan_and_exports_hf(tmp_path):
     want = dict(fsdp.get_per_tensor_param()[0])
 
     titan = make_engine(path)
-    titan.load_checkpoint(str(tmp_path / "a" / "global_step_1" / "actor"))
+    counters = titan.load_checkpoint(str(tmp_path / "a" / "global_step_1" / "actor"))
+    assert counters["global_step"] == 1
     got = dict(titan.get_per_tensor_param()[0])
     assert set(got) == set(want)
     for name, value in want.items():

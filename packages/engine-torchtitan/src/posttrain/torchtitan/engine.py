@@ -377,11 +377,11 @@ class TorchTitanLanguageModelEngine(BaseEngine):
 
         prepare_checkpoint(self, role, writer)
 
-    def load_checkpoint(self, local_path: str, **kwargs: Any) -> None:
-        """Delegates to ``posttrain.torchtitan.checkpoint.load_checkpoint``."""
+    def load_checkpoint(self, local_path: str, **kwargs: Any) -> dict[str, Any]:
+        """Delegates to ``posttrain.torchtitan.checkpoint.load_checkpoint``: the saved counters."""
         from .checkpoint import load_checkpoint
 
-        load_checkpoint(self, local_path)
+        return load_checkpoint(self, local_path)
 
 
 def _floats(values: list[Any]) -> list[float]:
