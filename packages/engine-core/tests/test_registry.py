@@ -38,7 +38,8 @@ def test_duplicate_name_raises():
 def test_unknown_engine_lists_available():
     reg = EngineRegistry({"language_model.fsdp2": "a.b:C"})
     with pytest.raises(
-        ValueError, match=r"backend='megatron'. Installed engines: language_model.fsdp2. Install the package"
+        ValueError,
+        match=r"backend='megatron'. Installed engines: language_model.fsdp2. Install posttrain-engine-megatron \(pip install posttrain-engine-megatron",
     ):
         reg.get_engine_cls("language_model", "megatron")
 
@@ -49,7 +50,10 @@ def test_config_class_comes_from_the_config_group():
         configs={"toy": "test_registry:ToyEngineConfig"},
     )
     assert reg.get_config_cls("toy") is ToyEngineConfig  # resolving the config imported no engine module
-    with pytest.raises(ValueError, match=r"backend 'megatron' is not installed \(installed backends: toy\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend 'megatron' is not installed \(installed backends: toy\): install posttrain-engine-megatron",
+    ):
         reg.get_config_cls("megatron")
     with pytest.raises(TypeError, match="not a EngineConfig subclass"):
         EngineRegistry(configs={"bad": "collections:OrderedDict"}).get_config_cls("bad")

@@ -26,6 +26,11 @@ ROLLOUT_PACKAGES = {
     "hf": "posttrain-rollout-hf",
     "vllm": "posttrain-rollout-vllm (pip install 'posttrain[vllm]')",
 }
+ENGINE_PACKAGES = {
+    "fsdp": "posttrain-engine-fsdp (pip install posttrain-engine-fsdp)",
+    "fsdp2": "posttrain-engine-fsdp (pip install posttrain-engine-fsdp)",
+    "megatron": "posttrain-engine-megatron (pip install posttrain-engine-megatron; docs/megatron-engine.md)",
+}
 
 
 def _load(target: str) -> Any:
@@ -84,9 +89,12 @@ class EngineConfigRegistry(_EntryPointRegistry):
     def get_config_cls(self, backend: str) -> type:
         from .config.engine import EngineConfig
 
+        hint = ENGINE_PACKAGES.get(
+            backend, f"the package that registers {backend!r} in the {self.group} group"
+        )
         missing = (
-            f"engine backend {backend!r} is not installed (installed backends: {{have}}): install the "
-            f"package that registers {backend!r} in the {self.group} entry-point group, or choose one of those"
+            f"engine backend {backend!r} is not installed (installed backends: {{have}}): install {hint}, "
+            "or choose one of those"
         )
         return self._resolve(backend, EngineConfig, missing)
 
@@ -119,10 +127,12 @@ class EngineRegistry(_PairedRegistry):
     def get_engine_cls(self, model_type: str, backend: str) -> type:
         from .engine import BaseEngine
 
+        hint = ENGINE_PACKAGES.get(
+            backend, f"the package that registers {model_type}.{backend} in the {self.group} group"
+        )
         missing = (
             f"no engine for model_type={model_type!r}, backend={backend!r}. Installed engines: {{have}}. "
-            f"Install the package that registers {model_type}.{backend} in the {self.group} entry-point "
-            "group, or choose another backend."
+            f"Install {hint}, or choose another backend."
         )
         return self._resolve(f"{model_type}.{backend}", BaseEngine, missing)
 
