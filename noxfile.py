@@ -106,10 +106,15 @@ def build(session: nox.Session) -> None:
     """Build every wheel with exact sibling pins, install them into a clean venv and import every module."""
     dist = Path(session.create_tmp()) / "dist"
     session.run("uv", "build", "--all-packages", "--no-sources", "--out-dir", str(dist), external=True)
-    overrides = Path(session.create_tmp()) / "overrides.txt"
-    overrides.write_text("\n".join(_overrides()) + "\n")
+    overrides = ROOT / "overrides.txt"
+    published = [ln for ln in overrides.read_text().splitlines() if ln and not ln.startswith("#")]
+    if published != _overrides():
+        session.error(
+            "overrides.txt differs from pyproject.toml's [tool.uv] override-dependencies: copy them over"
+        )
     wheels = sorted(str(p) for p in dist.glob("*.whl"))
     meta = next(w for w in wheels if Path(w).name.startswith("posttrain-"))
+    # README.md's command for an environment without Megatron-Bridge, plus the vLLM extra
     session.run(
         "uv",
         "pip",
@@ -117,6 +122,7 @@ def build(session: nox.Session) -> None:
         "--overrides",
         str(overrides),
         f"{meta}[megatron,vllm]",
+        "posttrain-engine-megatron[bridge]",
         "--find-links",
         str(dist),
         external=True,

@@ -32,7 +32,7 @@ SMALL=(setuptools==84.2.1 wheel==0.48.0 einops==0.8.2 nvdlfw-inspect==0.2.2 impo
 "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$WORK/whl" "transformer_engine_cu13==$TE" "transformer_engine==$TE" \
   "${SMALL[@]}"
 uv venv -q --no-config --seed --python "$PY" "$WORK/venv"
-uv pip install -q --no-config --python "$WORK/venv/bin/python" torch setuptools wheel
+uv pip install -q --no-config --python "$WORK/venv/bin/python" torch==2.14.0 setuptools wheel
 "$WORK/venv/bin/python" -m pip download -q --no-deps --no-binary=:all: --no-build-isolation -d "$WORK/whl" \
   "transformer-engine-torch==$TE"
 core="$WORK/whl/transformer_engine_cu13-$TE-py3-none-manylinux_2_28_x86_64.whl"

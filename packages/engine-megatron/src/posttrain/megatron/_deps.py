@@ -11,9 +11,10 @@ import importlib.metadata
 from types import ModuleType
 
 TE_HINT = (
-    "Megatron-Bridge imports Transformer Engine (transformer_engine.pytorch) unconditionally: install it "
-    "with `pip install --no-build-isolation transformer_engine[pytorch]` (needs CUDA) on the machine that "
-    "runs the megatron engine"
+    "Megatron-Bridge imports Transformer Engine (transformer_engine.pytorch) unconditionally: install it on the "
+    "machine that runs the megatron engine, for a CUDA 13 torch with the CUDA toolkit: `pip install "
+    "--no-build-isolation 'transformer_engine[core_cu13,pytorch]==2.20.2'` (core_cu12 for CUDA 12; "
+    "docs/megatron-engine.md, Installing Transformer Engine)"
 )
 
 
