@@ -70,12 +70,13 @@ start() {
   local inc
   inc=$("$PY" -c 'import glob, nvidia; print(":".join(sorted(d for p in nvidia.__path__ for d in glob.glob(p + "/*/include"))))')
   echo "CPATH from the nvidia wheels: $inc" > "$BUILD/build.log"
-  (cd "$BUILD/transformer_engine_torch-$TE" && \
-   PYTHONPATH="$SITE:${PYTHONPATH:-}" CPATH="$inc${CPATH:+:$CPATH}" CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" \
-   NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_NO_LOCAL_VERSION=1 NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 \
-   MAX_JOBS=16 NVTE_BUILD_MAX_JOBS=16 \
-   setsid nohup bash -c "time $PY -m pip wheel -v --no-deps --no-build-isolation --no-index -w $BUILD/dist . ; echo EXIT \$?" \
-     >> "$BUILD/build.log" 2>&1 < /dev/null &)
+  cd "$BUILD/transformer_engine_torch-$TE"
+  # setsid -f forks and returns at once; the build's output goes to the log, so no pipe of the caller stays open
+  PYTHONPATH="$SITE:${PYTHONPATH:-}" CPATH="$inc${CPATH:+:$CPATH}" CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" \
+    NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_NO_LOCAL_VERSION=1 NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 \
+    MAX_JOBS="${MAX_JOBS:-16}" NVTE_BUILD_MAX_JOBS="${MAX_JOBS:-16}" \
+    setsid -f bash -c "time $PY -m pip wheel -v --no-deps --no-build-isolation --no-index -w $BUILD/dist . ; echo EXIT \$?" \
+    >> "$BUILD/build.log" 2>&1 < /dev/null
   echo "build started: tail $BUILD/build.log (bash scripts/te_build_gpu.sh status)"
 }
 

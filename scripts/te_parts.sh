@@ -28,7 +28,7 @@ WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp)
 for n in 17 24 27 28; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
 PLAT+=(--platform manylinux2014_x86_64 --platform any)
-SMALL=(setuptools==84.2.1 wheel==0.48.0 einops==0.8.2 nvdlfw-inspect==0.2.2 importlib-metadata==10.2.0 zipp==4.1.2)
+SMALL=(setuptools==84.2.1 wheel==0.48.0 einops==0.8.2 nvdlfw-inspect==0.2.2 importlib-metadata==8.7.0 zipp==3.23.0)
 "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$WORK/whl" "transformer_engine_cu13==$TE" "transformer_engine==$TE" \
   "${SMALL[@]}"
 uv venv -q --no-config --seed --python "$PY" "$WORK/venv"
