@@ -32,6 +32,7 @@ def _sync(session: nox.Session, member: str) -> None:
         f"posttrain-{member}",
         "--group",
         "test",
+        "--compile-bytecode",
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
         external=True,
     )

@@ -63,7 +63,6 @@ def save_model(shape: dict[str, Any]) -> str:
 
 
 def build_engine(model_dir: str) -> Any:
-    from posttrain.core import EngineRegistry
     from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 
     for key, value in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
@@ -72,16 +71,11 @@ def build_engine(model_dir: str) -> Any:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    from posttrain.fsdp.config import FSDPEngineConfig
+    from posttrain.fsdp.config import FSDP2EngineConfig
 
-    engine = EngineRegistry.from_entry_points().get_engine_cls("language_model", "fsdp2")(
-        ModelConfig(path=model_dir),
-        FSDPEngineConfig(dtype="bfloat16", max_token_len_per_gpu=4096),
-        OptimizerConfig(),
-        CheckpointConfig(),
+    return FSDP2EngineConfig(dtype="bfloat16", max_token_len_per_gpu=4096).build(
+        model=ModelConfig(path=model_dir), optim=OptimizerConfig(), ckpt=CheckpointConfig()
     )
-    engine.initialize()
-    return engine
 
 
 def build_rollout(model_dir: str, executor: str, bucket_mb: int, device: torch.device) -> Any:

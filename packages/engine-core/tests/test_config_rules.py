@@ -6,7 +6,6 @@ from posttrain.core.config import (
     CheckpointConfig,
     EngineConfig,
     OptimizerConfig,
-    QATConfig,
     RouterReplayConfig,
 )
 
@@ -36,36 +35,6 @@ def test_router_replay_modes():
         RouterReplayConfig(mode="R4")
 
 
-@pytest.mark.parametrize("key", ["record_file", "replay_file"])
-def test_router_replay_files_are_refused(key):
-    with pytest.raises(
-        ValueError, match=rf"router_replay.{key}='r.pt' is not supported.*set engine.router_replay.{key}=null"
-    ):
-        RouterReplayConfig(mode="R2", **{key: "r.pt"})
-
-
-@pytest.mark.parametrize(
-    "override",
-    [
-        {"enable": True},
-        {"mode": "w8a8"},
-        {"group_size": 32},
-        {"ignore_patterns": ["lm_head"]},
-        {"activation_observer": "minmax"},
-        {"quantization_config_path": "q.json"},
-    ],
-)
-def test_qat_accepts_only_its_defaults(override):
-    QATConfig(**QATConfig().__dict__)  # the defaults, spelled out, are fine
-    with pytest.raises(ValueError, match=rf"engine.qat.{next(iter(override))}=.*quantisation-aware training"):
-        QATConfig(**override)
-
-
-def test_fused_kernels_are_refused():
-    with pytest.raises(ValueError, match="use_fused_kernels=true.*Set engine.use_fused_kernels=false"):
-        EngineConfig(use_fused_kernels=True)
-
-
 def test_logits_chunk_size_follows_chunking_flag():
     assert EngineConfig(entropy_from_logits_chunk_size=64).logits_chunk_size(1000) == 64
     assert EngineConfig(entropy_from_logits_with_chunking=False).logits_chunk_size(1000) == 1000
@@ -85,3 +54,21 @@ def test_optimizer_schedule():
     assert lin.lr_multiplier(5, 10) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="use one of constant, cosine, linear"):
         OptimizerConfig(lr_decay_style="step")
+
+
+def test_auto_dtype_is_float32_without_cuda_and_bfloat16_with_it(monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from posttrain.core.config.engine import resolve_compute_dtype
+
+    assert EngineConfig().dtype == "auto"  # resolved when an engine is built, not at load time
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = EngineConfig()
+    with caplog.at_level(logging.INFO, logger="posttrain"):
+        assert resolve_compute_dtype(cpu) == "float32" and cpu.dtype == "float32"
+    assert "engine.dtype=auto -> float32" in caplog.text
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_compute_dtype(EngineConfig()) == "bfloat16"
+    assert resolve_compute_dtype(EngineConfig(dtype="fp16")) == "float16"  # an explicit dtype is kept

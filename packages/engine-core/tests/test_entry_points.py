@@ -1,6 +1,6 @@
 """Registries built from installed distributions' entry points: a distribution written here (dist-info metadata
-plus a module, on sys.path) is found, its engine and rollout import on first use, and two distributions that
-claim one name are refused with both named. (engine-core's own venv has no engine installed; the installed
+plus a module, on sys.path) is found, its config class imports on first use and builds its engine or rollout,
+and two distributions that claim one name are refused with both named. (engine-core's own venv has no engine installed; the installed
 engines are checked in the trainers' tests.)"""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from posttrain.core.engine import BaseEngine
-from posttrain.core.registry import EngineRegistry, RolloutRegistry
+from posttrain.core.registry import ENGINE_GROUP, ROLLOUT_GROUP, ConfigRegistry
 from posttrain.core.rollout import BaseRollout, RolloutConfig
 
 MODULE = "posttrain_test_plugin_mod"
@@ -27,15 +27,19 @@ def _distribution(root, name: str, entry_points: str) -> None:
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
     (tmp_path / f"{MODULE}.py").write_text(
-        "from dataclasses import dataclass\n"
+        "from dataclasses import dataclass\nfrom typing import ClassVar\n"
         "from posttrain.core.config import EngineConfig\n"
         "from posttrain.core.engine import BaseEngine\n"
         "from posttrain.core.rollout import BaseRollout\n"
         "class Engine(BaseEngine):\n    pass\n"
-        "@dataclass(kw_only=True)\nclass Config(EngineConfig):\n    knob: int = 1\n"
-        "class Rollout(BaseRollout):\n    pass\n"
+        "@dataclass(kw_only=True)\nclass Config(EngineConfig):\n"
+        f"    engines: ClassVar[dict] = {{'language_model': '{MODULE}:Engine'}}\n    knob: int = 1\n"
+        "class Rollout(BaseRollout):\n    def __init__(self, config, model, device, deterministic):\n"
+        "        self.config, self.model = config, model\n"
+        "    generate = update_weights = None\n"
         "from posttrain.core.rollout import RolloutConfig\n"
-        "@dataclass(kw_only=True)\nclass RolloutKnobs(RolloutConfig):\n    name: str = 'testrollout'\n"
+        "@dataclass(kw_only=True)\nclass RolloutKnobs(RolloutConfig):\n"
+        f"    rollout_class: ClassVar[str] = '{MODULE}:Rollout'\n    name: str = 'testrollout'\n"
         "    rollout_knob: int = 2\n"
     )
     _distribution(
@@ -43,12 +47,8 @@ def plugin(tmp_path, monkeypatch):
         "posttrain-test-plugin",
         f"""
         [posttrain.engines]
-        language_model.testbackend = {MODULE}:Engine
-        [posttrain.engine_configs]
         testbackend = {MODULE}:Config
         [posttrain.rollouts]
-        testrollout = {MODULE}:Rollout
-        [posttrain.rollout_configs]
         testrollout = {MODULE}:RolloutKnobs
         """,
     )
@@ -58,21 +58,24 @@ def plugin(tmp_path, monkeypatch):
 
 
 def test_installed_distribution_engine_is_found_and_imported_on_first_use(plugin):
-    reg = EngineRegistry.from_entry_points()
-    assert "language_model.testbackend" in reg.names()
+    reg = ConfigRegistry.from_entry_points(ENGINE_GROUP)
+    assert "testbackend" in reg.names() and reg.source("testbackend") == "posttrain-test-plugin"
     assert MODULE not in sys.modules  # reading the metadata imported nothing
-    cls = reg.get_engine_cls("language_model", "testbackend")
-    assert issubclass(cls, BaseEngine) and cls.__module__ == MODULE and cls.__name__ == "Engine"
-    config = reg.get_config_cls("testbackend")  # a third-party backend hands out its config with its engine
+    config = reg.config_class("testbackend")
     assert config.__name__ == "Config" and config().knob == 1
+    cls = config().engine_class("language_model")  # the config class names its engine
+    assert issubclass(cls, BaseEngine) and cls.__module__ == MODULE and cls.__name__ == "Engine"
 
 
-def test_installed_distribution_rollout_is_found(plugin):
-    reg = RolloutRegistry.from_entry_points()
-    cls = reg.get_rollout_cls("testrollout")
-    assert issubclass(cls, BaseRollout) and cls.__module__ == MODULE
-    config = reg.get_config_cls("testrollout")  # a third-party rollout hands out its config with its class
+def test_installed_distribution_rollout_is_found_and_built(plugin):
+    config = ConfigRegistry.from_entry_points(ROLLOUT_GROUP).config_class("testrollout")
     assert issubclass(config, RolloutConfig) and config().rollout_knob == 2
+    rollout = config().build("some-dir", device="cpu")
+    assert (
+        isinstance(rollout, BaseRollout)
+        and type(rollout).__module__ == MODULE
+        and rollout.model == "some-dir"
+    )
 
 
 def test_two_distributions_claiming_one_name_are_refused(plugin):
@@ -81,10 +84,10 @@ def test_two_distributions_claiming_one_name_are_refused(plugin):
         "posttrain-other-plugin",
         """
         [posttrain.engines]
-        language_model.testbackend = elsewhere:Engine
+        testbackend = elsewhere:Config
         """,
     )
     with pytest.raises(
         ValueError, match=r"registered twice.*posttrain-(test|other)-plugin.*posttrain-(test|other)-plugin"
     ):
-        EngineRegistry.from_entry_points()
+        ConfigRegistry.from_entry_points(ENGINE_GROUP)

@@ -1,18 +1,35 @@
-"""Registries: duplicates raise, unknown names list what exists, a backend's engine and config come together."""
+"""The one registry: duplicates raise, unknown names list what exists, a config class builds its engine/rollout."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
-from posttrain.core.config import EngineConfig
-from posttrain.core.registry import EngineRegistry, RolloutRegistry
+from posttrain.core.config import CheckpointConfig, EngineConfig, ModelConfig, OptimizerConfig
+from posttrain.core.engine import BaseEngine
+from posttrain.core.registry import ENGINE_GROUP, ROLLOUT_GROUP, ConfigRegistry
 from posttrain.core.rollout import RolloutConfig
+
+
+class ToyEngine(BaseEngine):
+    """Records what it was built with."""
+
+    initialized = False
+
+    def initialize(self) -> None:
+        self.initialized = True
+
+
+ToyEngine.__abstractmethods__ = (
+    frozenset()
+)  # built, never stepped: the contract's other methods are not called
 
 
 @dataclass(kw_only=True)
 class ToyEngineConfig(EngineConfig):
     """A third-party backend's config."""
 
+    engines: ClassVar[dict[str, str]] = {"language_model": "test_registry:ToyEngine"}
     strategy: str | None = "toy"
     toy_knob: int = 3
 
@@ -26,67 +43,48 @@ class ToyRolloutConfig(RolloutConfig):
 
 
 def test_duplicate_name_raises():
-    reg = EngineRegistry({"language_model.fsdp2": "a.b:C"})
-    reg.register("language_model.fsdp2", "a.b:C")  # the same target twice is one registration
-    with pytest.raises(ValueError, match="registered twice"):
-        reg.register("language_model.fsdp2", "x.y:Z", source="other-dist")
-    reg.configs.register("toy", "a:B")
-    with pytest.raises(ValueError, match="posttrain.engine_configs: 'toy' is registered twice"):
-        reg.configs.register("toy", "x.y:Other")
+    reg = ConfigRegistry(ENGINE_GROUP, {"fsdp2": "a.b:C"})
+    reg.register("fsdp2", "a.b:C")  # the same target twice is one registration
+    with pytest.raises(ValueError, match="posttrain.engines: 'fsdp2' is registered twice"):
+        reg.register("fsdp2", "x.y:Z", source="other-dist")
 
 
-def test_unknown_engine_lists_available():
-    reg = EngineRegistry({"language_model.fsdp2": "a.b:C"})
+def test_unknown_name_lists_installed_and_the_package():
+    reg = ConfigRegistry(ENGINE_GROUP, {"toy": "test_registry:ToyEngineConfig"})
+    assert reg.config_class("toy") is ToyEngineConfig
     with pytest.raises(
         ValueError,
-        match=r"backend='megatron'. Installed engines: language_model.fsdp2. Install posttrain-engine-megatron \(pip install posttrain-engine-megatron",
+        match=r"'megatron' is not installed \(posttrain.engines: toy\): install posttrain-engine-megatron",
     ):
-        reg.get_engine_cls("language_model", "megatron")
-
-
-def test_config_class_comes_from_the_config_group():
-    reg = EngineRegistry(
-        {"language_model.toy": "posttrain_no_such_module:Engine"},
-        configs={"toy": "test_registry:ToyEngineConfig"},
-    )
-    assert reg.get_config_cls("toy") is ToyEngineConfig  # resolving the config imported no engine module
-    with pytest.raises(
-        ValueError,
-        match=r"backend 'megatron' is not installed \(installed backends: toy\): install posttrain-engine-megatron",
-    ):
-        reg.get_config_cls("megatron")
+        reg.config_class("megatron")
     with pytest.raises(TypeError, match="not a EngineConfig subclass"):
-        EngineRegistry(configs={"bad": "collections:OrderedDict"}).get_config_cls("bad")
-
-
-def test_unknown_rollout_names_package():
-    with pytest.raises(ValueError, match=r"posttrain-rollout-vllm"):
-        RolloutRegistry({}).get_rollout_cls("vllm")
+        ConfigRegistry(ENGINE_GROUP, {"bad": "collections:OrderedDict"}).config_class("bad")
     with pytest.raises(
         ValueError,
-        match=r"rollout 'vllm' is not installed \(installed rollouts: none\): install "
-        r"posttrain-rollout-vllm",
+        match=r"'vllm' is not installed \(posttrain.rollouts: none\): install posttrain-rollout-vllm",
     ):
-        RolloutRegistry({}).get_config_cls("vllm")
-
-
-def test_rollout_config_class_comes_from_the_config_group():
-    reg = RolloutRegistry(
-        {"toy": "posttrain_no_such_module:Rollout"}, configs={"toy": "test_registry:ToyRolloutConfig"}
-    )
-    assert reg.get_config_cls("toy") is ToyRolloutConfig  # resolving the config imported no rollout module
+        ConfigRegistry(ROLLOUT_GROUP).config_class("vllm")
     with pytest.raises(TypeError, match="not a RolloutConfig subclass"):
-        RolloutRegistry(configs={"bad": "test_registry:ToyEngineConfig"}).get_config_cls("bad")
+        ConfigRegistry(ROLLOUT_GROUP, {"bad": "test_registry:ToyEngineConfig"}).config_class("bad")
 
 
-def test_non_engine_target_rejected():
-    reg = EngineRegistry({"language_model.x": "collections:OrderedDict"})
-    with pytest.raises(TypeError, match="not a BaseEngine subclass"):
-        reg.get_engine_cls("language_model", "x")
+def test_config_builds_its_engine_initialised():
+    cfg = ToyEngineConfig(toy_knob=5)
+    engine = cfg.build(model=ModelConfig(), optim=OptimizerConfig(), ckpt=CheckpointConfig())
+    assert type(engine) is ToyEngine and engine.initialized and engine.engine_config is cfg
+    with pytest.raises(
+        ValueError, match=r"ToyEngineConfig \(engine.strategy=toy\) builds no value_model engine"
+    ):
+        cfg.build("value_model", model=ModelConfig(), optim=OptimizerConfig(), ckpt=CheckpointConfig())
+
+
+def test_plain_rollout_config_names_the_package_to_install():
+    with pytest.raises(ValueError, match="rollout.name='vllm'.*install posttrain-rollout-vllm"):
+        RolloutConfig(name="vllm").build("model-dir", device="cpu")
 
 
 def test_lazy_import_on_first_use():
-    reg = EngineRegistry({"language_model.ghost": "posttrain_no_such_module:Engine"})
-    assert reg.names() == ["language_model.ghost"]  # building the registry imported nothing
+    reg = ConfigRegistry(ENGINE_GROUP, {"ghost": "posttrain_no_such_module:Config"})
+    assert reg.names() == ["ghost"]  # building the registry imported nothing
     with pytest.raises(ModuleNotFoundError):
-        reg.get_engine_cls("language_model", "ghost")
+        reg.config_class("ghost")

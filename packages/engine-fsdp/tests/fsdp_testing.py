@@ -13,7 +13,7 @@ import torch.distributed as dist
 from posttrain.core import testing
 from posttrain.core.batch import LossContext, PackedBatch
 from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
-from posttrain.fsdp.config import FSDPEngineConfig
+from posttrain.fsdp.config import FSDP1EngineConfig, FSDP2EngineConfig
 
 VOCAB = 256
 
@@ -69,19 +69,15 @@ def make_engine(
     model: dict[str, Any] | None = None,
     **engine: Any,
 ) -> Any:
-    """An initialised FSDP engine in fp32."""
-    from posttrain.fsdp.engine import FSDPLanguageModelEngine, FSDPValueModelEngine
-
+    """An initialised FSDP engine in fp32, built by its config (``strategy`` picks the variant class)."""
     engine = {"dtype": "fp32", "max_token_len_per_gpu": 4096, **engine}
-    cls = FSDPValueModelEngine if value_model else FSDPLanguageModelEngine
-    eng = cls(
-        ModelConfig(path=path, **(model or {})),
-        FSDPEngineConfig(**engine),
-        OptimizerConfig(lr=lr, clip_grad=clip_grad),
-        CheckpointConfig(),
+    cls = FSDP1EngineConfig if engine.pop("strategy", "fsdp2") == "fsdp" else FSDP2EngineConfig
+    return cls(**engine).build(
+        "value_model" if value_model else "language_model",
+        model=ModelConfig(path=path, **(model or {})),
+        optim=OptimizerConfig(lr=lr, clip_grad=clip_grad),
+        ckpt=CheckpointConfig(),
     )
-    eng.initialize()
-    return eng
 
 
 def full_grads(eng: Any) -> dict[str, torch.Tensor] | None:
@@ -95,7 +91,7 @@ def full_grads(eng: Any) -> dict[str, torch.Tensor] | None:
             name = name.replace(part, "")
         return name
 
-    if eng.fsdp_version == 1:
+    if type(eng.layout).__name__ == "FSDP1Layout":
         if not eng.engine_config.use_orig_params and not eng.is_lora:
             return None
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from fsdp_testing import make_batch, make_engine, pg_loss, save_tiny_model, tiny_config, train_step
 
 from posttrain.core.config import CheckpointConfig, engine_config_class
-from posttrain.fsdp.config import FSDPEngineConfig, WrapPolicy
+from posttrain.fsdp.config import FSDP1EngineConfig, FSDP2EngineConfig, FSDPEngineConfig, WrapPolicy
 
 LENGTHS = [5, 9, 3, 17, 1, 12]
 
@@ -22,17 +22,17 @@ def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("lm") / "model")
 
 
-def test_backends_resolve_to_this_config():
-    assert engine_config_class("fsdp") is FSDPEngineConfig
-    assert engine_config_class("fsdp2") is FSDPEngineConfig
+def test_backends_resolve_to_one_class_per_variant():
+    assert engine_config_class("fsdp") is FSDP1EngineConfig
+    assert engine_config_class("fsdp2") is FSDP2EngineConfig
+    with pytest.raises(ValueError, match="FSDP1EngineConfig.strategy='fsdp2': use fsdp"):
+        FSDP1EngineConfig(strategy="fsdp2")
 
 
 def test_rules_name_the_fix():
     assert FSDPEngineConfig(dtype="bf16", model_dtype="fp32").model_dtype == "float32"
     with pytest.raises(ValueError, match="use fsdp or fsdp2"):
         FSDPEngineConfig(strategy="megatron")
-    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2 is not implemented"):
-        FSDPEngineConfig(ulysses_sequence_parallel_size=2)
     with pytest.raises(ValueError, match="fsdp_size=3 does not divide the world size 8"):
         FSDPEngineConfig(fsdp_size=3).check_world_size(8)
     assert FSDPEngineConfig(fsdp_size=4).check_world_size(8) == 8
@@ -62,7 +62,7 @@ def _fsdp1_units(path: str, **wrap) -> list[str]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         eng = make_engine(path, strategy="fsdp", wrap_policy=WrapPolicy(**wrap))
-        assert eng.fsdp_version == 1
+        assert type(eng.layout).__name__ == "FSDP1Layout"
         return sorted(type(m.module).__name__ for m in eng.module.modules() if isinstance(m, FSDP))
     finally:
         dist.destroy_process_group()

@@ -109,6 +109,8 @@ def test_plain_stream_has_hf_names_in_rollout_dtype(lm_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     eng = make_engine(lm_dir)
+    with pytest.raises(TypeError, match="layered_summon"):  # the contract's keywords only, none swallowed
+        eng.get_per_tensor_param(layered_summon=True)
     stream, peft_cfg = eng.get_per_tensor_param(dtype="bfloat16")
     got = dict(stream)
     want = AutoModelForCausalLM.from_pretrained(lm_dir).state_dict()
@@ -196,13 +198,12 @@ def test_value_model_lora_trains_adapter_and_head(lm_dir: str) -> None:
     assert not torch.equal(head, eng.module.base_model.model.score.weight.detach())
 
 
-def test_registry_finds_both_engines() -> None:
-    from posttrain.core import EngineRegistry
-    from posttrain.fsdp.config import FSDPEngineConfig
+def test_registry_finds_both_variants_and_their_engines() -> None:
+    from posttrain.core.config import engine_config_class
+    from posttrain.fsdp.config import FSDP1EngineConfig, FSDP2EngineConfig
     from posttrain.fsdp.engine import FSDPLanguageModelEngine, FSDPValueModelEngine
 
-    reg = EngineRegistry.from_entry_points()
-    for backend in ("fsdp", "fsdp2"):
-        assert reg.get_engine_cls("language_model", backend) is FSDPLanguageModelEngine
-        assert reg.get_engine_cls("value_model", backend) is FSDPValueModelEngine
-        assert reg.get_config_cls(backend) is FSDPEngineConfig
+    for backend, cls in (("fsdp", FSDP1EngineConfig), ("fsdp2", FSDP2EngineConfig)):
+        assert engine_config_class(backend) is cls and cls().strategy == backend
+        assert cls().engine_class("language_model") is FSDPLanguageModelEngine
+        assert cls().engine_class("value_model") is FSDPValueModelEngine

@@ -27,14 +27,13 @@ PACKAGES = ["posttrain-engine-core", "posttrain-ckpt", "posttrain-engine-megatro
 STACK = ["torch==2.14.0", "transformers==5.24.0", "numpy==2.5.5", "packaging"]
 STACK_NO_DEPS = ["megatron-core==0.19.2", "megatron-bridge==0.6.2"]
 IMPORT_CHECK = """
-import posttrain.megatron.build, posttrain.megatron.engine
-from posttrain.core.registry import EngineRegistry
-reg = EngineRegistry.from_entry_points()
+import posttrain.megatron.build
+from posttrain.core.registry import engine_config_class
+cfg = engine_config_class("megatron")()
+print("config ->", type(cfg).__name__)
 for model_type in ("language_model", "value_model"):
-    print(model_type, "->", reg.get_engine_cls(model_type, "megatron").__name__)
-print("config ->", reg.get_config_cls("megatron").__name__)
+    print(model_type, "->", cfg.engine_class(model_type).__name__)
 """
-
 
 def run(*cmd: str) -> str:
     t0 = time.perf_counter()

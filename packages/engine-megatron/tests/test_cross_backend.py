@@ -58,7 +58,7 @@ def _step(eng, seed: int) -> dict:
 
 
 def _params(eng) -> dict[str, torch.Tensor]:
-    kw = {"dtype": torch.float32} if hasattr(eng, "fsdp_version") else {}
+    kw = {"dtype": torch.float32} if hasattr(eng, "layout") else {}
     return {k: v.detach().float().cpu().clone() for k, v in eng.get_per_tensor_param(**kw)[0]}
 
 

@@ -27,21 +27,15 @@ def test_config_imports_without_megatron_core():
     assert out.strip() == "posttrain.megatron.config []"
 
 
-def test_registry_hands_out_config_and_engine_together():
-    from posttrain.core import EngineRegistry
-
-    registry = EngineRegistry.from_entry_points()
+def test_registry_hands_out_the_config_that_names_its_engines():
     assert engine_config_class("megatron") is McoreEngineConfig
-    assert registry.get_config_cls("megatron") is McoreEngineConfig
-    assert registry.get_engine_cls("language_model", "megatron").__name__ == "MegatronLanguageModelEngine"
+    assert McoreEngineConfig().engine_class("language_model").__name__ == "MegatronLanguageModelEngine"
 
 
 def test_megatron_fsdp_checkpoint_rules():
     engine = McoreEngineConfig(use_megatron_fsdp=True)
-    ckpt = CheckpointConfig()
-    ckpt.save_contents = ["optimizer", "extra"]  # bypass CheckpointConfig's own rule to reach the engine's
-    with pytest.raises(ValueError, match="Megatron-FSDP cannot save or load the optimizer without the model"):
-        engine.check_checkpoint(ckpt)
+    with pytest.raises(ValueError, match="optimizer without model.*add model to checkpoint.save_contents"):
+        CheckpointConfig(save_contents=["optimizer", "extra"])  # the one rule, for every engine
     with pytest.raises(ValueError, match="set checkpoint.async_save=false"):
         engine.check_checkpoint(CheckpointConfig(async_save=True), "critic")
     McoreEngineConfig().check_checkpoint(CheckpointConfig(async_save=True))  # plain megatron: fine
@@ -72,16 +66,9 @@ def test_sequence_parallel_and_vanilla_mbridge():
     "kw, match",
     [
         (
-            {"max_seqlen_per_dp_cp_rank": 4096},
-            "dynamic context parallelism, which posttrain does not implement",
-        ),
-        ({"pad_bshd_to_minibatch_max": False}, "always runs packed \\(THD\\) micro-batches"),
-        (
             {"pad_to_length": True, "context_parallel_size": 2},
             "pad_to_length=true with context_parallel_size=2",
         ),
-        ({"dynamic_context_parallel": True}, "dynamic_context_parallel=true is not implemented"),
-        ({"use_fused_kernels": True}, "Set engine.use_fused_kernels=false"),
     ],
 )
 def test_unimplemented_knobs_are_refused(kw, match):
@@ -91,13 +78,12 @@ def test_unimplemented_knobs_are_refused(kw, match):
 
 def test_model_engine_in_python_builds_the_megatron_engine(megatron_env, tiny_qwen2, packed_batch):
     """The dataclass API, not the string loader: each role's engine becomes a McoreEngineConfig, and the SFT
-    trainer's engine factory builds (and trains) a megatron engine from it."""
+    engine config builds (and trains) a megatron engine from it."""
     from megatron_cpu import nll_loss
 
     from posttrain.megatron.engine import MegatronLanguageModelEngine
     from posttrain.trainers.config import PostTrainConfig
     from posttrain.trainers.roles import ActorConfig
-    from posttrain.trainers.sft import build_engine
 
     shared = EngineConfig(dtype="float32", use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
     cfg = PostTrainConfig(
@@ -110,7 +96,7 @@ def test_model_engine_in_python_builds_the_megatron_engine(megatron_env, tiny_qw
     cfg.actor.engine.use_distributed_optimizer = (
         False  # as every CPU engine test here (megatron_cpu.make_engine)
     )
-    eng = build_engine(cfg, cfg.actor.optim)
+    eng = cfg.actor.engine.build(model=cfg.model, optim=cfg.actor.optim, ckpt=cfg.checkpoint)
     assert isinstance(eng, MegatronLanguageModelEngine)
     before = {k: v.clone() for k, v in eng.get_per_tensor_param()[0]}
     with eng.train_mode():
@@ -121,20 +107,19 @@ def test_model_engine_in_python_builds_the_megatron_engine(megatron_env, tiny_qw
 
 
 def test_per_role_strategy_still_wins():
-    from posttrain.fsdp.config import FSDPEngineConfig
+    from posttrain.fsdp.config import FSDP2EngineConfig
     from posttrain.trainers.config import PostTrainConfig
     from posttrain.trainers.roles import CriticConfig
 
     cfg = PostTrainConfig(model_engine="megatron", critic=CriticConfig(engine=EngineConfig(strategy="fsdp2")))
-    assert type(cfg.actor.engine) is McoreEngineConfig and type(cfg.critic.engine) is FSDPEngineConfig
+    assert type(cfg.actor.engine) is McoreEngineConfig and type(cfg.critic.engine) is FSDP2EngineConfig
 
 
 def test_replay_mode_names_the_fix():
-    from posttrain.core import EngineRegistry
     from posttrain.trainers.config import load_config
     from posttrain.trainers.rl.router_replay import replay_mode
 
-    megatron = EngineRegistry.from_entry_points().get_engine_cls("language_model", "megatron")
+    megatron = McoreEngineConfig().engine_class("language_model")
     assert megatron.supports_router_replay
     r3 = ["model_engine=megatron", "actor.engine.router_replay.mode=R3"]
     with pytest.raises(ValueError, match="set rollout.return_routed_experts=true"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import build_tiny_model
 
-from posttrain.core import RolloutConfig, RolloutRegistry, SamplingConfig
+from posttrain.core import RolloutConfig, SamplingConfig
 from posttrain.core.weight_sync import WeightSyncError
 from posttrain.rollout_hf import HFRollout
 
@@ -57,20 +57,11 @@ def sampled_logprob_reference(model, prompt, response, temperature, top_k, top_p
 
 
 def test_registry_finds_hf_rollout_and_its_config():
+    from posttrain.core.registry import load_target, rollout_config_class
     from posttrain.rollout_hf.config import HFRolloutConfig
 
-    registry = RolloutRegistry.from_entry_points()
-    assert registry.get_rollout_cls("hf") is HFRollout
-    assert registry.get_config_cls("hf") is HFRolloutConfig
-
-
-def test_async_mode_is_refused_with_the_fix():
-    from posttrain.rollout_hf.config import HFRolloutConfig
-
-    with pytest.raises(
-        ValueError, match=r"rollout.mode='async': the hf rollout has no server .* trainer.mode="
-    ):
-        HFRolloutConfig(mode="async")
+    assert rollout_config_class("hf") is HFRolloutConfig
+    assert load_target(HFRolloutConfig.rollout_class) is HFRollout
 
 
 def test_greedy_matches_hand_written_loop(tiny_model_dir):

@@ -15,7 +15,6 @@ from vllm_testing import ROLLOUT_DTYPE, check_greedy, engine_weights, hf_model, 
 def main(model_dir: str) -> None:
     import torch.distributed as dist
 
-    from posttrain.core import RolloutRegistry
     from posttrain.rollout_vllm.config import VLLMRolloutConfig
 
     torch.set_num_threads(1)
@@ -28,9 +27,7 @@ def main(model_dir: str) -> None:
         max_num_batched_tokens=512,
         update_weights_bucket_megabytes=1,
     )
-    rollout = RolloutRegistry.from_entry_points().get_rollout_cls("vllm")(
-        config, model_dir, device=engine.device
-    )
+    rollout = config.build(model_dir, device=engine.device)
     assert rollout.executor == "external_launcher" and rollout.transport_kind == "inprocess", rollout.executor
     train_step(engine, seed=7)
     stream, _ = engine.get_per_tensor_param()

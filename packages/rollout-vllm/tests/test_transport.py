@@ -108,13 +108,12 @@ def test_config_is_validated():
 
 
 def test_entry_points_resolve_to_the_rollout_and_its_config():
-    from posttrain.core import RolloutRegistry
+    from posttrain.core.registry import load_target, rollout_config_class
     from posttrain.rollout_vllm.config import VLLMRolloutConfig
     from posttrain.rollout_vllm.rollout import VLLMRollout
 
-    registry = RolloutRegistry.from_entry_points()
-    assert registry.get_rollout_cls("vllm") is VLLMRollout
-    assert registry.get_config_cls("vllm") is VLLMRolloutConfig
+    assert rollout_config_class("vllm") is VLLMRolloutConfig
+    assert load_target(VLLMRolloutConfig.rollout_class) is VLLMRollout
 
 
 def test_dtype_names():
@@ -138,7 +137,6 @@ def test_executor_choices_are_checked_before_vllm_starts(tmp_path):
 
     (tmp_path / "config.json").write_text("{}")
     cases = [
-        (VLLMRolloutConfig(mode="async", executor="inprocess"), "async mode runs the server"),
         (VLLMRolloutConfig(executor="external_launcher"), "launch with torchrun"),
         (VLLMRolloutConfig(executor="multiprocess", transport="inprocess"), "use shm"),
         (RolloutConfig(dtype="int4"), "int4"),  # a plain RolloutConfig takes the vLLM defaults

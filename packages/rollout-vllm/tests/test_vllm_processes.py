@@ -38,7 +38,6 @@ def build(model_dir: str, executor: str, deterministic: bool = False):
 
     config = VLLMRolloutConfig(
         executor=executor,
-        mode="async" if executor == "server" else "sync",
         dtype=ROLLOUT_DTYPE,
         prompt_length=64,
         response_length=32,

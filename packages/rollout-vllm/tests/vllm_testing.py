@@ -171,21 +171,14 @@ def check_greedy(
 
 
 def make_engine(path: str, lora_rank: int = 0, lr: float = 1e-2) -> Any:
-    """The FSDP engine (found through the registry, as a trainer finds it), in float32 on this process's device."""
-    from posttrain.core import EngineRegistry
-    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
-    from posttrain.fsdp.config import FSDPEngineConfig
+    """The FSDP engine (its config class found through the registry, as the config loader finds it, and built by
+    it), in float32 on this process's device."""
+    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig, engine_config_class
 
-    cls = EngineRegistry.from_entry_points().get_engine_cls("language_model", "fsdp2")
     model = ModelConfig(path=path, lora_rank=lora_rank, target_modules="all-linear")
-    engine = cls(
-        model,
-        FSDPEngineConfig(dtype="fp32", max_token_len_per_gpu=4096),
-        OptimizerConfig(lr=lr, clip_grad=0.0),
-        CheckpointConfig(),
+    return engine_config_class("fsdp2")(dtype="fp32", max_token_len_per_gpu=4096).build(
+        model=model, optim=OptimizerConfig(lr=lr, clip_grad=0.0), ckpt=CheckpointConfig()
     )
-    engine.initialize()
-    return engine
 
 
 def train_step(engine: Any, seed: int) -> None:

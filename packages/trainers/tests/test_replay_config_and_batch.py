@@ -15,10 +15,8 @@ from posttrain.trainers.rl.router_replay import replay_mode
 
 def test_replay_mode_asks_the_engine_class_and_names_the_fix():
     """Replay is allowed when the actor's engine class declares ``supports_router_replay`` (read through the
-    registry, nothing built); the megatron engine's own declaration is tested in engine-megatron."""
-    from posttrain.core import EngineRegistry
-
-    fsdp_cls = EngineRegistry.from_entry_points().get_engine_cls("language_model", "fsdp2")
+    config class, nothing built); the megatron engine's own declaration is tested in engine-megatron."""
+    fsdp_cls = load_config([]).actor.engine.engine_class("language_model")
 
     class Replaying(fsdp_cls):
         supports_router_replay = True

@@ -13,13 +13,14 @@ import pytest
 import torch
 from sft_fixtures import make_tiny_model
 
-from posttrain.core.rollout import RolloutConfig, SamplingConfig
+from posttrain.core.rollout import SamplingConfig
 from posttrain.core.weight_sync import WeightSyncError
-from posttrain.trainers.rl.remote import RemoteRollout, RolloutWorkerError, new_rollout
+from posttrain.rollout_hf.config import HFRolloutConfig
+from posttrain.trainers.rl.remote import RemoteRollout, RolloutWorkerError
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-CONFIG = RolloutConfig(response_length=8, update_weights_bucket_megabytes=1)
+CONFIG = HFRolloutConfig(response_length=8, update_weights_bucket_megabytes=1)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def worker(model_path):
 
 def _trained_weights(model_path) -> dict[str, torch.Tensor]:
     """The tiny model's weights, moved off their initial values (so a push visibly changes the rollout)."""
-    local = new_rollout(CONFIG, model_path, "cpu")
+    local = CONFIG.build(model_path, device="cpu")
     gen = torch.Generator().manual_seed(0)
     return {
         k: v + 0.05 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
@@ -70,7 +71,7 @@ def test_pushed_weights_are_served_and_generate_like_the_colocated_rollout(worke
     assert worker.weight_version() == 7
     assert report.num_buckets > 1 and report.num_tensors == len(weights)  # 256 KiB buckets: several
     assert worker.shared.kind == "shm" and worker.transport.shared  # packed where the worker reads it
-    local = new_rollout(CONFIG, model_path, "cpu")
+    local = CONFIG.build(model_path, device="cpu")
     local.update_weights(iter(weights.items()), version=7)
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     torch.set_num_threads(1)  # the worker's thread count: the same ops on the same threads are bitwise equal
@@ -157,7 +158,7 @@ def test_the_rollout_trusts_remote_code_when_model_trust_remote_code_says_so(mod
 
     path = _remote_code_copy(model_path, tmp_path)
     with pytest.raises(ValueError, match="trust_remote_code"):
-        new_rollout(CONFIG, path, "cpu")
+        CONFIG.build(path, device="cpu")
     for placement in ("colocated", "process"):
         cfg = load_config(
             [
@@ -226,7 +227,7 @@ def _gpu_push_and_generate(model_path, rollout_device: str, trainer_device: str,
             assert remote.shared.kind == "cuda_ipc" and remote.shared.tensor.device == torch.device(
                 trainer_device
             )
-        local = new_rollout(CONFIG, model_path, trainer_device)
+        local = CONFIG.build(model_path, device=trainer_device)
         local.update_weights(iter(weights.items()), version=1)
         greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
         prompts = [[1, 2, 3], [4, 5, 6, 7]]

@@ -8,7 +8,7 @@ import pytest
 from posttrain.core.config import EngineConfig
 from posttrain.core.config.loader import ConfigError, to_dict
 from posttrain.core.rollout import RolloutConfig
-from posttrain.fsdp.config import FSDPEngineConfig
+from posttrain.fsdp.config import FSDP1EngineConfig, FSDP2EngineConfig
 from posttrain.trainers.config import PostTrainConfig, load_config
 from posttrain.trainers.roles import ActorConfig
 
@@ -17,18 +17,18 @@ ROLES = ("actor", "ref", "critic")
 
 def test_dataclass_api_resolves_model_engine():
     cfg = PostTrainConfig()
-    assert all(type(getattr(cfg, r).engine) is FSDPEngineConfig for r in ROLES)
+    assert all(type(getattr(cfg, r).engine) is FSDP2EngineConfig for r in ROLES)
     assert [getattr(cfg, r).engine.strategy for r in ROLES] == ["fsdp2"] * 3
     assert cfg.ref.engine.forward_only and not cfg.actor.engine.forward_only
     cfg = PostTrainConfig(model_engine="fsdp", actor=ActorConfig(engine=EngineConfig(dtype="fp32", seed=7)))
-    assert [getattr(cfg, r).engine.strategy for r in ROLES] == ["fsdp"] * 3
+    assert all(type(getattr(cfg, r).engine) is FSDP1EngineConfig for r in ROLES)
     assert (cfg.actor.engine.dtype, cfg.actor.engine.seed) == ("float32", 7)  # shared fields carried over
 
 
 def test_explicit_engine_config_wins_over_model_engine():
-    cfg = PostTrainConfig(model_engine="fsdp", actor=ActorConfig(engine=FSDPEngineConfig(fsdp_size=2)))
+    cfg = PostTrainConfig(model_engine="fsdp", actor=ActorConfig(engine=FSDP2EngineConfig(fsdp_size=2)))
     assert cfg.actor.engine.strategy == "fsdp2" and cfg.actor.engine.fsdp_size == 2
-    assert cfg.critic.engine.strategy == "fsdp"
+    assert type(cfg.critic.engine) is FSDP1EngineConfig
 
 
 def test_python_and_strings_give_the_same_tree():
@@ -37,7 +37,7 @@ def test_python_and_strings_give_the_same_tree():
 
 def test_unknown_backend_names_the_key_and_what_to_install():
     with pytest.raises(
-        ValueError, match=r"model_engine='fsdp3': engine backend 'fsdp3' is not installed.*fsdp2"
+        ValueError, match=r"model_engine='fsdp3': 'fsdp3' is not installed \(posttrain.engines: .*fsdp2"
     ):
         PostTrainConfig(model_engine="fsdp3")
     with pytest.raises(ConfigError, match=r"critic.engine.strategy='deepspeed'.*posttrain-engine-megatron"):
@@ -57,7 +57,7 @@ def test_config_show_exits_2_naming_a_wrong_key(capsys):
 
 
 def test_rollout_config_is_the_named_rollouts_own():
-    """``rollout.name`` picks the config class its package registered (posttrain.rollout_configs): the hf
+    """``rollout.name`` picks the config class its package registered (posttrain.rollouts): the hf
     rollout's own keys are ``rollout.<key>`` and reach it; a plain RolloutConfig in Python becomes the same."""
     from posttrain.rollout_hf.config import HFRolloutConfig
 

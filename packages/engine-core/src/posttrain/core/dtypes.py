@@ -7,14 +7,14 @@ Accepted: the torch names ``bfloat16``, ``float16``, ``float32``, the aliases ``
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Any
 
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
-"""Canonical name -> torch dtype."""
+if TYPE_CHECKING:
+    import torch
+
+NAMES = ("bfloat16", "float16", "float32")
+"""Canonical names (torch's); ``DTYPES`` maps each to its torch dtype (imported on first use: the config tree
+validates dtypes without torch)."""
 ALIASES: dict[str, str] = {
     "bf16": "bfloat16",
     "fp16": "float16",
@@ -30,12 +30,22 @@ def dtype_name(value: str | torch.dtype, key: str = "dtype") -> str:
     key in the error."""
     text = value.strip().lower() if isinstance(value, str) else str(value).removeprefix("torch.")
     name = ALIASES.get(text, text)
-    if name not in DTYPES:
-        choices = ", ".join([*DTYPES, *ALIASES])
+    if name not in NAMES:
+        choices = ", ".join([*NAMES, *ALIASES])
         raise ValueError(f"{key}={value!r} is not a supported dtype: use one of {choices}")
     return name
 
 
 def parse_dtype(value: str | torch.dtype, key: str = "dtype") -> torch.dtype:
     """The torch dtype of ``value`` (see the module docstring); ``key`` names the config key in the error."""
-    return DTYPES[dtype_name(value, key)]
+    import torch
+
+    return getattr(torch, dtype_name(value, key))
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":
+        import torch
+
+        return {n: getattr(torch, n) for n in NAMES}
+    raise AttributeError(f"module 'posttrain.core.dtypes' has no attribute {name!r}")

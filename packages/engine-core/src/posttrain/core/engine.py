@@ -18,6 +18,7 @@ import torch
 
 from .batch import LossFn, PackedBatch
 from .config import CheckpointConfig, EngineConfig, ModelConfig, OptimizerConfig
+from .config.engine import resolve_compute_dtype
 
 PerTensorParams = tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any] | None]
 """(lazy stream of (HF name, full tensor), peft config dict or None)."""
@@ -67,6 +68,7 @@ class BaseEngine(ABC):
         optimizer_config: OptimizerConfig,
         checkpoint_config: CheckpointConfig,
     ) -> None:
+        resolve_compute_dtype(engine_config)
         self.model_config = model_config
         self.engine_config = engine_config
         self.optimizer_config = optimizer_config
@@ -172,8 +174,19 @@ class BaseEngine(ABC):
 
     # ------------------------------------------------------------------ weights and checkpoints
     @abstractmethod
-    def get_per_tensor_param(self, **kwargs: Any) -> PerTensorParams:
-        """Lazy stream of full, HF-named tensors for the rollout, and the peft config (LoRA) or None."""
+    def get_per_tensor_param(
+        self,
+        *,
+        base_sync_done: bool = False,
+        peft_merge: bool | None = None,
+        dtype: torch.dtype | str | None = None,
+    ) -> PerTensorParams:
+        """Lazy stream of full, HF-named tensors for the rollout, and the peft config (LoRA) or None.
+
+        ``dtype``: cast each tensor to it (None: as stored). Without LoRA: every weight, peft config None. With
+        LoRA and ``peft_merge`` (None: the engine's ``peft_merge`` attribute): base weights with the adapter merged,
+        peft config None; otherwise the base weights when ``base_sync_done`` is False and only the adapter tensors
+        (peft names) when it is True, with the peft config dict. Every rank must consume the stream."""
 
     @abstractmethod
     def save_checkpoint(

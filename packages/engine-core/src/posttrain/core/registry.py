@@ -1,13 +1,13 @@
-"""Name -> class registries filled from entry points, imported on first use.
+"""The one registry: a backend name -> its config class, read from entry points once, when a config is loaded.
 
-A training backend declares two things: its engines in the ``posttrain.engines`` group, named
-``<model_type>.<backend>`` (``language_model.fsdp2``), and its config dataclass in ``posttrain.engine_configs``,
-named ``<backend>``. A rollout does the same: its class in ``posttrain.rollouts`` and its config dataclass (a
-:class:`~posttrain.core.rollout.RolloutConfig` subclass) in ``posttrain.rollout_configs``, both under its rollout
-name. The value is ``module:Class``. Nothing registers at import time: a registry reads the installed distributions' metadata when
-it is built, so a backend that is not installed is simply absent and asking for it lists what is there. A
-config module must import without its backend's heavy dependencies (the config of a megatron backend resolves
-without megatron-core).
+A training backend registers one config class per name in the ``posttrain.engines`` group (``fsdp2 =
+posttrain.fsdp.config:FSDP2EngineConfig``), a subclass of :class:`~posttrain.core.config.EngineConfig`; a rollout
+registers its config class (a :class:`~posttrain.core.rollout.RolloutConfig` subclass) in ``posttrain.rollouts``.
+The config class carries the rest: which engine (per model type) or rollout it builds, through its ``build(...)``,
+so nothing after the config loader looks a name up. Nothing registers at import time: the groups are read from
+the installed distributions' metadata, so a backend that is not installed is simply absent and asking for it
+lists what is there. A config module must import without its backend's heavy dependencies (the megatron config
+resolves without megatron-core).
 """
 
 from __future__ import annotations
@@ -18,22 +18,24 @@ from importlib.metadata import entry_points
 from typing import Any
 
 ENGINE_GROUP = "posttrain.engines"
-ENGINE_CONFIG_GROUP = "posttrain.engine_configs"
 ROLLOUT_GROUP = "posttrain.rollouts"
-ROLLOUT_CONFIG_GROUP = "posttrain.rollout_configs"
 
-ROLLOUT_PACKAGES = {
-    "hf": "posttrain-rollout-hf",
-    "vllm": "posttrain-rollout-vllm (pip install 'posttrain[vllm]')",
+PACKAGES = {
+    ENGINE_GROUP: {
+        "fsdp": "posttrain-engine-fsdp",
+        "fsdp2": "posttrain-engine-fsdp",
+        "megatron": "posttrain-engine-megatron (pip install 'posttrain[megatron]')",
+    },
+    ROLLOUT_GROUP: {
+        "hf": "posttrain-rollout-hf",
+        "vllm": "posttrain-rollout-vllm (pip install 'posttrain[vllm]')",
+    },
 }
-ENGINE_PACKAGES = {
-    "fsdp": "posttrain-engine-fsdp (pip install posttrain-engine-fsdp)",
-    "fsdp2": "posttrain-engine-fsdp (pip install posttrain-engine-fsdp)",
-    "megatron": "posttrain-engine-megatron (pip install posttrain-engine-megatron; docs/megatron-engine.md)",
-}
+ROLLOUT_PACKAGES = PACKAGES[ROLLOUT_GROUP]
 
 
-def _load(target: str) -> Any:
+def load_target(target: str) -> Any:
+    """The object ``module:Attr.path`` names, imported now."""
     module, _, attr = target.partition(":")
     obj = importlib.import_module(module)
     for part in attr.split("."):
@@ -41,22 +43,22 @@ def _load(target: str) -> Any:
     return obj
 
 
-class _EntryPointRegistry:
-    group: str
-    packages: dict[str, str]
+class ConfigRegistry:
+    """name -> ``module:Class`` of a config class in one entry-point group; a name registered twice (with
+    different targets) is refused with both sources named."""
 
-    def __init__(self, targets: dict[str, str] | None = None) -> None:
+    def __init__(self, group: str, targets: dict[str, str] | None = None) -> None:
+        self.group = group
         self._targets: dict[str, str] = {}
         self._sources: dict[str, str] = {}
         for name, target in (targets or {}).items():
             self.register(name, target)
 
     @classmethod
-    def from_entry_points(cls):
-        reg = cls()
-        for ep in entry_points(group=cls.group):
-            dist = ep.dist.name if ep.dist is not None else "?"
-            reg.register(ep.name, ep.value, source=dist)
+    def from_entry_points(cls, group: str) -> ConfigRegistry:
+        reg = cls(group)
+        for ep in entry_points(group=group):
+            reg.register(ep.name, ep.value, source=ep.dist.name if ep.dist is not None else "?")
         return reg
 
     def register(self, name: str, target: str, source: str = "code") -> None:
@@ -71,127 +73,46 @@ class _EntryPointRegistry:
     def names(self) -> list[str]:
         return sorted(self._targets)
 
-    def _resolve(self, key: str, base: type, missing: str) -> type:
-        """Import ``key``'s target and check it subclasses ``base``; ``missing`` is the error if unknown."""
-        if key not in self._targets:
-            raise ValueError(missing.format(have=", ".join(self.names()) or "none"))
-        cls = _load(self._targets[key])
+    def source(self, name: str) -> str:
+        """The distribution that registered ``name``."""
+        return self._sources[name]
+
+    def config_class(self, name: str) -> type:
+        """Import ``name``'s config class and check its base; a ValueError listing what is installed if unknown."""
+        from .config.engine import EngineConfig
+        from .rollout import RolloutConfig
+
+        base = EngineConfig if self.group == ENGINE_GROUP else RolloutConfig
+        if name not in self._targets:
+            hint = PACKAGES.get(self.group, {}).get(
+                name, f"the package that registers {name!r} in {self.group}"
+            )
+            raise ValueError(
+                f"{name!r} is not installed ({self.group}: {', '.join(self.names()) or 'none'}): install {hint}, "
+                "or choose one of those"
+            )
+        cls = load_target(self._targets[name])
         if not (isinstance(cls, type) and issubclass(cls, base)):
-            raise TypeError(f"{self._targets[key]} ({key}) is not a {base.__name__} subclass")
+            raise TypeError(f"{self._targets[name]} ({self.group} {name}) is not a {base.__name__} subclass")
         return cls
 
 
-class EngineConfigRegistry(_EntryPointRegistry):
-    """backend name -> engine config dataclass (a subclass of :class:`~posttrain.core.config.EngineConfig`)."""
-
-    group = ENGINE_CONFIG_GROUP
-
-    def get_config_cls(self, backend: str) -> type:
-        from .config.engine import EngineConfig
-
-        hint = ENGINE_PACKAGES.get(
-            backend, f"the package that registers {backend!r} in the {self.group} group"
-        )
-        missing = (
-            f"engine backend {backend!r} is not installed (installed backends: {{have}}): install {hint}, "
-            "or choose one of those"
-        )
-        return self._resolve(backend, EngineConfig, missing)
-
-
-class _PairedRegistry(_EntryPointRegistry):
-    """Classes registered together with their config dataclasses (:meth:`get_config_cls`)."""
-
-    config_registry: type
-
-    def __init__(self, targets: dict[str, str] | None = None, configs: dict[str, str] | None = None) -> None:
-        super().__init__(targets)
-        self.configs = self.config_registry(configs)
-
-    @classmethod
-    def from_entry_points(cls):
-        reg = super().from_entry_points()
-        reg.configs = cls.config_registry.from_entry_points()
-        return reg
-
-    def get_config_cls(self, name: str) -> type:
-        return self.configs.get_config_cls(name)
-
-
-class EngineRegistry(_PairedRegistry):
-    """(model_type, backend) -> engine class; :meth:`get_config_cls` gives the backend's config class."""
-
-    group = ENGINE_GROUP
-    config_registry = EngineConfigRegistry
-
-    def get_engine_cls(self, model_type: str, backend: str) -> type:
-        from .engine import BaseEngine
-
-        hint = ENGINE_PACKAGES.get(
-            backend, f"the package that registers {model_type}.{backend} in the {self.group} group"
-        )
-        missing = (
-            f"no engine for model_type={model_type!r}, backend={backend!r}. Installed engines: {{have}}. "
-            f"Install {hint}, or choose another backend."
-        )
-        return self._resolve(f"{model_type}.{backend}", BaseEngine, missing)
-
-    def new(self, model_type: str, backend: str, *args: Any, **kwargs: Any) -> Any:
-        return self.get_engine_cls(model_type, backend)(*args, **kwargs)
-
-
 @functools.cache
-def _installed_engine_configs() -> EngineConfigRegistry:
-    return EngineConfigRegistry.from_entry_points()
+def installed(group: str) -> ConfigRegistry:
+    """The registry of ``group`` as the installed distributions declare it (read once per process)."""
+    return ConfigRegistry.from_entry_points(group)
 
 
 def engine_config_class(backend: str) -> type:
-    """The config dataclass the installed backend ``backend`` registered, or a ValueError listing those there are."""
-    return _installed_engine_configs().get_config_cls(backend)
-
-
-class RolloutConfigRegistry(_EntryPointRegistry):
-    """rollout name -> rollout config dataclass (a subclass of :class:`~posttrain.core.rollout.RolloutConfig`)."""
-
-    group = ROLLOUT_CONFIG_GROUP
-    packages = ROLLOUT_PACKAGES
-
-    def get_config_cls(self, name: str) -> type:
-        from .rollout import RolloutConfig
-
-        hint = self.packages.get(name, f"the package that registers {name!r} in the {self.group} group")
-        missing = f"rollout {name!r} is not installed (installed rollouts: {{have}}): install {hint}"
-        return self._resolve(name, RolloutConfig, missing)
-
-
-@functools.cache
-def _installed_rollout_configs() -> RolloutConfigRegistry:
-    return RolloutConfigRegistry.from_entry_points()
+    """The config class the installed backend ``backend`` registered, or a ValueError listing those there are."""
+    return installed(ENGINE_GROUP).config_class(backend)
 
 
 def rollout_config_class(name: str) -> type:
-    """The config dataclass the installed rollout ``name`` registered, or a ValueError naming what to install."""
-    return _installed_rollout_configs().get_config_cls(name)
+    """The config class the installed rollout ``name`` registered, or a ValueError naming what to install."""
+    return installed(ROLLOUT_GROUP).config_class(name)
 
 
 def rollout_config_names() -> list[str]:
-    """The rollouts whose config dataclass is installed."""
-    return _installed_rollout_configs().names()
-
-
-class RolloutRegistry(_PairedRegistry):
-    """backend name -> rollout class; :meth:`get_config_cls` gives the rollout's config class."""
-
-    group = ROLLOUT_GROUP
-    packages = ROLLOUT_PACKAGES
-    config_registry = RolloutConfigRegistry
-
-    def get_rollout_cls(self, name: str) -> type:
-        from .rollout import BaseRollout
-
-        hint = self.packages.get(name, f"a package that provides rollout {name!r}")
-        missing = (
-            f"no rollout named {name!r}. Installed rollouts: {{have}}. Install {hint} or set "
-            "rollout.name to one of those."
-        )
-        return self._resolve(name, BaseRollout, missing)
+    """The installed rollouts."""
+    return installed(ROLLOUT_GROUP).names()

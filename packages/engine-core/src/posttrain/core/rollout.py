@@ -9,9 +9,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+    from .config.model import ModelConfig
 
 
 @dataclass(kw_only=True)
@@ -63,12 +66,14 @@ class RolloutConfig(SamplingKnobs):
 
     Each rollout package subclasses it with its own knobs (``posttrain.rollout_vllm.config.VLLMRolloutConfig``,
     ``posttrain.rollout_hf.config.HFRolloutConfig``) and registers the subclass under its rollout name in the
-    ``posttrain.rollout_configs`` entry-point group; the trainers' config loader picks it by ``rollout.name``."""
+    ``posttrain.rollouts`` entry-point group; the trainers' config loader picks it by ``rollout.name``, and its
+    :meth:`build` returns the rollout (:attr:`rollout_class`)."""
+
+    rollout_class: ClassVar[str] = ""
+    """``module:Class`` of the :class:`BaseRollout` this config builds (set by each rollout's config class)."""
 
     name: str = "hf"
     """Backend: ``hf`` (transformers generate, the CPU default), ``vllm``, or another installed rollout."""
-    mode: str = "sync"
-    """``sync`` (colocated SPMD) or ``async`` (a server: vLLM's AsyncLLM; the hf rollout refuses it)."""
     prompt_length: int = 512
     """Longest prompt in tokens."""
     response_length: int = 512
@@ -97,8 +102,6 @@ class RolloutConfig(SamplingKnobs):
 
     def __post_init__(self) -> None:
         self._check_sampling("rollout.")
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"rollout.mode={self.mode!r}: use sync or async")
         if self.update_weights_bucket_megabytes < 1:
             raise ValueError(
                 f"rollout.update_weights_bucket_megabytes={self.update_weights_bucket_megabytes} must be >= 1"
@@ -118,6 +121,23 @@ class RolloutConfig(SamplingKnobs):
             )
         shared = {f.name: getattr(config, f.name) for f in fields(RolloutConfig) if f.name != "name"}
         return cls(**shared)
+
+    def build(self, model: ModelConfig | str, *, device: Any, deterministic: bool = False) -> BaseRollout:
+        """The rollout this config configures, over ``model`` (the trainer's :class:`ModelConfig` or an HF
+        directory), on ``device``; ``deterministic`` (the trainer's ``actor.engine.full_determinism``) turns on
+        whatever makes the rollout's generation repeatable."""
+        from .registry import ROLLOUT_PACKAGES, load_target
+
+        if not self.rollout_class:
+            hint = ROLLOUT_PACKAGES.get(self.name, f"the package that registers rollout {self.name!r}")
+            raise ValueError(
+                f"rollout.name={self.name!r}: this {type(self).__name__} names no rollout class; install {hint} "
+                "(the loader then picks its config class), or set rollout.name to an installed rollout"
+            )
+        cls = load_target(self.rollout_class)
+        if not (isinstance(cls, type) and issubclass(cls, BaseRollout)):
+            raise TypeError(f"{self.rollout_class} is not a BaseRollout subclass")
+        return cls(self, model, device=device, deterministic=deterministic)
 
     def sampling(self, validate: bool = False) -> SamplingConfig:
         """Sampling for a training rollout (this config's :class:`SamplingKnobs`), or for validation
@@ -164,10 +184,9 @@ class SyncReport:
 class BaseRollout(ABC):
     """A generation engine that can take new weights.
 
-    Trainers build a registered rollout as ``cls(config, model_path, device=..., deterministic=...)``: ``config``
-    is the rollout's own config class (registered under the same name in ``posttrain.rollout_configs``) and
-    ``deterministic`` is ``actor.engine.full_determinism``, for the rollout to turn on whatever makes its
-    generation repeatable."""
+    Built by :meth:`RolloutConfig.build`, which calls ``cls(config, model, device=..., deterministic=...)``: a
+    subclass's constructor takes those (``config`` its own config class, ``model`` a :class:`ModelConfig` or an HF
+    directory)."""
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:

@@ -42,7 +42,7 @@ def _role_info(engine: Any) -> RoleInfo:
         names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
         sizes.update(zip(names, mesh.shape))
     return RoleInfo(
-        backend=engine.engine_config.strategy if engine.fsdp_version else "torch",
+        backend=engine.layout.backend,
         parallel_sizes=sizes,
         hf_config=engine.hf_config,
         model_dir=engine.model_config.path,

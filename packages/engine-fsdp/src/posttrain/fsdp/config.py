@@ -1,6 +1,6 @@
-"""``FSDPEngineConfig``: the FSDP2 / FSDP1 engine's knobs on top of the shared :class:`EngineConfig`.
-
-Registered as the config of backends ``fsdp`` and ``fsdp2`` (entry-point group ``posttrain.engine_configs``).
+"""The FSDP engines' configs: :class:`FSDPEngineConfig` (the knobs both share, on top of :class:`EngineConfig`)
+and one class per variant, :class:`FSDP1EngineConfig` (backend ``fsdp``) and :class:`FSDP2EngineConfig`
+(``fsdp2``), each registered under its name in the ``posttrain.engines`` entry-point group.
 Field names and defaults follow verl's ``FSDPEngineConfig`` except where a docstring says otherwise. This
 module imports only engine-core's config (no transformers, no FSDP).
 """
@@ -8,6 +8,7 @@ module imports only engine-core's config (no transformers, no FSDP).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from posttrain.core.config.engine import EngineConfig, normalize_dtype
 
@@ -35,10 +36,20 @@ class WrapPolicy:
 
 @dataclass(kw_only=True)
 class FSDPEngineConfig(EngineConfig):
-    """PyTorch FSDP over a Hugging Face model (``strategy`` fsdp = FSDP1, fsdp2 = ``fully_shard``)."""
+    """PyTorch FSDP over a Hugging Face model: the knobs FSDP1 and FSDP2 share. Build one of its variants,
+    :class:`FSDP1EngineConfig` or :class:`FSDP2EngineConfig`."""
+
+    engines: ClassVar[dict[str, str]] = {
+        "language_model": "posttrain.fsdp.engine:FSDPLanguageModelEngine",
+        "value_model": "posttrain.fsdp.engine:FSDPValueModelEngine",
+    }
+    variant: ClassVar[str | None] = None
+    """The strategy a variant class is fixed to (None: the base takes fsdp or fsdp2, for code that builds it by
+    hand; the config loader always picks a variant)."""
 
     strategy: str | None = "fsdp2"
-    """``fsdp`` (FSDP1, FlatParameter) or ``fsdp2`` (per-parameter DTensor sharding)."""
+    """``fsdp`` (FSDP1, FlatParameter) or ``fsdp2`` (per-parameter DTensor sharding): fixed by the variant
+    class."""
     wrap_policy: WrapPolicy = field(default_factory=WrapPolicy)
     """What becomes an FSDP unit (decoder layers by default)."""
     offload_policy: bool = False
@@ -55,8 +66,6 @@ class FSDPEngineConfig(EngineConfig):
     """FSDP1 ``use_orig_params``."""
     mixed_precision: dict[str, str] | None = None
     """``param_dtype``/``reduce_dtype``/``buffer_dtype``; None = params in ``dtype``, reductions fp32."""
-    ulysses_sequence_parallel_size: int = 1
-    """Ulysses sequence parallel degree (only 1 is implemented)."""
     use_torch_compile: bool = True
     """Compile the log-prob/entropy head's per-chunk function on CUDA."""
     entropy_checkpointing: bool = True
@@ -69,18 +78,13 @@ class FSDPEngineConfig(EngineConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.strategy not in ("fsdp", "fsdp2"):
+        allowed = (self.variant,) if self.variant else ("fsdp", "fsdp2")
+        if self.strategy not in allowed:
             raise ValueError(
-                f"FSDPEngineConfig.strategy={self.strategy!r}: use fsdp or fsdp2 "
-                "(another backend has its own engine config class)"
+                f"{type(self).__name__}.strategy={self.strategy!r}: use {' or '.join(allowed)} (FSDP1EngineConfig "
+                "is fsdp, FSDP2EngineConfig fsdp2; another backend has its own engine config class)"
             )
         self.model_dtype = normalize_dtype(self.model_dtype, "engine.model_dtype")
-        if self.ulysses_sequence_parallel_size != 1:
-            raise ValueError(
-                f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} is not "
-                "implemented: set it to 1 (use the megatron engine's context_parallel_size for long "
-                "sequences)"
-            )
         if self.fsdp_size == 0 or self.fsdp_size < -1:
             raise ValueError(
                 f"engine.fsdp_size={self.fsdp_size}: use -1 (all ranks) or a positive divisor of "
@@ -93,6 +97,11 @@ class FSDPEngineConfig(EngineConfig):
                 "wrap_policy.transformer_layer_cls_to_wrap, or strategy=fsdp"
             )
 
+    def sharded_layout(self) -> str:
+        """The name of the :mod:`posttrain.fsdp.layout` class that shards under a process group: ``FSDP1Layout``
+        for strategy fsdp, ``FSDP2Layout`` otherwise (without a group the engine runs ``PlainLayout``)."""
+        return "FSDP1Layout" if self.strategy == "fsdp" else "FSDP2Layout"
+
     def check_world_size(self, world_size: int) -> int:
         """Check ``fsdp_size`` divides ``world_size``; every rank is a data-parallel rank."""
         if 0 < self.fsdp_size < world_size and world_size % self.fsdp_size:
@@ -101,3 +110,21 @@ class FSDPEngineConfig(EngineConfig):
                 f"divisor of {world_size} or -1"
             )
         return world_size
+
+
+@dataclass(kw_only=True)
+class FSDP1EngineConfig(FSDPEngineConfig):
+    """FSDP1 (``FullyShardedDataParallel`` over FlatParameters, decoder-layer or size-based auto-wrap)."""
+
+    variant: ClassVar[str] = "fsdp"
+    strategy: str | None = "fsdp"
+    """``fsdp``."""
+
+
+@dataclass(kw_only=True)
+class FSDP2EngineConfig(FSDPEngineConfig):
+    """FSDP2 (``fully_shard``: per-parameter DTensor sharding of each decoder layer and the root)."""
+
+    variant: ClassVar[str] = "fsdp2"
+    strategy: str | None = "fsdp2"
+    """``fsdp2``."""

@@ -1,9 +1,10 @@
 """FSDP2 / FSDP1 engines over Hugging Face models: a causal LM and a value model (one-label token classifier).
 
 Layout. Under ``torchrun`` (``WORLD_SIZE`` set) the engine initialises the default process group if the caller
-has not (NCCL on CUDA, gloo on CPU) and shards with FSDP2 (``strategy=fsdp2``) or FSDP1 (``fsdp``) over all
-ranks, or HSDP when ``0 < fsdp_size < world``; every rank is a data-parallel rank. In a plain process with no
-process group it runs the unwrapped module (autocast to ``dtype`` when that differs from ``model_dtype``).
+has not (NCCL on CUDA, gloo on CPU) and shards with FSDP2 (``FSDP2EngineConfig``) or FSDP1 (``FSDP1EngineConfig``)
+over all ranks, or HSDP when ``0 < fsdp_size < world``; every rank is a data-parallel rank. In a plain process with
+no process group (a world of 1) it runs the unwrapped module (autocast to ``dtype`` when that differs from
+``model_dtype``). Each layout is a class in :mod:`.layout`, chosen once in :meth:`FSDPEngine.initialize`.
 
 A step. ``forward_backward_batch`` splits the packed batch into micro-batches (by token budget with
 ``use_dynamic_bsz``, else by count), runs every rank through the same number of them (a rank with fewer runs
@@ -33,6 +34,7 @@ from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
 
+from . import layout as layouts
 from . import sharding
 from .config import FSDPEngineConfig
 from .inputs import ModelInputs, check_temperatures, packed_inputs, padded_inputs, temperatures
@@ -49,7 +51,6 @@ from .weights import (
     iter_rollout_tensors,
     lora_scalings,
     peft_config_dict,
-    sharded_state_dict,
     tied_duplicates,
 )
 
@@ -90,8 +91,8 @@ class FSDPEngine(BaseEngine):
         self.is_lora = False
         self.peft_merge = False
         """Default of ``get_per_tensor_param(peft_merge=...)``: stream LoRA merged into the base weights."""
-        self.fsdp_version = 0
-        """0 = plain module (no process group), 1 = FSDP1, 2 = FSDP2."""
+        self.layout: layouts.PlainLayout = layouts.PlainLayout(engine_config, torch.device("cpu"))
+        """How the module is laid out (:mod:`.layout`): chosen in :meth:`initialize`."""
         self.peft_config: Any = None
         self._peft_model: Any = None
         self._hf_model: torch.nn.Module | None = None
@@ -107,15 +108,14 @@ class FSDPEngine(BaseEngine):
         if torch.cuda.is_available():
             self._device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(self._device)
-        self.fsdp_version = (2 if cfg.strategy == "fsdp2" else 1) if distributed else 0
-        cpu_params = self.fsdp_version == 2 and cfg.offload_policy
-        init_device = torch.device("cpu") if self.fsdp_version == 1 or cpu_params else self._device
+        layout_cls = getattr(layouts, cfg.sharded_layout()) if distributed else layouts.PlainLayout
+        self.layout = layout = layout_cls(cfg, self._device)
         built = build_model(
             self.model_config,
             cfg,
             value_model=self.value_model,
-            init_device=init_device,
-            meta=self.fsdp_version != 1,
+            init_device=layout.init_device(),
+            meta=layout.meta,
         )
         self.hf_config, self._hf_model, self.peft_config = built.hf_config, built.hf_model, built.peft_config
         self.is_lora = built.peft_config is not None
@@ -131,29 +131,15 @@ class FSDPEngine(BaseEngine):
             load_weights(module, self.model_config.path, **load_kwargs)
         if cfg.compile_layers and self._device.type == "cuda":
             compile_decoder_layers(built.hf_model, sharding.decoder_layer_classes(built.hf_model))
-        if self.fsdp_version:
-            self.device_mesh = sharding.build_mesh(self._device.type, cfg.fsdp_size)
-            layers = sharding.decoder_layer_classes(
-                built.hf_model, cfg.wrap_policy.transformer_layer_cls_to_wrap
-            )
-            if self.fsdp_version == 2:
-                sharding.apply_fsdp2(module, layers, self.device_mesh, cfg)
-            else:
-                module = sharding.apply_fsdp1(
-                    module,
-                    layers,
-                    self.device_mesh,
-                    cfg,
-                    self._device,
-                    use_orig_params=cfg.use_orig_params or self.is_lora,
-                )
+        module = layout.wrap(module, built.hf_model, self.is_lora)
+        self.device_mesh = layout.mesh
         if built.on_meta:
-            materialize(module, "cpu" if cpu_params else self._device)
+            materialize(module, "cpu" if layout.materialize_on_cpu else self._device)
             load_weights(module, self.model_config.path, **load_kwargs)
             init_rope_buffers(built.hf_model)
         self.module = module
         if not cfg.forward_only:
-            self._build_optimizer(fused=self._device.type == "cuda" and not cpu_params)
+            self._build_optimizer(fused=self._device.type == "cuda" and not layout.materialize_on_cpu)
         self.apply_offload_config()
 
     def _build_optimizer(self, fused: bool) -> None:
@@ -177,13 +163,13 @@ class FSDPEngine(BaseEngine):
         return self._device
 
     def get_data_parallel_size(self) -> int:
-        return dist.get_world_size() if self.fsdp_version else 1
+        return self.layout.dp_size()
 
     def get_data_parallel_rank(self) -> int:
-        return dist.get_rank() if self.fsdp_version else 0
+        return self.layout.dp_rank()
 
     def get_data_parallel_group(self) -> Any:
-        return dist.group.WORLD if self.fsdp_version else None
+        return self.layout.dp_group()
 
     def is_mp_src_rank_with_outputs(self) -> bool:
         return True
@@ -200,12 +186,7 @@ class FSDPEngine(BaseEngine):
     def _reshard(self) -> None:
         """Free parameters FSDP2 still holds gathered (the root's after forward, and every layer's when
         ``reshard_after_forward`` is off) once no backward follows."""
-        if self.fsdp_version == 2:
-            from torch.distributed.fsdp import FSDPModule
-
-            for sub in self.module.modules():
-                if isinstance(sub, FSDPModule):
-                    sub.reshard()
+        self.layout.reshard(self.module)
 
     # ------------------------------------------------------------------ device moves
     def to(
@@ -213,12 +194,9 @@ class FSDPEngine(BaseEngine):
     ) -> None:
         device = torch.device(device)
         params = list(self.module.parameters())
-        keep_on_cpu = self.fsdp_version == 2 and self.engine_config.offload_policy
+        keep_on_cpu = self.layout.keeps_params_on_cpu()
         if model and not keep_on_cpu:
-            if self.fsdp_version == 1:
-                sharding.move_fsdp1_params(self.module, device)
-            else:
-                self.module.to(device)
+            self.layout.move_params(self.module, device)
         if grad and not keep_on_cpu:
             sharding.move_grads(params, device)
         if optimizer and self.optimizer is not None:
@@ -228,11 +206,7 @@ class FSDPEngine(BaseEngine):
 
     # ------------------------------------------------------------------ compute
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        compute = getattr(torch, self.engine_config.dtype)
-        master = getattr(torch, self.engine_config.model_dtype)
-        if self.fsdp_version or compute == master:
-            return contextlib.nullcontext()
-        return torch.autocast(self._device.type, dtype=compute)
+        return self.layout.autocast()
 
     def _inputs(self, mb: PackedBatch) -> ModelInputs:
         cfg = self.engine_config
@@ -314,15 +288,7 @@ class FSDPEngine(BaseEngine):
             self.module.zero_grad(set_to_none=True)
 
     def clip_grad_norm(self) -> float:
-        max_norm = self.optimizer_config.clip_grad
-        if self.fsdp_version == 1:
-            return float(self.module.clip_grad_norm_(max_norm if max_norm > 0 else float("inf")))
-        group = None
-        if self.fsdp_version == 2:
-            mesh = self.device_mesh
-            group = mesh.get_group("fsdp") if mesh.ndim == 2 else mesh.get_group()
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        return sharding.grad_norm_and_clip(params, max_norm, group, self._device)
+        return self.layout.clip_grad_norm(self.module, self.optimizer_config.clip_grad)
 
     def apply_optimizer_step(self) -> None:
         self.optimizer.step()
@@ -334,26 +300,24 @@ class FSDPEngine(BaseEngine):
     # ------------------------------------------------------------------ weights and checkpoints
     def get_per_tensor_param(
         self,
-        layered_summon: bool = False,
+        *,
         base_sync_done: bool = False,
-        dtype: torch.dtype | str | None = None,
         peft_merge: bool | None = None,
-        **kwargs: Any,
+        dtype: torch.dtype | str | None = None,
     ) -> PerTensorParams:
         """Lazy (HF name, full tensor) stream in ``dtype``; by default as stored (fp32 master weights stay fp32: a
         rollout's bucket sender casts them while packing, one kernel per tensor instead of two).
 
-        Tensors are gathered one at a time whatever ``layered_summon`` says. Without LoRA: every weight, peft
+        Tensors are gathered one at a time. Without LoRA: every weight, peft
         config None. With LoRA and ``peft_merge`` (default :attr:`peft_merge`): base weights with the adapter
         merged, peft config None. Otherwise the base weights when ``base_sync_done`` is False, and only the
         adapter tensors (peft names) when it is True, with the peft config dict. Every rank must consume it."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        if (
-            self.fsdp_version == 1 and self.is_param_offload_enabled
-        ):  # FSDP1 flat shards must be on the device
+        if self.layout.needs_params_on_device_to_stream() and self.is_param_offload_enabled:
             self.to(self._device, model=True, optimizer=False, grad=False)
-        state = sharded_state_dict(self.module, self.fsdp_version)
+        with self.layout.state_dict_context(self.module):
+            state = self.module.state_dict(keep_vars=True)  # local shards, no gather
         merge = self.peft_merge if peft_merge is None else peft_merge
         scalings = lora_scalings(self.module) if self.is_lora else {}
         stream = iter_rollout_tensors(

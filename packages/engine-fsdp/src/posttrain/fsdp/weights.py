@@ -18,7 +18,6 @@ Tied weights (an ``lm_head`` sharing the input embedding) are sent once, under t
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,18 +56,6 @@ def lora_scalings(module: torch.nn.Module, adapter: str = "default") -> dict[str
                 )
             out[_clean(name)] = float(sub.scaling[adapter])
     return out
-
-
-def sharded_state_dict(module: torch.nn.Module, fsdp_version: int) -> dict[str, torch.Tensor]:
-    """The state dict as local shards (no gather): plain tensors, or DTensors under FSDP."""
-    ctx: Any = contextlib.nullcontext()
-    if fsdp_version == 1:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import ShardedStateDictConfig, StateDictType
-
-        ctx = FSDP.state_dict_type(module, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig())
-    with ctx:
-        return module.state_dict(keep_vars=True)
 
 
 def tied_duplicates(hf_model: torch.nn.Module) -> set[str]:

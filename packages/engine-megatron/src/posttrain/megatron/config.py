@@ -1,6 +1,6 @@
 """``McoreEngineConfig``: the megatron engine's knobs on top of the shared :class:`EngineConfig`.
 
-Registered as the config of backend ``megatron`` (entry-point group ``posttrain.engine_configs``). Field names
+Registered as backend ``megatron`` (entry-point group ``posttrain.engines``); it builds the megatron engines. Field names
 and defaults follow verl's ``McoreEngineConfig``. This module imports only engine-core's config: resolving
 ``model_engine=megatron`` needs no megatron-core. Rules that need the HF model config or CUDA are in
 :mod:`posttrain.megatron.rules`.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from posttrain.core.config.checkpoint import CheckpointConfig
 from posttrain.core.config.engine import EngineConfig
@@ -19,6 +19,11 @@ from posttrain.core.config.engine import EngineConfig
 @dataclass(kw_only=True)
 class McoreEngineConfig(EngineConfig):
     """Megatron-Core through Megatron-Bridge (``strategy`` megatron)."""
+
+    engines: ClassVar[dict[str, str]] = {
+        "language_model": "posttrain.megatron.engine:MegatronLanguageModelEngine",
+        "value_model": "posttrain.megatron.engine:MegatronValueModelEngine",
+    }
 
     strategy: str | None = "megatron"
     """Always ``megatron``."""
@@ -50,19 +55,10 @@ class McoreEngineConfig(EngineConfig):
     """Fields set on the bridge's model provider / TransformerConfig."""
     override_mcore_model_config: dict[str, Any] = field(default_factory=dict)
     """Fields set on the model build call."""
-    use_mbridge: bool = True
-    """Build models through a bridge (always true in posttrain)."""
     vanilla_mbridge: bool = False
     """True = the deprecated standalone ``mbridge`` package; False = NVIDIA Megatron-Bridge."""
     use_megatron_fsdp: bool = False
     """ZeRO-3 sharding of params, grads and optimizer state through Megatron-FSDP."""
-    dynamic_context_parallel: bool = False
-    """Choose the CP degree per micro-batch (verl field; not implemented)."""
-    max_seqlen_per_dp_cp_rank: int | None = None
-    """Token cap per DP x CP rank under dynamic CP; only null is accepted (dynamic CP is not implemented)."""
-    pad_bshd_to_minibatch_max: bool = True
-    """verl's padding of BSHD micro-batches; only true is accepted: this engine always runs packed (THD)
-    micro-batches, so there is no BSHD layout to pad."""
     dist_ckpt_optim_fully_reshardable: bool = False
     """Save the distributed optimizer in the fully reshardable layout."""
     distrib_optim_fully_reshardable_mem_efficient: bool = False
@@ -73,11 +69,6 @@ class McoreEngineConfig(EngineConfig):
         if self.strategy != "megatron":
             raise ValueError(f"McoreEngineConfig.strategy={self.strategy!r}: must be megatron")
         self._check_sizes()
-        if not self.use_mbridge:
-            raise ValueError(
-                "engine.use_mbridge=false is not supported: posttrain builds Megatron models only "
-                "through a bridge; set engine.use_mbridge=true"
-            )
         if self.vanilla_mbridge:
             warnings.warn(
                 "engine.vanilla_mbridge=true selects the deprecated standalone mbridge package; "
@@ -100,21 +91,6 @@ class McoreEngineConfig(EngineConfig):
         self._check_unimplemented()
 
     def _check_unimplemented(self) -> None:
-        if self.dynamic_context_parallel:
-            raise ValueError("engine.dynamic_context_parallel=true is not implemented: set it to false")
-        if self.max_seqlen_per_dp_cp_rank is not None:
-            raise ValueError(
-                f"engine.max_seqlen_per_dp_cp_rank={self.max_seqlen_per_dp_cp_rank} caps tokens under dynamic "
-                "context parallelism, which posttrain does not implement: set it to null (cap the tokens of "
-                "a micro-batch with engine.max_token_len_per_gpu, split long sequences with "
-                "engine.context_parallel_size)"
-            )
-        if not self.pad_bshd_to_minibatch_max:
-            raise ValueError(
-                "engine.pad_bshd_to_minibatch_max=false: the megatron engine always runs packed (THD) "
-                "micro-batches, so there is no BSHD padding to turn off; remove the override (for stable "
-                "shapes use engine.pad_to_length=true)"
-            )
         if self.pad_to_length and self.context_parallel_size > 1:
             raise ValueError(
                 f"engine.pad_to_length=true with context_parallel_size={self.context_parallel_size} is not "
@@ -165,18 +141,10 @@ class McoreEngineConfig(EngineConfig):
         return dp
 
     def check_checkpoint(self, checkpoint: CheckpointConfig, role: str = "actor") -> None:
-        """Megatron-FSDP saves DTensor state through Megatron-Bridge's fsdp_dtensor path, which always
-        regenerates model, optimizer and extra together: an optimizer-only layout cannot be loaded, and async
-        save is not covered."""
+        """Megatron-FSDP saves DTensor state through Megatron-Bridge's fsdp_dtensor path, which async save does
+        not cover. (An optimizer without the model is refused for every engine by ``CheckpointConfig``.)"""
         if not self.use_megatron_fsdp:
             return
-        for key in ("save_contents", "load_contents"):
-            contents = getattr(checkpoint, key)
-            if "optimizer" in contents and "model" not in contents:
-                raise ValueError(
-                    f"checkpoint.{key}={list(contents)} with {role}.engine.use_megatron_fsdp=true: Megatron-FSDP "
-                    f"cannot save or load the optimizer without the model; add model to checkpoint.{key}"
-                )
         if checkpoint.async_save:
             raise ValueError(
                 f"checkpoint.async_save=true with {role}.engine.use_megatron_fsdp=true is not supported "

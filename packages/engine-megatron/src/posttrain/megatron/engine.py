@@ -354,10 +354,10 @@ class MegatronEngine(BaseEngine):
     # ------------------------------------------------------------------ weights and checkpoints
     def get_per_tensor_param(
         self,
+        *,
         base_sync_done: bool = False,
-        dtype: torch.dtype | str | None = None,
         peft_merge: bool | None = None,
-        **kwargs: Any,
+        dtype: torch.dtype | str | None = None,
     ) -> PerTensorParams:
         """Lazy (HF name, full tensor) stream (in ``dtype`` when given) and the peft config or None.
 

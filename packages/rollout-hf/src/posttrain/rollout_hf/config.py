@@ -1,6 +1,6 @@
 """The HF rollout's config: the fields every rollout shares plus the decode loop's own knobs.
 
-Registered as ``hf`` in the ``posttrain.rollout_configs`` entry-point group, so with ``rollout.name=hf`` (the
+Registered as ``hf`` in the ``posttrain.rollouts`` entry-point group (it builds :class:`~posttrain.rollout_hf.rollout.HFRollout`), so with ``rollout.name=hf`` (the
 default) every field here is a ``rollout.<field>`` key (``rollout.compile=true``). Importing this module imports
 no transformers.
 """
@@ -8,6 +8,7 @@ no transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from posttrain.core.rollout import RolloutConfig
 
@@ -19,6 +20,8 @@ LOAD_FORMATS = ("auto", "dummy")
 class HFRolloutConfig(RolloutConfig):
     """:class:`~posttrain.core.rollout.RolloutConfig` and what only the HF rollout reads
     (:mod:`posttrain.rollout_hf.decode`)."""
+
+    rollout_class: ClassVar[str] = "posttrain.rollout_hf.rollout:HFRollout"
 
     name: str = "hf"
     """The rollout backend (``hf``)."""
@@ -47,11 +50,6 @@ class HFRolloutConfig(RolloutConfig):
             )
         if self.stop_check_interval < 1:
             raise ValueError(f"rollout.stop_check_interval={self.stop_check_interval} must be >= 1")
-        if self.mode != "sync":
-            raise ValueError(
-                f"rollout.mode={self.mode!r}: the hf rollout has no server (rollout.mode=async is vLLM's AsyncLLM "
-                "executor, rollout.name=vllm); to generate while the actor trains, set trainer.mode=one_step_off"
-            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"rollout.load_format={self.load_format!r}: the hf rollout loads {' or '.join(LOAD_FORMATS)} "

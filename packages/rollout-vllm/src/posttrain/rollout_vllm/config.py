@@ -1,6 +1,6 @@
 """The vLLM rollout's config: the fields every rollout shares plus vLLM's own engine and weight-sync knobs.
 
-Registered as ``vllm`` in the ``posttrain.rollout_configs`` entry-point group, so ``rollout.name=vllm`` on the
+Registered as ``vllm`` in the ``posttrain.rollouts`` entry-point group (it builds :class:`~posttrain.rollout_vllm.rollout.VLLMRollout`), so ``rollout.name=vllm`` on the
 command line makes every field here a ``rollout.<field>`` key (``rollout.executor=multiprocess``). Importing this
 module imports no vLLM.
 """
@@ -8,7 +8,7 @@ module imports no vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from posttrain.core.rollout import RolloutConfig
 
@@ -20,11 +20,13 @@ from .transport import TRANSPORTS
 class VLLMRolloutConfig(RolloutConfig):
     """:class:`~posttrain.core.rollout.RolloutConfig` and what only vLLM reads."""
 
+    rollout_class: ClassVar[str] = "posttrain.rollout_vllm.rollout:VLLMRollout"
+
     name: str = "vllm"
     """The rollout backend (``vllm``)."""
     executor: str = "auto"
     """Where vLLM's workers run: ``auto``, ``external_launcher``, ``inprocess``, ``multiprocess`` or ``server``
-    (:mod:`posttrain.rollout_vllm.rollout`); ``auto`` picks ``server`` for ``mode=async``, ``external_launcher``
+    (:mod:`posttrain.rollout_vllm.rollout`); ``auto`` picks ``external_launcher``
     under an initialised torch.distributed and ``inprocess`` otherwise."""
     transport: str = "auto"
     """Weight-sync transport: ``auto``, ``inprocess``, ``shm`` or ``cuda_ipc``; ``auto`` passes tensors by reference

@@ -7,7 +7,7 @@ Executors (``rollout.executor``, :class:`~posttrain.rollout_vllm.config.VLLMRoll
   size ``world_size / tp``, independent of the training layout. Weights reach the local worker by reference.
 - ``inprocess``: one process, the worker in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); weights by reference.
 - ``multiprocess``: one process drives an ``LLM`` whose engine core and workers run in child processes.
-- ``server``: ``rollout.mode=async``; an ``AsyncLLM`` whose engine runs in other processes, used for async rollout
+- ``server`` (``rollout.executor=server``): an ``AsyncLLM`` whose engine runs in other processes, used for async rollout
   (:meth:`VLLMRollout.agenerate`).
 
 ``auto`` picks ``server`` for async mode, ``external_launcher`` under an initialised torch.distributed and
@@ -169,14 +169,9 @@ class VLLMRollout(BaseRollout):
 
     # ------------------------------------------------------------------ construction
     def _resolve_executor(self) -> str:
-        executor, mode = self.config.executor, self.config.mode
+        executor = self.config.executor
         if executor == "auto":
-            executor = "server" if mode == "async" else "external_launcher" if _distributed() else "inprocess"
-        if (executor == "server") != (mode == "async"):
-            raise ValueError(
-                f"rollout.mode={mode!r} with rollout.executor={executor!r}: async mode runs the server "
-                "executor and sync mode any other"
-            )
+            executor = "external_launcher" if _distributed() else "inprocess"
         if executor == "external_launcher" and not _distributed():
             raise ValueError(
                 "the external_launcher executor runs under torchrun with torch.distributed "
@@ -298,9 +293,7 @@ class VLLMRollout(BaseRollout):
     ) -> list[RolloutSample]:
         """One prompt's ``sampling.n`` samples, awaitable from any event loop (server executor only)."""
         if not isinstance(self.engine, AsyncFront):
-            raise ValueError(
-                f"agenerate needs rollout.mode=async (the server executor), not {self.executor!r}"
-            )
+            raise ValueError(f"agenerate needs rollout.executor=server, not {self.executor!r}")
         self._check_ready()
         out = await self.engine.submit(prompt_ids, self.sampling_params(sampling), self._lora_request)
         return self._samples(prompt_index, out)

@@ -49,6 +49,14 @@ def _plugin_commands() -> dict[str, tuple[str, str]]:
     return found
 
 
+HYDRA_FLAGS = ("--config-name", "--config-path", "--config-dir", "-cn", "-cp", "-cd")
+"""Hydra's command-line flags (verl's entry points take them); posttrain's commands take ``--config``."""
+
+
+def _hydra_flag(args: Sequence[str]) -> str | None:
+    return next((a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in HYDRA_FLAGS), None)
+
+
 def _usage(commands: dict[str, tuple[str, str]]) -> str:
     lines = ["usage: posttrain [--timing] <command> [args]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in sorted(commands.items())]
@@ -67,6 +75,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     name, rest = args[0], args[1:]
     if name not in commands:
         print(f"posttrain: unknown command {name!r}\n\n{_usage(commands)}", file=sys.stderr)
+        return 2
+    hydra = _hydra_flag(rest)
+    if hydra:
+        print(
+            f"posttrain {name}: {hydra} is Hydra's (verl's) flag; posttrain's is --config PRESET_OR_YAML "
+            "(repeatable; a preset name or a YAML file of posttrain keys), then key=value overrides (see "
+            "docs/migrating-from-verl.md)",
+            file=sys.stderr,
+        )
         return 2
     module, _, func = commands[name][0].partition(":")
     from posttrain.core.config.loader import ConfigError  # imports torch (posttrain.core): not for --help

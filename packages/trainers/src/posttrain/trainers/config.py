@@ -1,26 +1,28 @@
-"""The whole run's config: one dataclass tree, YAML presets and ``key=value`` overrides.
+"""The run's config: one dataclass tree per command, YAML presets and ``key=value`` overrides.
 
-Top-level keys: model, data, actor, ref, critic, rollout, algorithm, reward, trainer, checkpoint, plus ``model_engine``
-(fsdp | fsdp2 | megatron | any installed backend), which sets the strategy of actor, ref and critic at once; a
-per-role ``<role>.engine.strategy=...`` still wins. Each role's engine starts as the shared ``EngineConfig`` and
-``PostTrainConfig.__post_init__`` turns it into its backend's config class, found through the
-``posttrain.engine_configs`` entry points, so ``PostTrainConfig(model_engine="megatron")`` in Python and
-``model_engine=megatron`` on the command line give the same tree. The loader builds its OmegaConf schema from
-defaults whose engine classes match the backends the presets and overrides name (a schema has one class per
-node). The rollout works the same way by ``rollout.name``: a plain ``RolloutConfig`` becomes the config class that
-rollout registered in ``posttrain.rollout_configs`` (``VLLMRolloutConfig`` for ``vllm``), and the loader refuses,
-before merging, a ``rollout.<key>`` that the named rollout does not declare (a vLLM key under ``rollout.name=hf``),
-naming the rollout that does. Each component validates its own fields; this module adds the rules that span
-components (checkpoint x engine, parallel layout x world size).
+:class:`SFTConfig` (``posttrain sft``) holds model, data, actor (engine + optimizer), trainer and checkpoint;
+:class:`PostTrainConfig` (``posttrain ppo`` / ``grpo``) adds ref, critic, rollout, algorithm, reward and the RL
+trainer keys (``trainer.mode``...). Both take ``model_engine`` (fsdp | fsdp2 | megatron | any installed backend):
+the backend of every role whose ``<role>.engine.strategy`` is null.
+
+Backend names are resolved once, here, when a config is loaded: :func:`schema_for` reads ``model_engine``, each
+role's ``engine.strategy`` and ``rollout.name`` from the merged presets and overrides and puts, through the one
+registry (:mod:`posttrain.core.registry`), the named config class at each node of the schema (declared defaults,
+no ``__post_init__`` run); the merge then builds every dataclass once. After that the tree holds typed configs
+whose ``build(...)`` returns the engine or rollout: nothing downstream reads a backend name. Built in Python,
+``PostTrainConfig(model_engine="megatron")`` turns each plain ``EngineConfig`` into its backend's class the same
+way (:func:`resolve_engine`). The loader refuses, before merging, a ``rollout.<key>`` that the named rollout does
+not declare (a vLLM key under ``rollout.name=hf``), naming the rollout that does. Each component validates its own
+fields; the roots add the rules that span components (checkpoint x engine, parallel layout x world size).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -32,16 +34,19 @@ from posttrain.core.rollout import RolloutConfig
 from .algorithms import AlgorithmConfig
 from .data.config import DataConfig
 from .rewards import RewardConfig
-from .roles import ActorConfig, CriticConfig, RefConfig
-from .trainer_config import TrainerConfig
+from .roles import ActorConfig, CriticConfig, RefConfig, SFTActorConfig
+from .trainer_config import RLTrainerConfig, TrainerConfig
 
 ROLES = ("actor", "ref", "critic")
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
 @dataclass(kw_only=True)
-class PostTrainConfig:
-    """Everything a run needs."""
+class SFTConfig:
+    """Everything an SFT run needs (``posttrain sft``)."""
+
+    roles: ClassVar[tuple[str, ...]] = ("actor",)
+    """The nodes that hold an ``engine`` config."""
 
     model_engine: str = "fsdp2"
     """Backend of every role whose ``engine.strategy`` is null: fsdp (FSDP1), fsdp2, megatron, or another
@@ -50,6 +55,29 @@ class PostTrainConfig:
     """The policy model."""
     data: DataConfig = field(default_factory=DataConfig)
     """Datasets."""
+    actor: SFTActorConfig = field(default_factory=SFTActorConfig)
+    """The trained model: its engine and optimizer."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Loop, logging and resume."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """What checkpoints hold."""
+
+    def __post_init__(self) -> None:
+        backend_config_class(self.model_engine, "model_engine")
+        world = self.trainer.nnodes * self.trainer.n_gpus_per_node
+        for role in self.roles:
+            role_cfg = getattr(self, role)
+            role_cfg.engine = resolve_engine(role_cfg.engine, self.model_engine, role)
+            role_cfg.engine.check_checkpoint(self.checkpoint, role)
+            role_cfg.engine.check_world_size(world)
+
+
+@dataclass(kw_only=True)
+class PostTrainConfig(SFTConfig):
+    """Everything an RL run needs (``posttrain ppo`` / ``posttrain grpo``)."""
+
+    roles: ClassVar[tuple[str, ...]] = ROLES
+
     actor: ActorConfig = field(default_factory=ActorConfig)
     """The trained policy."""
     ref: RefConfig = field(default_factory=RefConfig)
@@ -63,20 +91,12 @@ class PostTrainConfig:
     """Advantage estimator and KL-in-reward (PPO / GRPO)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward function (rule-based by data_source, or a user function)."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """Loop, logging and resume."""
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """What checkpoints hold."""
+    trainer: RLTrainerConfig = field(default_factory=RLTrainerConfig)
+    """Loop, logging, resume, and how the rollout interleaves with training."""
 
     def __post_init__(self) -> None:
-        backend_config_class(self.model_engine, "model_engine")
+        super().__post_init__()
         self.rollout = resolve_rollout(self.rollout)
-        world = self.trainer.nnodes * self.trainer.n_gpus_per_node
-        for role in ROLES:
-            role_cfg = getattr(self, role)
-            role_cfg.engine = resolve_engine(role_cfg.engine, self.model_engine, role)
-            role_cfg.engine.check_checkpoint(self.checkpoint, role)
-            role_cfg.engine.check_world_size(world)
 
 
 ENGINE_HINT = (
@@ -171,50 +191,52 @@ def resolve_preset(name: str) -> Path:
     raise ConfigError(f"config preset {name!r} is neither a YAML file nor a built-in preset ({have})")
 
 
-def load_config(overrides: Sequence[str] = (), presets: Sequence[str] = ()) -> PostTrainConfig:
-    """Defaults <- presets (in order) <- overrides, with each role's engine dataclass chosen by its backend."""
+def load_config(
+    overrides: Sequence[str] = (), presets: Sequence[str] = (), root: type[SFTConfig] = PostTrainConfig
+) -> SFTConfig:
+    """Defaults <- presets (in order) <- overrides, as a ``root`` tree (the RL one unless told), with each role's
+    engine and the rollout configured by the classes their names registered."""
     preset_paths = [resolve_preset(p) for p in presets]
     dotlist = parse_overrides(overrides)
     raw = OmegaConf.merge(*[OmegaConf.load(p) for p in preset_paths], dotlist)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the defaults are re-validated (and warn) after the merge
-            schema = _schema_for(raw)
-        return merge_config(schema, preset_paths, dotlist)
-    except ConfigError:
-        raise
+        return merge_config(schema_for(raw, root), preset_paths, dotlist)
+    except ConfigError as exc:
+        raise ConfigError(_rl_only_hint(str(exc), raw, root)) from None
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def _schema_for(raw) -> PostTrainConfig:
-    """Defaults whose engine classes are the backends ``raw`` names (its model_engine and role strategies), and
-    whose rollout class is the one its ``rollout.name`` registered."""
-    engines = {}
-    for role in ROLES:
-        strategy = OmegaConf.select(raw, f"{role}.engine.strategy", default=None)
-        engines[role] = EngineConfig(
-            strategy=None if strategy is None else str(strategy), forward_only=(role == "ref")
-        )
-    model_engine = OmegaConf.select(raw, "model_engine", default=None)
-    rollout_name = str(OmegaConf.select(raw, "rollout.name", default=None) or RolloutConfig.name)
-    rollout_cls = installed_rollout_config(rollout_name) or RolloutConfig
-    check_rollout_keys(raw, rollout_cls, rollout_name)
-    schema = PostTrainConfig(
-        model_engine=str(model_engine or "fsdp2"),
-        rollout=rollout_cls(name=rollout_name),
-        actor=ActorConfig(engine=engines["actor"]),
-        ref=RefConfig(engine=engines["ref"]),
-        critic=CriticConfig(engine=engines["critic"]),
+def _rl_only_hint(message: str, raw: DictConfig, root: type[SFTConfig]) -> str:
+    """``message``, told that its unknown key is an RL key when ``root`` is the SFT tree and the RL tree has it."""
+    key = message.split("'")[1] if message.startswith("unknown config key '") else ""
+    if not key or root is PostTrainConfig:
+        return message
+    rl = OmegaConf.structured(PostTrainConfig)
+    if OmegaConf.select(rl, key, default="<missing>") == "<missing>":
+        return message
+    return (
+        f"{key} is a key of the RL trainers (posttrain ppo / grpo): posttrain sft has no rollout, reference, "
+        f"critic or RL loop; drop {key}"
     )
-    for role in ROLES:
-        _restore_declared_defaults(getattr(schema, role).engine)
+
+
+def schema_for(raw: DictConfig, root: type[SFTConfig] = PostTrainConfig) -> DictConfig:
+    """``root``'s schema (declared defaults) whose engine nodes are the config classes of the backends ``raw``
+    names (its ``model_engine``, else each role's ``engine.strategy``) and whose rollout node is the class its
+    ``rollout.name`` registered: the one place a backend name is read."""
+    schema = OmegaConf.structured(root)
+    model_engine = str(OmegaConf.select(raw, "model_engine", default=None) or schema.model_engine)
+    for role in root.roles:
+        strategy = OmegaConf.select(raw, f"{role}.engine.strategy", default=None)
+        key = f"{role}.engine.strategy" if strategy else "model_engine"
+        engine = OmegaConf.structured(backend_config_class(str(strategy or model_engine), key))
+        engine.forward_only = bool(schema[role].engine.forward_only)
+        schema[role].engine = engine
+    if "rollout" in schema:
+        name = str(OmegaConf.select(raw, "rollout.name", default=None) or schema.rollout.name)
+        cls = installed_rollout_config(name) or RolloutConfig
+        check_rollout_keys(raw, cls, name)
+        schema.rollout = OmegaConf.structured(cls)
+        schema.rollout.name = name
     return schema
-
-
-def _restore_declared_defaults(engine: EngineConfig) -> None:
-    """Undo what ``__post_init__`` adjusted on a default (megatron turns ``sequence_parallel`` off at TP=1), so
-    the schema carries declared defaults and the merged values alone decide (TP=2 keeps it on)."""
-    for spec in dataclasses.fields(engine):
-        if spec.default is not dataclasses.MISSING and spec.name not in ("strategy", "forward_only"):
-            setattr(engine, spec.name, spec.default)

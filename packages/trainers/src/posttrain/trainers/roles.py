@@ -1,8 +1,8 @@
 """Per-role configs: the actor, the reference policy and the critic each own an engine and an optimizer.
 
-``<role>.engine`` starts as the shared :class:`~posttrain.core.config.EngineConfig`; :class:`PostTrainConfig`
-turns it into the config class of the role's backend (its ``strategy``, else ``model_engine``), e.g.
-``posttrain.fsdp.config.FSDPEngineConfig`` or ``posttrain.megatron.config.McoreEngineConfig``.
+``<role>.engine`` is declared as the shared :class:`~posttrain.core.config.EngineConfig`; the config loader
+puts the config class of the role's backend there (its ``strategy``, else ``model_engine``), e.g.
+``posttrain.fsdp.config.FSDP2EngineConfig`` or ``posttrain.megatron.config.McoreEngineConfig``.
 Batch sizes follow verl: ``ppo_mini_batch_size`` counts prompts over all data-parallel ranks (multiplied by
 ``rollout.n`` inside the trainer); ``*_micro_batch_size_per_gpu`` counts sequences on one rank. With
 ``use_dynamic_bsz`` (the default) and no ``max_token_len_per_gpu``, the trainers give each role's engine
@@ -29,13 +29,19 @@ def fill_token_budget(engine: EngineConfig, longest: int) -> None:
 
 
 @dataclass(kw_only=True)
-class ActorConfig(ActorLossConfig):
-    """The policy being trained: its engine, optimizer, PPO batching and (inherited) loss knobs."""
+class SFTActorConfig:
+    """The model being trained: its engine and optimizer (all an SFT run's ``actor`` holds)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Training backend and its parallel layout."""
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer and LR schedule."""
+
+
+@dataclass(kw_only=True)
+class ActorConfig(ActorLossConfig, SFTActorConfig):
+    """The policy being trained: its engine, optimizer, PPO batching and (inherited) loss knobs."""
+
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer step (global); each prompt brings rollout.n responses."""
     ppo_epochs: int = 1

@@ -1,7 +1,7 @@
 """Supervised fine-tuning: next-token cross-entropy on the assistant tokens of chat data, SPMD under torchrun.
 
 Every process builds the same trainer. The training set is read, checked and tokenised first (bad files fail
-before the engine is built); the engine comes from the registry by name (``actor.engine.strategy``). Each step
+before the engine is built); the engine is built by its config (``actor.engine.build(...)``). Each step
 takes the next global batch of ``data.train_batch_size`` conversations from a seeded, resumable sampler, gives
 each data-parallel rank a contiguous share as one packed batch, and runs ``engine.train_batch`` with the loss
 ``sum(-log p * mask) / global_num_tokens * dp_size`` per micro-batch: after the engine averages gradients over
@@ -28,12 +28,11 @@ from typing import Any
 import torch
 
 from posttrain.ckpt import CheckpointManager, load_trainer_state
-from posttrain.core import BaseEngine, EngineRegistry, LossContext, PackedBatch
-from posttrain.core.config import OptimizerConfig
+from posttrain.core import LossContext, PackedBatch
 from posttrain.core.config.loader import ConfigError
 
 from . import distributed as pdist
-from .config import PostTrainConfig, load_config
+from .config import SFTConfig, load_config
 from .data.sampler import StatefulSampler, rank_slice
 from .data.sft_dataset import SFTDataset
 from .loop import StepLoop
@@ -52,7 +51,7 @@ def sft_loss(model_output: dict[str, torch.Tensor], micro: PackedBatch, ctx: Los
     return loss, {}
 
 
-def require_model_weights(cfg: PostTrainConfig, rollout_loads_weights: bool = False) -> None:
+def require_model_weights(cfg: SFTConfig, rollout_loads_weights: bool = False) -> None:
     """Refuse a ``model.path`` without weights before anything is built
     (:meth:`~posttrain.core.config.ModelConfig.require_weights`); an actor that starts from a Megatron
     dist_ckpt (``use_dist_checkpointing``) needs none, unless a rollout loads them too."""
@@ -61,7 +60,7 @@ def require_model_weights(cfg: PostTrainConfig, rollout_loads_weights: bool = Fa
         cfg.model.require_weights("model.path")
 
 
-def load_tokenizer(cfg: PostTrainConfig):
+def load_tokenizer(cfg: SFTConfig):
     from transformers import AutoTokenizer
 
     if not cfg.model.tokenizer_dir:
@@ -74,29 +73,10 @@ def load_tokenizer(cfg: PostTrainConfig):
     )
 
 
-def build_engine(cfg: PostTrainConfig, optim: OptimizerConfig) -> BaseEngine:
-    """The actor's language-model engine, looked up by ``actor.engine.strategy`` and initialised."""
-    engine = EngineRegistry.from_entry_points().new(
-        "language_model",
-        cfg.actor.engine.strategy,
-        model_config=cfg.model,
-        engine_config=cfg.actor.engine,
-        optimizer_config=optim,
-        checkpoint_config=cfg.checkpoint,
-    )
-    engine.initialize()
-    return engine
-
-
 class SFTTrainer(StepLoop):
     """The SFT loop over one engine (the ``actor`` role)."""
 
-    def __init__(self, cfg: PostTrainConfig) -> None:
-        if cfg.trainer.mode != "sync":
-            raise ValueError(
-                f"trainer.mode={cfg.trainer.mode!r} is an RL setting (the rollout runs ahead of the updates): SFT "
-                "has no rollout; drop the key or set trainer.mode=sync"
-            )
+    def __init__(self, cfg: SFTConfig) -> None:
         self.cfg = cfg
         self.owns_group = pdist.init_distributed()
         pdist.check_world_size(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
@@ -120,7 +100,7 @@ class SFTTrainer(StepLoop):
         if optim.total_training_steps < 0:
             optim = dataclasses.replace(optim, total_training_steps=self.total_steps)
         self.optim = optim
-        self.engine = build_engine(cfg, optim)
+        self.engine = cfg.actor.engine.build(model=cfg.model, optim=optim, ckpt=cfg.checkpoint)
         self.dp_size = self.engine.get_data_parallel_size()
         self.dp_rank = self.engine.get_data_parallel_rank()
         if cfg.data.train_batch_size % self.dp_size:
@@ -243,7 +223,7 @@ def parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str]) -> dict[str, Any]:
     """Parse ``argv``, train, and return the last step's metrics."""
     args = parser().parse_args(list(argv))
-    cfg = load_config(args.overrides, args.config)
+    cfg = load_config(args.overrides, args.config, root=SFTConfig)
     trainer = SFTTrainer(cfg)
     try:
         return trainer.fit()

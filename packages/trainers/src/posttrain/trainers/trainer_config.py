@@ -1,4 +1,5 @@
-"""Trainer loop config: length, evaluation, logging, checkpoint cadence and resume."""
+"""Trainer loop config: length, evaluation, logging, checkpoint cadence and resume (:class:`TrainerConfig`, what
+SFT reads); :class:`RLTrainerConfig` adds the RL keys (``trainer.mode``...) under the same ``trainer`` node."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ LOGGERS = ("console", "file", "tensorboard", "wandb", "mlflow")
 
 
 @dataclass(kw_only=True)
-class TrainerConfig(RolloutModeConfig):
-    """How long to train, how often to validate and save, where to write (and, inherited, how the RL rollout
-    interleaves with training)."""
+class TrainerConfig:
+    """How long to train, how often to validate and save, where to write."""
 
     project_name: str = "posttrain"
     """Project name for loggers."""
@@ -43,13 +43,10 @@ class TrainerConfig(RolloutModeConfig):
     seed: int = 1
     """Seed of torch's global RNG at start-up (model init), of every step's rollout sampling (mixed with
     ``rollout.seed``) and of the mini-batch shuffles; the data order has its own ``data.seed``."""
-    critic_warmup: int = 0
-    """PPO: update only the critic for this many steps."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device for perf/mfu; None looks known GPUs up (a CPU run reports no MFU)."""
 
     def __post_init__(self) -> None:
-        self.check_mode()
         unknown = [x for x in self.logger if x not in LOGGERS]
         if unknown:
             raise ValueError(
@@ -71,3 +68,18 @@ class TrainerConfig(RolloutModeConfig):
             raise ValueError(f"trainer.total_training_steps={self.total_training_steps} must be >= 1 or null")
         if self.total_epochs < 1:
             raise ValueError(f"trainer.total_epochs={self.total_epochs} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class RLTrainerConfig(TrainerConfig, RolloutModeConfig):
+    """:class:`TrainerConfig` plus, for PPO / GRPO, how the rollout interleaves with training (inherited:
+    ``mode``, ``max_staleness``...) and the critic warm-up."""
+
+    critic_warmup: int = 0
+    """PPO: update only the critic for this many steps."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_mode()
+        if self.critic_warmup < 0:
+            raise ValueError(f"trainer.critic_warmup={self.critic_warmup} must be >= 0")

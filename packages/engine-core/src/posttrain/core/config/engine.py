@@ -1,20 +1,25 @@
 """The engine config every training backend shares; each backend's own dataclass subclasses it in its package.
 
 Field names and defaults follow verl's ``verl/workers/config/engine.py`` so a verl user's overrides carry over
-after the ``<role>.engine.`` prefix (see docs/migrating-from-verl.md). A backend names its config class in the
-``posttrain.engine_configs`` entry-point group (:func:`posttrain.core.registry.engine_config_class`), next to
-its engines in ``posttrain.engines``; engine-core names no backend. Each class validates its own fields in
-``__post_init__``; :meth:`EngineConfig.check_world_size` and :meth:`EngineConfig.check_checkpoint` are the
-hooks for rules that need the world size or the checkpoint config.
+after the ``<role>.engine.`` prefix (see docs/migrating-from-verl.md). A backend registers its config class under
+its name in the ``posttrain.engines`` entry-point group (:mod:`posttrain.core.registry`); the class names the
+engine it builds for each model type (:attr:`EngineConfig.engines`) and :meth:`EngineConfig.build` returns it,
+initialised. engine-core names no backend. Each class validates its own fields in ``__post_init__``;
+:meth:`EngineConfig.check_world_size` and :meth:`EngineConfig.check_checkpoint` are the hooks for rules that need
+the world size or the checkpoint config.
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field
-from typing import TYPE_CHECKING, Any
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
+    from ..engine import BaseEngine
     from .checkpoint import CheckpointConfig
+    from .model import ModelConfig
+    from .optim import OptimizerConfig
 
 
 def normalize_dtype(value: str, key: str) -> str:
@@ -22,6 +27,19 @@ def normalize_dtype(value: str, key: str) -> str:
     from ..dtypes import dtype_name
 
     return dtype_name(value, key)
+
+
+def resolve_compute_dtype(config: EngineConfig) -> str:
+    """Turn ``config.dtype=auto`` into bfloat16 when CUDA is available and float32 otherwise (a CPU has no fast
+    bf16 matmuls and its tests compare against fp32 references), log the choice, and return the dtype."""
+    if config.dtype == "auto":
+        import torch
+
+        config.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        logging.getLogger("posttrain").info(
+            "engine.dtype=auto -> %s (%s)", config.dtype, "CUDA" if config.dtype == "bfloat16" else "no CUDA"
+        )
+    return config.dtype
 
 
 @dataclass(kw_only=True)
@@ -33,80 +51,23 @@ class RouterReplayConfig:
     the routing recorded by the rollout engine (needs ``rollout.return_routed_experts=true``) in the log-prob
     pass and the update. The routing travels as ``batch.fields["routed_experts"]`` (T, MoE layers, k).
     Implemented by the megatron engine (see docs/rl.md)."""
-    record_file: str | None = None
-    """verl's file to dump recorded routing to. posttrain keeps the routing in the batch, so only null is
-    accepted."""
-    replay_file: str | None = None
-    """verl's file of routing to replay. posttrain replays the routing carried by the batch, so only null is
-    accepted."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("disabled", "R2", "R3"):
             raise ValueError(f"router_replay.mode={self.mode!r} is not supported: use disabled, R2 or R3")
-        for key in ("record_file", "replay_file"):
-            value = getattr(self, key)
-            if value is not None:
-                raise ValueError(
-                    f"engine.router_replay.{key}={value!r} is not supported: posttrain keeps recorded routing in "
-                    'memory, in batch.fields["routed_experts"], and never reads or writes routing files; '
-                    f"set engine.router_replay.{key}=null (R3 takes the rollout's routing with "
-                    "rollout.return_routed_experts=true)"
-                )
-
-
-_QAT_FIELDS = (
-    "mode",
-    "group_size",
-    "ignore_patterns",
-    "activation_observer",
-    "quantization_config_path",
-)
-
-
-@dataclass(kw_only=True)
-class QATConfig:
-    """Quantisation-aware training: verl's block, accepted at its defaults only (posttrain has no QAT)."""
-
-    enable: bool = False
-    """Turn QAT on. posttrain does not implement QAT, so only false is accepted."""
-    mode: str = "w4a16"
-    """Quantisation scheme (only the default is accepted)."""
-    group_size: int = 16
-    """Quantisation group size (only the default is accepted)."""
-    ignore_patterns: list[str] = field(default_factory=lambda: ["lm_head", "embed_tokens", "re:.*mlp.gate$"])
-    """Module name patterns left in full precision (only the default is accepted)."""
-    activation_observer: str = "static_minmax"
-    """Observer used for activation ranges (only the default is accepted)."""
-    quantization_config_path: str | None = None
-    """Path to a quantisation config file (only null is accepted)."""
-
-    def __post_init__(self) -> None:
-        fix = "train in bf16 and quantise the exported HF model afterwards"
-        if self.enable:
-            raise ValueError(
-                f"engine.qat.enable=true: posttrain does not implement quantisation-aware training; {fix}"
-            )
-        for key in _QAT_FIELDS:
-            value, expected = getattr(self, key), _qat_default(key)
-            if value != expected:
-                raise ValueError(
-                    f"engine.qat.{key}={value!r}: posttrain does not implement quantisation-aware training, so the "
-                    f"qat block only takes its defaults (here {expected!r}); remove the override ({fix})"
-                )
-
-
-def _qat_default(key: str) -> Any:
-    spec = QATConfig.__dataclass_fields__[key]
-    return spec.default if spec.default_factory is MISSING else spec.default_factory()
 
 
 @dataclass(kw_only=True)
 class EngineConfig:
-    """What every backend understands. ``strategy`` names the backend in the engine registry."""
+    """What every backend understands. A backend's subclass fills :attr:`engines` and fixes ``strategy`` to the
+    name it is registered under."""
+
+    engines: ClassVar[dict[str, str]] = {}
+    """model type (``language_model``, ``value_model``) -> ``module:Class`` of the engine this config builds."""
 
     strategy: str | None = None
-    """Backend name (``fsdp``, ``fsdp2``, ``megatron`` or a third-party one). null: the run's
-    ``model_engine``."""
+    """Backend name (``fsdp``, ``fsdp2``, ``megatron`` or a third-party one), read once by the config loader to
+    choose this config's class. null: the run's ``model_engine``."""
     param_offload: bool = False
     """Keep parameters on the CPU outside train/eval contexts."""
     optimizer_offload: bool = False
@@ -115,8 +76,9 @@ class EngineConfig:
     """Keep gradients on the CPU after initialisation."""
     forward_only: bool = False
     """Build no optimizer, scheduler or checkpoint writer (e.g. the reference policy)."""
-    dtype: str = "bfloat16"
-    """Compute dtype: bfloat16, float16 or float32 (float32 for CPU tests)."""
+    dtype: str = "auto"
+    """Compute dtype: bfloat16, float16, float32, or auto: bfloat16 when CUDA is available, float32 on a CPU
+    (resolved, and logged, when the engine is built: :func:`resolve_compute_dtype`)."""
     use_dynamic_bsz: bool = True
     """Split micro-batches by token budget (``max_token_len_per_gpu``) instead of by sequence count."""
     max_token_len_per_gpu: int | None = None
@@ -127,10 +89,6 @@ class EngineConfig:
     """Token budget of one forward-only micro-batch (defaults to ``max_token_len_per_gpu``)."""
     infer_micro_batch_size_per_gpu: int | None = None
     """Sequences per forward-only micro-batch (defaults to ``micro_batch_size_per_gpu``)."""
-    use_fused_kernels: bool = False
-    """verl's fused log-prob/entropy kernels. Only false is accepted: posttrain's heads compute log-probs and
-    entropy from the hidden states chunk by chunk (``entropy_from_logits_chunk_size``), which is what those
-    kernels are for."""
     use_remove_padding: bool = True
     """Run on packed sequences (no padding tokens computed)."""
     pad_to_length: bool = False
@@ -150,11 +108,10 @@ class EngineConfig:
     bitwise-repeatable steps, slower kernels; an op with no deterministic implementation raises."""
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     """MoE router replay (Megatron engine)."""
-    qat: QATConfig = field(default_factory=QATConfig)
-    """Quantisation-aware training (verl compatibility; not implemented, defaults only)."""
 
     def __post_init__(self) -> None:
-        self.dtype = normalize_dtype(self.dtype, "engine.dtype")
+        if self.dtype != "auto":
+            self.dtype = normalize_dtype(self.dtype, "engine.dtype")
         for name in (
             "max_token_len_per_gpu",
             "micro_batch_size_per_gpu",
@@ -169,13 +126,6 @@ class EngineConfig:
         for name in ("pad_to_length_bucket", "entropy_from_logits_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name}={getattr(self, name)} must be >= 1")
-        if self.use_fused_kernels:
-            raise ValueError(
-                "engine.use_fused_kernels=true: posttrain has no fused log-prob kernels; its engines already "
-                "compute log-probs and entropy from the hidden states in chunks, never holding fp32 logits "
-                "of a whole micro-batch. Set engine.use_fused_kernels=false (tune "
-                "engine.entropy_from_logits_chunk_size instead)"
-            )
 
     def micro_batching(self, forward_only: bool) -> tuple[int | None, int | None]:
         """(token budget, sequences per micro-batch) for a training or a forward-only pass."""
@@ -198,3 +148,34 @@ class EngineConfig:
 
     def check_checkpoint(self, checkpoint: CheckpointConfig, role: str = "actor") -> None:
         """Raise a ValueError naming the fix when ``checkpoint`` asks for what this backend cannot save."""
+
+    def engine_class(self, model_type: str = "language_model") -> type[BaseEngine]:
+        """The engine class this config builds for ``model_type`` (imported now)."""
+        from ..engine import BaseEngine
+        from ..registry import load_target
+
+        if model_type not in self.engines:
+            have = ", ".join(sorted(self.engines)) or "none"
+            raise ValueError(
+                f"{type(self).__name__} (engine.strategy={self.strategy}) builds no {model_type} engine "
+                f"(it builds: {have}): choose a backend that does"
+            )
+        cls = load_target(self.engines[model_type])
+        if not (isinstance(cls, type) and issubclass(cls, BaseEngine)):
+            raise TypeError(f"{self.engines[model_type]} is not a BaseEngine subclass")
+        return cls
+
+    def build(
+        self,
+        model_type: str = "language_model",
+        *,
+        model: ModelConfig,
+        optim: OptimizerConfig,
+        ckpt: CheckpointConfig,
+    ) -> BaseEngine:
+        """The ``model_type`` engine over ``model``, configured by this config, initialised."""
+        engine = self.engine_class(model_type)(
+            model_config=model, engine_config=self, optimizer_config=optim, checkpoint_config=ckpt
+        )
+        engine.initialize()
+        return engine

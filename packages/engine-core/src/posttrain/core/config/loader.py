@@ -39,28 +39,50 @@ def _one_line(exc: OmegaConfBaseException, schema: DictConfig) -> str:
     return f"config error at {full_key!r}: {msg}" if full_key else f"config error: {msg}"
 
 
+def check_known(layer: DictConfig, source: str = "override") -> None:
+    """Refuse a key of ``layer`` that posttrain knows as verl's, renamed or removed, naming what to write
+    (:mod:`.migrations`); keys it does not know are left to the merge's unknown-key error."""
+    from .migrations import leaf_keys, migration_hint
+
+    for key in leaf_keys(layer):
+        hint = migration_hint(key)
+        if hint:
+            raise ConfigError(hint if source == "override" else f"{source}: {hint}")
+
+
 def parse_overrides(overrides: Sequence[str]) -> DictConfig:
-    """Parse ``a.b=c`` strings (values in YAML syntax: ``[x,y]``, ``true``, ``null``)."""
+    """Parse ``a.b=c`` strings (values in YAML syntax: ``[x,y]``, ``true``, ``null``); a verl, Hydra, renamed
+    or removed key is refused with what to write instead (:func:`check_known`)."""
+    from .migrations import migration_hint
+
+    hydra = [o for o in overrides if o[:1] in "+~"]
+    if hydra:
+        raise ConfigError(migration_hint(hydra[0].split("=", 1)[0]))
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. trainer.total_epochs=2)")
     try:
-        return OmegaConf.from_dotlist(list(overrides))
+        parsed = OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot parse overrides {list(overrides)}: {str(exc).splitlines()[0]}") from None
+    check_known(parsed)
+    return parsed
 
 
 def merge_config(
-    root: T, presets: Iterable[str | Path] = (), overrides: Sequence[str] | DictConfig = ()
+    root: T | DictConfig, presets: Iterable[str | Path] = (), overrides: Sequence[str] | DictConfig = ()
 ) -> T:
-    """Return a new ``root`` (a dataclass instance) with presets then overrides applied and validated."""
-    schema = OmegaConf.structured(root)
+    """Return a new ``root`` (a dataclass instance or class, or a structured schema built from one) with presets
+    then overrides applied and validated: each dataclass is built, and its ``__post_init__`` run, once."""
+    schema = root if isinstance(root, DictConfig) else OmegaConf.structured(root)
     layers: list[Any] = []
     for preset in presets:
         path = Path(preset)
         if not path.is_file():
             raise ConfigError(f"config preset {str(path)!r} does not exist")
-        layers.append(OmegaConf.load(path))
+        layer = OmegaConf.load(path)
+        check_known(layer, f"config preset {path}")
+        layers.append(layer)
     layers.append(overrides if isinstance(overrides, DictConfig) else parse_overrides(overrides))
     try:
         merged = OmegaConf.merge(schema, *layers)

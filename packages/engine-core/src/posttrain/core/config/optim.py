@@ -17,8 +17,6 @@ DECAY_STYLES = ("constant", "cosine", "linear")
 class OptimizerConfig:
     """AdamW and its schedule."""
 
-    optimizer: str = "AdamW"
-    """Optimizer name; only AdamW is implemented."""
     lr: float = 1e-6
     """Peak learning rate."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -41,8 +39,6 @@ class OptimizerConfig:
     """Final learning rate of the cosine/linear decay."""
 
     def __post_init__(self) -> None:
-        if self.optimizer.lower() != "adamw":
-            raise ValueError(f"optim.optimizer={self.optimizer!r} is not implemented: use AdamW")
         if self.lr_decay_style not in DECAY_STYLES:
             raise ValueError(
                 f"optim.lr_decay_style={self.lr_decay_style!r} is unknown: use one of "

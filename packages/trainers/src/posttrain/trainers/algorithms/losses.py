@@ -92,7 +92,8 @@ class CriticLossConfig:
     cliprange_value: float = 0.5
     """New values may move at most this far from the values the advantages used."""
     loss_agg_mode: str = "token-mean"
-    """How the value loss is aggregated (same modes as the actor)."""
+    """How the value loss is aggregated (same modes as the actor: token-mean, seq-mean-token-sum,
+    seq-mean-token-mean or seq-mean-token-sum-norm)."""
 
     def __post_init__(self) -> None:
         check_loss_agg_mode(self.loss_agg_mode, "critic.loss_agg_mode")

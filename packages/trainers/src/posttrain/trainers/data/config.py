@@ -28,8 +28,6 @@ class DataConfig:
     max_prompt_length: int | None = None
     """RL: longest prompt in tokens (longer prompts are filtered out); None = ``rollout.prompt_length``, the
     one key to set (a different value here is rejected, see :meth:`prompt_length`)."""
-    pad_mode: str = "no_padding"
-    """Batches are packed without padding (the only mode)."""
     train_batch_size: int = 8
     """Sequences (SFT) or prompts (RL) per optimizer step, over all data-parallel ranks."""
     val_batch_size: int | None = None
@@ -42,10 +40,6 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.truncation not in ("error", "left", "right"):
             raise ValueError(f"data.truncation={self.truncation!r}: use error, left or right")
-        if self.pad_mode != "no_padding":
-            raise ValueError(
-                f"data.pad_mode={self.pad_mode!r} is not supported: use no_padding (packed batches)"
-            )
         if self.train_batch_size < 1:
             raise ValueError(f"data.train_batch_size={self.train_batch_size} must be >= 1")
         if self.max_length < 2:

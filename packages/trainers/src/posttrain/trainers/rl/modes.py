@@ -35,11 +35,16 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from posttrain.core.weight_sync import WeightSyncError
+
+if TYPE_CHECKING:
+    from posttrain.core.rollout import BaseRollout
+
+    from ..config import PostTrainConfig
 
 from .buffer import Group, RolloutBuffer, split_groups, staleness_metrics
 
@@ -229,10 +234,10 @@ class RolloutAhead:
         self.worker.close()
 
 
-def build_rollout(cfg: Any, device: Any) -> Any:
+def build_rollout(cfg: PostTrainConfig, device: Any) -> BaseRollout:
     """The trainer's rollout: built here on ``device`` (``trainer.rollout_placement=colocated``), or a handle on a
     rollout worker process this rank starts (``process``, :mod:`.remote`)."""
-    from .remote import RemoteRollout, new_rollout
+    from .remote import RemoteRollout
 
     deterministic = cfg.actor.engine.full_determinism  # vLLM: batch-invariant mode
     if cfg.trainer.rollout_placement == "process":
@@ -246,7 +251,7 @@ def build_rollout(cfg: Any, device: Any) -> Any:
             device=rollout_device(cfg.trainer.rollout_devices),
             trainer_device=device,
         )
-    return new_rollout(cfg.rollout, cfg.model, device, deterministic)
+    return cfg.rollout.build(cfg.model, device=device, deterministic=deterministic)
 
 
 def rollout_device(devices: list[str]) -> str:

@@ -40,7 +40,6 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from posttrain.core import RolloutRegistry
 from posttrain.core.config import ModelConfig
 from posttrain.core.dist_transport import PairBucketTransport, nccl_pair_group, pair_group, pair_store
 from posttrain.core.dtypes import parse_dtype
@@ -51,17 +50,6 @@ from posttrain.core.weight_sync import Bucket, BucketReceiver, BucketSender, Wei
 
 class RolloutWorkerError(RuntimeError):
     """The rollout worker process died, did not answer in time, or failed a call (its traceback included)."""
-
-
-def new_rollout(
-    config: RolloutConfig, model: ModelConfig | str, device: Any, deterministic: bool = False
-) -> BaseRollout:
-    """The rollout ``rollout.name`` names, built through the registry (colocated and in the worker alike) from the
-    trainer's ``model`` config (its path, ``trust_remote_code``, ``override_config`` and, for a rollout that
-    serves adapters, ``lora_rank``) or a bare HF directory; ``deterministic``: the trainer's
-    ``actor.engine.full_determinism``."""
-    cls = RolloutRegistry.from_entry_points().get_rollout_cls(config.name)
-    return cls(config, model, device=device, deterministic=deterministic)
 
 
 _TORCHRUN_VARS = (
@@ -180,7 +168,7 @@ def worker_main(
     try:
         if gpu is not None:
             torch.cuda.set_device(0)
-        rollout = new_rollout(config, model, device, deterministic)
+        rollout = config.build(model, device=device, deterministic=deterministic)
     except Exception as exc:  # reported to the trainer, which raises it
         if isinstance(exc, AssertionError) and "daemonic" in str(exc):  # multiprocessing's refusal
             exc = ValueError(

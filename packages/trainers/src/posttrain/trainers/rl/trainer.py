@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from posttrain.ckpt import CheckpointManager, load_trainer_state
-from posttrain.core import EngineRegistry
 from posttrain.core.weight_sync import WeightSyncError
 
 from .. import distributed as pdist
@@ -116,10 +115,7 @@ class RLTrainer(StepLoop):
         require_model_weights(cfg, rollout_loads_weights=cfg.rollout.load_format != "dummy")
         if self.use_critic and cfg.critic.model.path:
             cfg.critic.model.require_weights("critic.model.path")
-        actor_cls = EngineRegistry.from_entry_points().get_engine_cls(
-            "language_model", cfg.actor.engine.strategy
-        )
-        self.replay_mode = router_replay.replay_mode(cfg, actor_cls)
+        self.replay_mode = router_replay.replay_mode(cfg, cfg.actor.engine.engine_class("language_model"))
         check_mode_supported(cfg.trainer, self.estimator)
         phases.check_behaviour_old_log_probs(cfg.algorithm.rollout_correction, cfg.rollout, self.replay_mode)
         cfg.data.max_prompt_length = cfg.data.prompt_length(cfg.rollout.prompt_length)
@@ -129,20 +125,10 @@ class RLTrainer(StepLoop):
             )
 
     def _new_engine(self, model_type: str, role_cfg: Any, model_cfg: Any, optim: Any = None) -> Any:
-        registry = EngineRegistry.from_entry_points()
         optim = optim or self.cfg.actor.optim
         if optim.total_training_steps < 0:
             optim = dataclasses.replace(optim, total_training_steps=self.total_steps)
-        engine = registry.new(
-            model_type,
-            role_cfg.engine.strategy,
-            model_config=model_cfg,
-            engine_config=role_cfg.engine,
-            optimizer_config=optim,
-            checkpoint_config=self.cfg.checkpoint,
-        )
-        engine.initialize()
-        return engine
+        return role_cfg.engine.build(model_type, model=model_cfg, optim=optim, ckpt=self.cfg.checkpoint)
 
     def _build_engines(self) -> None:
         cfg = self.cfg
