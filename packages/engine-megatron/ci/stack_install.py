@@ -35,6 +35,7 @@ for model_type in ("language_model", "value_model"):
     print(model_type, "->", cfg.engine_class(model_type).__name__)
 """
 
+
 def run(*cmd: str) -> str:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
