@@ -3,7 +3,7 @@
 # PyTorch extension (transformer-engine-torch, source only) against the image's torch 2.11.0+cu130:
 #
 #   bash scripts/te_build_gpu.sh start    # check + reassemble the parts in /tmp/stash, install the core library
-#                                         # and the small wheels into /tmp/te_site, start the build in the
+#                                         # and the small wheels into /tmp/site, start the build in the
 #                                         # background (setsid, log /tmp/te_build/build.log) and return
 #   bash scripts/te_build_gpu.sh status   # the build's state and log tail; once built: install the wheel, run
 #                                         # the import + te.Linear check, copy the wheel to $OUT (split in 15 MiB
@@ -27,7 +27,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 STASH=${STASH:-/tmp/stash}
-SITE=${TE_SITE:-/tmp/te_site}
+SITE=${TE_SITE:-/tmp/site}  # the site folder of install_megatron_wheels.sh, which gpu_checks.sh puts on PYTHONPATH
 BUILD=${TE_BUILD:-/tmp/te_build}
 TE=2.20.2
 PY=${PYTHON:-python3}
