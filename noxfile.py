@@ -15,7 +15,16 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-MEMBERS = ["engine-core", "ckpt", "engine-fsdp", "engine-megatron", "rollout-hf", "rollout-vllm", "trainers"]
+MEMBERS = [
+    "engine-core",
+    "ckpt",
+    "engine-fsdp",
+    "engine-megatron",
+    "engine-torchtitan",
+    "rollout-hf",
+    "rollout-vllm",
+    "trainers",
+]
 PYTHON = os.environ.get("UV_PYTHON", "3.12")
 
 nox.options.default_venv_backend = "uv"
@@ -115,14 +124,14 @@ def build(session: nox.Session) -> None:
         )
     wheels = sorted(str(p) for p in dist.glob("*.whl"))
     meta = next(w for w in wheels if Path(w).name.startswith("posttrain-"))
-    # README.md's command for an environment without Megatron-Bridge, plus the vLLM extra
+    # README.md's command for an environment without Megatron-Bridge, plus the vLLM and torchtitan extras
     session.run(
         "uv",
         "pip",
         "install",
         "--overrides",
         str(overrides),
-        f"{meta}[megatron,vllm]",
+        f"{meta}[megatron,vllm,torchtitan]",
         "posttrain-engine-megatron[bridge]",
         "--find-links",
         str(dist),

@@ -17,7 +17,8 @@ def mean(values: list[float]) -> float:
 
 def summarize(results: list[dict], world: int) -> dict[str, Any]:
     """Step time, tokens/s/GPU, each phase's seconds and share, response lengths and peaks of one run."""
-    steps = results[0]["steps"]
+    every = results[0]["steps"]
+    steps = [s for s in every if not s.get("warmup")]
     step_s = mean([s["wall_s"] for s in steps])
     tokens = mean([s["perf/tokens"] for s in steps])
     row: dict[str, Any] = {
@@ -40,7 +41,36 @@ def summarize(results: list[dict], world: int) -> dict[str, Any]:
     for key in ("peak_torch_gib", "peak_device_gib"):
         seen = [r[key] for r in results if r[key] is not None]
         row[key] = max(seen) if seen else None
+    row.update(per_step(every))
     return row
+
+
+def per_step(steps: list[dict]) -> dict[str, Any]:
+    """Every step's wall time, generation time, tokens and GC time (the warm-up first), and ``gen_drift``: the
+    last step's generation seconds per token over the first's, minus one (0.10 = the last is 10% slower)."""
+    out: dict[str, Any] = {
+        "steps_s": [round(s["wall_s"], 2) for s in steps],
+        "tokens_each": [round(s["perf/tokens"]) for s in steps],
+    }
+    for key, name in (("timing_s/gen", "gen_s_each"), ("gc_s", "gc_s_each"), ("gc_full", "gc_full_each")):
+        if all(key in s for s in steps):
+            out[name] = [round(s[key], 2) for s in steps]
+    gens = out.get("gen_s_each")
+    if gens and len(gens) > 1 and gens[0] > 0:
+        first, last = gens[0] / out["tokens_each"][0], gens[-1] / out["tokens_each"][-1]
+        out["gen_drift"] = round(last / first - 1, 3)
+    return out
+
+
+def drift_failures(rows: list[dict[str, Any]], limit: float) -> list[str]:
+    """One line per run whose last step generated more than ``limit`` slower per token than its first."""
+    return [
+        f"{r['work']} {r['shape']} {r['rollout']} {r['launcher']} {r.get('mode', 'sync')}: generation "
+        f"{r['gen_s_each']} s over the steps, the last {100 * r['gen_drift']:.0f}% slower per token than the first "
+        f"(limit {100 * limit:.0f}%)"
+        for r in rows
+        if r.get("gen_drift") is not None and r["gen_drift"] > limit
+    ]
 
 
 def phase_order(name: str) -> tuple[int, str]:
@@ -83,3 +113,31 @@ def emit(row: dict[str, Any], path: str | None) -> None:
     if path:
         with open(path, "a") as fh:
             fh.write(line + "\n")
+
+
+def metrics_report(path: str, gpus: int = 1) -> str:
+    """Every step of a run's ``metrics.jsonl`` (what ``trainer.logger=[...,file]`` writes, e.g. from
+    examples/grpo_fsdp.sh): step time, tokens/s/GPU, generation and actor-update seconds, and the generation
+    drift per token from the first step to the last."""
+    rows = [json.loads(x) for x in open(path) if x.strip()]
+    rows = [r for r in rows if "perf/step_s" in r and "timing_s/gen" in r]
+    lines = ["step | step s | tok/s/GPU | gen s | update_actor s | tokens"]
+    for r in rows:
+        lines.append(
+            f"{r.get('step', '?')} | {r['perf/step_s']:.2f} | {r['perf/tokens'] / r['perf/step_s'] / gpus:.0f} | "
+            f"{r['timing_s/gen']:.2f} | {r.get('timing_s/update_actor', 0.0):.2f} | {r['perf/tokens']:.0f}"
+        )
+    if len(rows) > 1:
+        first = rows[0]["timing_s/gen"] / rows[0]["perf/tokens"]
+        last = rows[-1]["timing_s/gen"] / rows[-1]["perf/tokens"]
+        timed = rows[1:]
+        tps = mean([r["perf/tokens"] for r in timed]) / mean([r["perf/step_s"] for r in timed]) / gpus
+        lines.append(
+            f"gen drift per token, first to last: {100 * (last / first - 1):+.1f}%; "
+            f"steps 2..{len(rows)}: {tps:.0f} tok/s/GPU"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python3 bench/rl_report.py RUN_DIR/metrics.jsonl [GPUS]
+    print(metrics_report(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1))

@@ -7,12 +7,21 @@ which ``fit()`` adds around the steps, are left out). Every run is its own subpr
 one-process launch, ``torchrun --nproc_per_node N`` for the other), so GPU memory is freed between runs and a
 crash loses only that run.
 
+Every run starts from the presets a user runs: ``--config grpo_gsm8k`` (with ``--config vllm_gpu`` stacked for
+vLLM, as examples/grpo_fsdp.sh does), and overrides only what that script passes (model, data, batch sizes,
+``rollout.n``, trainer paths) plus the work's lengths; what the presets leave null (activation recomputation, the
+reference's offload, vLLM's ``max_num_seqs``) the run chooses and logs (:mod:`posttrain.core.memory_policy`).
+``--set key=value`` adds overrides (e.g. the pre-choice settings: ``model.enable_gradient_checkpointing=true
+ref.engine.param_offload=true rollout.max_num_seqs=1024``).
+
 Model: a random-init Qwen2 from ``posttrain model init`` (the ``0.5b`` and ``1.5b`` Qwen2.5 shapes, with a
-151,936-token tokenizer), FSDP2 actor, bf16 (``actor.engine.dtype``, ``ref.engine.dtype``, ``rollout.dtype``),
-KL loss to a reference (low_var_kl 0.001, as verl's GSM8K GRPO example), one optimizer step per step. Data: the
-script writes prompts of exactly ``--prompt-len`` tokens (digits, one token each, in the chat template) with the
-``synthetic_arithmetic`` rule reward. A random model seldom samples eos, so responses run to
+151,936-token tokenizer), FSDP2 actor, bf16, KL loss to a reference (low_var_kl 0.001, as verl's GSM8K GRPO
+example). Data: the script writes prompts of exactly ``--prompt-len`` tokens (digits, one token each, in the chat
+template) with the ``synthetic_arithmetic`` rule reward. A random model seldom samples eos, so responses run to
 ``--response-len``: the step does the full work (the table's ``clip`` column is the share that hit the cap).
+Works: ``bench`` (32 prompts x 8 responses per GPU, one optimizer step), ``readme`` (the README's GRPO command:
+128 prompts x 5 responses, mini-batches of 64 prompts), ``small`` (0.5B shape with a 448-token vocabulary,
+32 x 8 x up to 256 tokens, ``--config grpo_tiny``; also named ``issue``), ``tiny`` (CPU).
 
 Reported per run (after the warm-up): tokens/s/GPU = (prompt + response tokens over all ranks) / step time /
 GPUs, as NeMo-RL counts; each ``timing_s/<phase>`` metric of the trainer (gen, old_log_prob, ref, adv,
@@ -31,13 +40,14 @@ its own per trainer rank (``trainer.rollout_placement=process``, vLLM in-process
 trainer's GPU (the push through host memory), ``disaggregated`` on a GPU of its own (``--gpus`` trainer ranks and
 as many rollout GPUs, the push over NCCL); tokens/s/GPU then counts every GPU the run holds.
 
-``--work issue`` is issue 15's baseline work (0.5B shape with a 448-token vocabulary, 32 prompts x 8 responses
-x up to 256 tokens, ``--config grpo_tiny``, max_token_len_per_gpu 16384), so the speed-up over it can be
-measured in the same launch as ``--work bench`` (256-token prompts, up to 1,024-token responses).
+Every step's generation seconds, tokens and Python GC seconds are reported too (``gen_s_each``, warm-up first),
+and ``gen_drift`` (the last step's generation seconds per token over the first's, minus one); ``--check-drift``
+exits 1 when it passes 10%.
 
     uv run python bench/rl_throughput.py --tiny     # CPU, tiny model, both launches (minutes: ~9 s a step on 2 busy cores)
     python3 bench/rl_throughput.py --shapes 0.5b --rollouts hf,vllm --json rl.json          # one GPU
-    python3 bench/rl_throughput.py --work issue,bench --rollouts vllm --launchers torchrun --gpus 2
+    python3 bench/rl_throughput.py --work small,bench --rollouts vllm --launchers torchrun --gpus 2
+    python3 bench/rl_throughput.py --work readme --rollouts vllm --launchers torchrun --steps 3 --check-drift
     python3 bench/rl_throughput.py --shapes 0.5b --rollouts vllm --launchers process --modes sync,one_step_off
     uv run python bench/rl_throughput.py --tiny --launchers process --modes sync,one_step_off   # CPU, a minute
 """
@@ -58,7 +68,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rl_report import PHASES, emit, mean, summarize, table  # noqa: F401  (trl_grpo.py uses them as rl.*)
+from rl_report import PHASES, drift_failures, emit, mean, summarize, table  # noqa: F401  (trl_grpo.py uses them as rl.*)
 
 MODES = ("sync", "one_step_off")
 
@@ -79,30 +89,47 @@ class Work:
     """Response cap in tokens."""
     vocab: int | None = None
     """Tokenizer size (None: the shape's own)."""
-    tokens_per_gpu: int = 16384
-    """``max_token_len_per_gpu`` of actor and reference."""
-    preset: str | None = None
-    """A ``--config`` preset under the overrides."""
+    tokens_per_gpu: int | None = None
+    """``max_token_len_per_gpu`` of actor and reference (None: the preset's)."""
+    preset: str = "grpo_gsm8k"
+    """The ``--config`` task preset the run starts from (``vllm_gpu`` is stacked on ``grpo_gsm8k`` for vLLM, as
+    examples/grpo_fsdp.sh does)."""
+    mini_prompts: int | None = None
+    """``actor.ppo_mini_batch_size`` per GPU (None: all the step's prompts, one optimizer step)."""
     bf16: bool = True
-    """bf16 engines and rollout (fp32 otherwise)."""
+    """bf16 engines and rollout (the preset's); fp32 otherwise."""
 
 
 WORKS = {
     "bench": Work(shape=None, prompts=32, n=8, prompt_len=256, response_len=1024),
-    "issue": Work(
-        shape="0.5b", prompts=32, n=8, prompt_len=32, response_len=256, vocab=448, preset="grpo_tiny"
+    # the README's GRPO command: examples/grpo_fsdp.sh with data.train_batch_size=128 actor.ppo_mini_batch_size=64
+    "readme": Work(shape=None, prompts=128, n=5, prompt_len=256, response_len=1024, mini_prompts=64),
+    "small": Work(
+        shape="0.5b",
+        prompts=32,
+        n=8,
+        prompt_len=32,
+        response_len=256,
+        vocab=448,
+        preset="grpo_tiny",
+        tokens_per_gpu=16384,
     ),
     "tiny": Work(
         shape="tiny", prompts=4, n=4, prompt_len=24, response_len=16, tokens_per_gpu=4096, bf16=False
     ),
 }
+WORKS["issue"] = WORKS["small"]  # the name BENCHMARKS.md's older records ran it under
+DRIFT = 0.10
+"""The most a later step's generation may be slower than the first's, per generated token."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny model, short sequences, fp32, CPU when no GPU")
     p.add_argument(
-        "--work", default=None, help="comma list of bench, issue (default bench; tiny with --tiny)"
+        "--work",
+        default=None,
+        help="comma list of bench, readme, small, tiny (default bench; tiny with --tiny)",
     )
     p.add_argument("--shapes", default=None, help="comma list of model sizes for --work bench (default 0.5b)")
     p.add_argument(
@@ -129,8 +156,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default: the work's)")
     p.add_argument("--response-len", type=int, default=None, help="response cap (default: the work's)")
     p.add_argument("--tokens-per-gpu", type=int, default=None, help="max_token_len_per_gpu (default 16384)")
-    p.add_argument("--no-grad-ckpt", action="store_true", help="bench work: no activation recomputation")
-    p.add_argument("--no-kl", action="store_true", help="bench work: no KL loss, so no reference model")
+    p.add_argument("--no-kl", action="store_true", help="no KL loss, so no reference model")
+    p.add_argument(
+        "--check-drift",
+        action="store_true",
+        help=f"exit 1 when a run's last step generates more than {DRIFT:.0%} slower per token than its first",
+    )
     p.add_argument("--set", action="append", default=[], help="extra key=value override (repeatable)")
     p.add_argument("--workdir", default=None, help="models, data and run dirs (default /tmp/rl_bench)")
     p.add_argument("--json", default=None, help="append one JSON line per run to this file")
@@ -211,49 +242,45 @@ def overrides(
     mode: str = "sync",
     placement: str = "colocated",
 ):
-    """The ``key=value`` list of one run."""
-    dtype = "bfloat16" if work.bf16 else "float32"
+    """The ``key=value`` list of one run: what examples/grpo_fsdp.sh passes on top of its presets (model, data,
+    batch, rollout, trainer) and the work's sizes; every other setting is the preset's."""
     prompts = work.prompts * world
     out = [
         f"model.path={model}",
         f"data.train_files=[{data}]",
-        f"data.max_prompt_length={work.prompt_len}",
+        "data.prompt_key=prompt",
         f"data.train_batch_size={prompts}",
+        f"actor.ppo_mini_batch_size={(work.mini_prompts or work.prompts) * world}",
         "algorithm.adv_estimator=grpo",
         f"rollout.name={rollout}",
         f"rollout.n={work.n}",
-        f"rollout.prompt_length={work.prompt_len}",
         f"rollout.response_length={work.response_len}",
-        "rollout.temperature=1.0",
-        f"rollout.dtype={dtype}",
         f"trainer.total_training_steps={args.warmup + args.steps}",
         f"trainer.n_gpus_per_node={world}",
         f"trainer.default_local_dir={run_dir}",
         "trainer.resume_mode=disable",
         "trainer.logger=[console]",
     ]
-    for role in ("actor", "ref"):
-        out += [f"{role}.engine.dtype={dtype}", f"{role}.engine.max_token_len_per_gpu={work.tokens_per_gpu}"]
-    if rollout == "vllm":
-        out += ["rollout.enforce_eager=false"]  # CUDA graphs for decoding
+    if work.prompt_len > 512 or work.preset != "grpo_gsm8k":
+        out += [f"rollout.prompt_length={work.prompt_len}"]
+    if work.tokens_per_gpu is not None:
+        out += [f"{r}.engine.max_token_len_per_gpu={work.tokens_per_gpu}" for r in ("actor", "ref")]
+    if not work.bf16:  # CPU smoke run: fp32, and compiling the log-prob chunk costs more than it saves
+        out += ["rollout.dtype=float32"]
+        for role in ("actor", "ref"):
+            out += [f"{role}.engine.dtype=float32", f"{role}.engine.use_torch_compile=false"]
+    if args.no_kl:
+        out += ["actor.use_kl_loss=false"]
     if mode != "sync":
         # one batch past the timed steps, so the last timed step also trains while the next batch generates
         out += [f"trainer.mode={mode}", f"trainer.total_training_steps={args.warmup + args.steps + 1}"]
         out += placement_overrides(placement, rollout, world, on_gpu=work.bf16)
-    if work.preset is None:  # the bench work: verl's GSM8K GRPO recipe, one optimizer step per step
-        out += [
-            f"actor.ppo_mini_batch_size={prompts}",
-            "actor.optim.lr=1e-6",
-            f"actor.use_kl_loss={str(not args.no_kl).lower()}",
-            "actor.kl_loss_coef=0.001",
-            "actor.kl_loss_type=low_var_kl",
-            "actor.entropy_coeff=0.0",
-            "actor.loss_agg_mode=token-mean",
-            f"model.enable_gradient_checkpointing={str(not args.no_grad_ckpt and work.bf16).lower()}",
-        ]
-        if not work.bf16:  # CPU smoke run: compiling the log-prob chunk costs more than it saves
-            out += ["actor.engine.use_torch_compile=false", "ref.engine.use_torch_compile=false"]
     return out + list(args.set)
+
+
+def presets(work: Work, rollout: str) -> list[str]:
+    """The ``--config`` presets of a run, as examples/grpo_fsdp.sh stacks them."""
+    return [work.preset] + (["vllm_gpu"] if rollout == "vllm" and work.preset == "grpo_gsm8k" else [])
 
 
 def placement_overrides(placement: str, rollout: str, world: int, on_gpu: bool) -> list[str]:
@@ -307,6 +334,37 @@ class MemoryPeak:
         return round(self.peak / 2**30, 2)
 
 
+class GcClock:
+    """Seconds Python's cyclic garbage collector ran, and its full (generation 2) collections, since
+    :meth:`reset` (through ``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.gc, self.t0, self.seconds, self.full = gc, 0.0, 0.0, 0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.t0 = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self.t0
+        self.full += info.get("generation") == 2
+
+    def reset(self) -> None:
+        self.seconds, self.full = 0.0, 0
+
+    def read(self) -> dict[str, float]:
+        return {
+            "gc_s": round(self.seconds, 3),
+            "gc_full": self.full,
+            "gc_tracked": len(self.gc.get_objects()),
+        }
+
+    def close(self) -> None:
+        self.gc.callbacks.remove(self._tick)
+
+
 def worker(spec_path: str) -> None:
     """Run one spec's steps in this process (one rank of it under torchrun) and write this rank's result."""
     import torch
@@ -324,14 +382,16 @@ def worker(spec_path: str) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     peak = MemoryPeak(device)  # over every step, warm-up included, as bench/trl_grpo.py measures TRL
+    gc_clock = GcClock()
     for i in range(spec["warmup"] + spec["steps"]):
         t0 = time.perf_counter()
+        gc_clock.reset()
         metrics = trainer.train_step()
         wall = time.perf_counter() - t0
         trainer.global_step += 1
         trainer.tracker.log(metrics, trainer.global_step)
-        if i >= spec["warmup"]:
-            steps.append({**metrics, "wall_s": wall})
+        steps.append({**metrics, "wall_s": wall, "warmup": i < spec["warmup"], **gc_clock.read()})
+    gc_clock.close()
     rank = int(os.environ.get("RANK", "0"))
     result = {
         "rank": rank,
@@ -462,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             spec = {
                 "overrides": overrides(work, args, model, data, rollout, world, run_dir, mode, placement),
-                "presets": [work.preset] if work.preset else [],
+                "presets": presets(work, rollout),
                 "warmup": args.warmup,
                 "steps": args.steps,
             }
@@ -475,7 +535,16 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             emit(row, args.json)
     print("\n" + table(rows))
-    return 0 if all("error" not in r for r in rows) else 1
+    for r in rows:
+        if "gen_s_each" in r:
+            print(
+                f"[rl-bench] {r['work']} {r['rollout']} {r['launcher']} {r['mode']}: gen s per step "
+                f"{r['gen_s_each']} (warm-up first), drift {r.get('gen_drift')}, gc s {r.get('gc_s_each')}"
+            )
+    drifted = drift_failures(rows, DRIFT) if args.check_drift else []
+    for line in drifted:
+        print(f"[rl-bench] DRIFT: {line}", file=sys.stderr)
+    return 0 if all("error" not in r for r in rows) and not drifted else 1
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny model, short sequences, fp32")
     p.add_argument(
-        "--work", default=None, help="comma list of bench, issue (default bench; tiny with --tiny)"
+        "--work",
+        default=None,
+        help="comma list of bench, readme, small, tiny (default bench; tiny with --tiny)",
     )
     p.add_argument("--shapes", default=None, help="comma list of model sizes for --work bench (default 0.5b)")
     p.add_argument("--launchers", default="torchrun", help="comma list of process, torchrun")

@@ -5,6 +5,7 @@
 #   bash scripts/gpu_checks.sh tests|megatron|train|megathru|sync|push|ckpt|vllm|vllmsync   # there, with .whl carried;
 #   results under $OUT (or ./gpu-out). vllm and vllmsync need the vLLM parts unpacked in /tmp/stash first.
 #   bash scripts/gpu_checks.sh rl [bench/rl_throughput.py flags]   # GRPO steps; vLLM from /tmp/stash (vllm_parts.sh)
+#   bash scripts/gpu_checks.sh readme [overrides]   # examples/grpo_fsdp.sh itself, on the model/data of `rl --work readme`
 #   bash scripts/gpu_checks.sh trl [bench/trl_grpo.py flags]       # the TRL peer; .trl-wheels carried too
 # Each part is short enough for one 10-minute call. Results are JSON/log files; BENCHMARKS.md records them.
 # rl and trl append to /tmp/rl_bench/{rl,trl}.jsonl, which outlive a call while the machine stays warm (models
@@ -106,11 +107,23 @@ case "${1:-tests}" in
     timeout "${RL_TIMEOUT:-575}" python3 bench/rl_throughput.py --workdir /tmp/rl_bench --json /tmp/rl_bench/rl.jsonl \
       "$@" 2>&1 | tee "$out/rl.log" | grep -v '^{'
     rl_report ;;
+  readme)
+    # examples/grpo_fsdp.sh as the README runs it (grpo_gsm8k + vllm_gpu, torchrun), on the model and prompts that
+    # `rl --work readme` made first (same machine): 128 prompts x 5 responses up to 1,024 tokens, mini-batch 64
+    rl_env; shift
+    d=/tmp/rl_bench/readme-data; mkdir -p "$d"
+    f=$(ls /tmp/rl_bench/data/0.5b-vdefault-p256-r*.parquet | tail -1)
+    ln -sf "$f" "$d/train.parquet"; ln -sf "$f" "$d/test.parquet"; rm -rf /tmp/rl_bench/readme-run
+    MODEL_PATH=/tmp/rl_bench/models/0.5b-vdefault DATA_DIR="$d" SAVE_PATH=/tmp/rl_bench/readme-run ROLLOUT=vllm \
+      timeout "${RL_TIMEOUT:-575}" bash examples/grpo_fsdp.sh data.train_batch_size=128 actor.ppo_mini_batch_size=64 \
+      trainer.total_training_steps="${STEPS:-4}" trainer.val_before_train=false trainer.save_freq=-1 trainer.test_freq=-1 "$@" 2>&1 \
+      | tee "$out/readme.log" | grep -E "posttrain\]|Error|error" | head -20
+    python3 bench/rl_report.py /tmp/rl_bench/readme-run/metrics.jsonl | tee "$out/readme_steps.txt" ;;
   trl)
     # e.g. trl --work issue,bench --shapes 0.5b (vLLM colocate, torchrun with --gpus processes)
     rl_env; shift
     timeout "${RL_TIMEOUT:-575}" python3 bench/trl_grpo.py --workdir /tmp/rl_bench --json /tmp/rl_bench/trl.jsonl \
       "$@" 2>&1 | tee "$out/trl.log" | grep -v '^{'
     rl_report ;;
-  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|push|ckpt|vllm|vllmsync|grpo|rl|trl" >&2; exit 2 ;;
+  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|push|ckpt|vllm|vllmsync|grpo|rl|readme|trl" >&2; exit 2 ;;
 esac

@@ -27,10 +27,11 @@ def _trained_tied() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
 
 
 def _save_legacy(role_dir: Path, state: RoleState) -> None:
-    """A role directory as written before deduplication: every name in DCP, no tied_aliases in the manifest."""
+    """A role directory as written before deduplication: every name in DCP, no tied_aliases (and no checksums,
+    which came later) in the manifest."""
     save_role(role_dir, state, RoleInfo(), CONTENTS, 2)
     manifest = json.loads((role_dir / "manifest.json").read_text())
-    del manifest["tied_aliases"]
+    del manifest["tied_aliases"], manifest["checksums"]
     (role_dir / "manifest.json").write_text(json.dumps(manifest))
     for f in (role_dir / "dist_ckpt").glob("*.distcp"):
         f.unlink()

@@ -164,3 +164,15 @@ def test_checksums_on_cuda_equal_the_cpu_ones():
     assert bucket_checksums(on_gpu, spans, 1 << 12) == bucket_checksums(buffer, spans, 1 << 12)
     tensors = [torch.randn(5, 3, generator=g), torch.randn(1 << 20, generator=g).to(torch.bfloat16)]
     assert [tensor_checksum(t.cuda()) for t in tensors] == [tensor_checksum(t) for t in tensors]
+
+
+def test_cpu_row_hashes_equal_the_int8_matmul() -> None:
+    """The CPU path (float32 products) gives exactly the int8 matrix multiply's hashes, extremes included."""
+    from posttrain.core.checksum import _tables, row_hashes
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(-128, 128, (4096, 256), generator=g, dtype=torch.int8)
+    rows[0] = -128
+    rows[1] = 127
+    w, c = _tables(rows.device)
+    assert torch.equal(row_hashes(rows), (torch._int_mm(rows, w).to(torch.int64) * c).sum(1))

@@ -54,6 +54,23 @@ def test_non_finite_grad_skips_the_step(lm_dir: str) -> None:
     assert not eng.optimizer.state  # AdamW never ran
 
 
+def test_skipped_steps_in_a_row_stop_the_run_naming_the_tensor(lm_dir: str) -> None:
+    from posttrain.core.engine import NonFiniteTrainingError
+
+    eng = make_engine(lm_dir)  # optim.max_skipped_steps_in_a_row defaults to 3
+
+    def nan_loss(out, mb, ctx):
+        loss, metrics = pg_loss(out, mb, ctx)
+        return loss * float("nan"), metrics
+
+    with eng.train_mode():
+        for loss in (nan_loss, nan_loss, pg_loss, nan_loss, nan_loss):  # a finite step resets the streak
+            eng.train_batch(make_batch([6, 9]), loss)
+        assert eng.skipped_steps == 4 and eng.skipped_in_a_row == 2
+        with pytest.raises(NonFiniteTrainingError, match=r"3 optimizer steps in a row .*gradient of model\."):
+            eng.train_batch(make_batch([6, 9]), nan_loss)
+
+
 def test_clipping_scales_to_clip_grad(lm_dir: str) -> None:
     eng = make_engine(lm_dir, clip_grad=1e-3)
     with eng.train_mode(disable_auto_offload=True):

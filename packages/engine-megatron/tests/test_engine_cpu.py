@@ -109,7 +109,7 @@ def test_checkpoint_restores_model_and_optimizer(megatron_env, tiny_qwen2, packe
     assert (role_dir / "dist_ckpt").is_dir() and (role_dir / "huggingface" / "config.json").is_file()
 
     second = make_engine(tiny_qwen2)
-    second.load_checkpoint(str(role_dir))
+    assert second.load_checkpoint(str(role_dir)) == {"global_step": 1, "skipped_steps": 0}
     assert second._lr_step == 1
     with second.train_mode():
         second.train_batch(packed_batch, nll_loss)

@@ -121,12 +121,16 @@ def test_replay_mode_names_the_fix():
 
     megatron = McoreEngineConfig().engine_class("language_model")
     assert megatron.supports_router_replay
+
+    def mode_of(overrides: list[str]) -> str:
+        cfg = load_config(overrides)
+        return replay_mode(cfg.actor.engine.router_replay.mode, megatron, cfg.rollout.return_routed_experts)
+
     r3 = ["model_engine=megatron", "actor.engine.router_replay.mode=R3"]
     with pytest.raises(ValueError, match="set rollout.return_routed_experts=true"):
-        replay_mode(load_config(r3), megatron)
-    assert replay_mode(load_config([*r3, "rollout.return_routed_experts=true"]), megatron) == "R3"
-    r2 = load_config(["model_engine=megatron", "actor.engine.router_replay.mode=R2"])
-    assert replay_mode(r2, megatron) == "R2"
+        mode_of(r3)
+    assert mode_of([*r3, "rollout.return_routed_experts=true"]) == "R3"
+    assert mode_of(["model_engine=megatron", "actor.engine.router_replay.mode=R2"]) == "R2"
 
 
 def test_tp2_from_the_command_line_keeps_sequence_parallel():

@@ -101,3 +101,16 @@ def test_qwen25_shapes():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
         assert sum(p.numel() for p in model.parameters()) == params  # Qwen2.5-0.5B / -1.5B's published counts
+
+
+def test_qwen3_0_6b_shape():
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.trainers.model_init import build_tokenizer, extend_vocab, model_config
+
+    cfg = model_config("qwen3", "0.6b", extend_vocab(build_tokenizer(384), 151_936))
+    assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim) == ("qwen3", 1024, 28, 128)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (16, 8, 3072)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert sum(p.numel() for p in model.parameters()) == 596_049_920  # Qwen3-0.6B's count (tied embeddings)

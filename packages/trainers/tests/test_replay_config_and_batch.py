@@ -21,14 +21,20 @@ def test_replay_mode_asks_the_engine_class_and_names_the_fix():
     class Replaying(fsdp_cls):
         supports_router_replay = True
 
-    assert replay_mode(load_config([]), fsdp_cls) == "disabled"
-    with pytest.raises(ValueError, match="strategy=fsdp2: FSDPLanguageModelEngine does not replay routing"):
-        replay_mode(load_config(["actor.engine.router_replay.mode=R2"]), fsdp_cls)
+    def mode_of(overrides: list[str], engine_cls: type) -> str:
+        cfg = load_config(overrides)
+        return replay_mode(cfg.actor.engine.router_replay.mode, engine_cls, cfg.rollout.return_routed_experts)
+
+    assert mode_of([], fsdp_cls) == "disabled"
+    with pytest.raises(
+        ValueError, match="R2: the actor's engine FSDPLanguageModelEngine does not replay routing"
+    ):
+        mode_of(["actor.engine.router_replay.mode=R2"], fsdp_cls)
     r3 = ["actor.engine.router_replay.mode=R3"]
     with pytest.raises(ValueError, match="set rollout.return_routed_experts=true"):
-        replay_mode(load_config(r3), Replaying)
-    assert replay_mode(load_config([*r3, "rollout.return_routed_experts=true"]), Replaying) == "R3"
-    assert replay_mode(load_config(["actor.engine.router_replay.mode=R2"]), Replaying) == "R2"
+        mode_of(r3, Replaying)
+    assert mode_of([*r3, "rollout.return_routed_experts=true"], Replaying) == "R3"
+    assert mode_of(["actor.engine.router_replay.mode=R2"], Replaying) == "R2"
 
 
 def _sample(index: int, prompt_len: int, response_len: int, routed: bool) -> RolloutSample:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .layout import DIST_CKPT, HF_DIR, ROLE_MANIFEST, atomic_write_text, read_json
 from .lora import adapter_state, is_lora_state, merge_lora
 from .tied import fill_aliases
+from .verify import CheckpointCorruptError, non_finite_names, raise_if, verify_role
 
 MODEL_PREFIX = "model."
 _TOKENIZER_FILES = (
@@ -142,6 +143,9 @@ def export_hf(
 ) -> list[str]:
     """Write a loadable HF model directory from a checkpoint role directory; return the weight files.
 
+    The role's files are verified against their checksums first and weights holding NaN or inf are refused
+    (:class:`~posttrain.ckpt.verify.CheckpointCorruptError`), before anything is written.
+
     A LoRA role (peft names, adapter config in the manifest) is written with its adapters merged into the base
     weights, or with ``adapter_only`` as a peft adapter directory (``adapter_config.json``,
     ``adapter_model.safetensors``) for ``PeftModel.from_pretrained`` on the base model.
@@ -152,7 +156,16 @@ def export_hf(
             f"{hf_src}/config.json is missing: export-hf needs the role directory of a posttrain "
             "checkpoint (global_step_N/<role>), which holds huggingface/config.json"
         )
+    if not (role_dir / ROLE_MANIFEST).is_file():
+        dcp_tensor_metadata(role_dir / DIST_CKPT)  # not a checkpoint role at all: say that first
+    raise_if(verify_role(role_dir), f"export-hf: checkpoint {role_dir}")
     state = load_full_model_state(role_dir / DIST_CKPT)
+    bad = non_finite_names(state)
+    if bad:
+        raise CheckpointCorruptError(
+            f"export-hf: {role_dir} holds non-finite weights, first {bad[0]!r} ({len(bad)} tensor(s) with NaN "
+            "or inf): nothing was written; export an earlier step"
+        )
     peft_config = _saved_peft_config(role_dir, state)
     if adapter_only:
         return _write_adapter(role_dir, out_dir, state, peft_config, dtype)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,13 @@ from .layout import (
     fsync_tree,
     is_complete,
     parse_step,
+    read_json,
     staging_dir_name,
     step_dir_name,
     write_json,
 )
 from .retention import retain
+from .verify import CheckpointCorruptError, check_file, file_record, raise_if, verify_step
 from .writer import AsyncWriter
 
 
@@ -128,6 +131,7 @@ class CheckpointManager:
     def _publish(self, step: int) -> None:
         staging, final = self.staging_dir(step), self.step_dir(step)
         roles = sorted(d.name for d in staging.iterdir() if (d / ROLE_MANIFEST).is_file())
+        files = sorted(p.name for p in staging.iterdir() if p.is_file())
         write_json(
             staging / STEP_MANIFEST,
             {
@@ -136,7 +140,8 @@ class CheckpointManager:
                 "global_step": step,
                 "roles": roles,
                 "world_size": self.world_size,
-                "files": sorted(p.name for p in staging.iterdir() if p.is_file()),
+                "files": files,
+                "checksums": {name: file_record(staging / name, []) for name in files},
                 "created_unix": time.time(),
             },
         )
@@ -165,8 +170,29 @@ class CheckpointManager:
 
 
 def find_latest(root: str | Path) -> tuple[int, Path] | None:
-    """:meth:`CheckpointManager.latest` for a root directory, without a manager."""
+    """:meth:`CheckpointManager.latest` for a root directory, without a manager. A ``global_step_<N>`` directory
+    newer than the one returned that is not complete (its ``checkpoint.json`` or a role's ``manifest.json`` is
+    missing: committed directories always have them) is named in a warning."""
     root = Path(root)
+    found = _find_latest(root)
+    newest = found[0] if found is not None else -1
+    for step, path in sorted(_step_dirs(root).items(), reverse=True):
+        if step > newest and not is_complete(path):
+            warnings.warn(
+                f"skipped checkpoint {path}: incomplete (no readable {STEP_MANIFEST} or a role without "
+                f"{ROLE_MANIFEST}; a committed step always has both, so a file was deleted or lost)",
+                stacklevel=2,
+            )
+    return found
+
+
+def _step_dirs(root: Path) -> dict[int, Path]:
+    if not root.is_dir():
+        return {}
+    return {s: p for p in root.iterdir() if (s := parse_step(p.name)) is not None and p.is_dir()}
+
+
+def _find_latest(root: Path) -> tuple[int, Path] | None:
     try:
         tracked = int((root / TRACKER).read_text().strip())
     except (OSError, ValueError):
@@ -182,13 +208,49 @@ def find_latest(root: str | Path) -> tuple[int, Path] | None:
     return newest, steps[newest]
 
 
+def find_intact(root: str | Path, verify: bool = True) -> tuple[int, Path] | None:
+    """The newest ``global_step_<N>`` under ``root`` that passes :func:`~posttrain.ckpt.verify.verify_step`
+    (every file against its checksums; collective: call on every rank), or None. Each newer step it passes over
+    is named in one warning with what is wrong with it. ``verify=False`` is :func:`find_latest`."""
+    root = Path(root)
+    if not verify:
+        return find_latest(root)
+    skipped = []
+    for step, path in sorted(_step_dirs(root).items(), reverse=True):
+        problems = verify_step(path)
+        if not problems:
+            if skipped:
+                warnings.warn(
+                    f"resuming from {path}, the newest intact checkpoint; skipped " + "; ".join(skipped),
+                    stacklevel=2,
+                )
+            return step, path
+        skipped.append(f"{path.name} ({'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''})")
+    if skipped:
+        warnings.warn(
+            f"no intact checkpoint under {root}, starting fresh; skipped " + "; ".join(skipped), stacklevel=2
+        )
+    return None
+
+
 def load_trainer_state(step_dir: str | Path, rank: int | None = None) -> dict[str, Any]:
-    """Read the trainer state written by :meth:`CheckpointManager.save_trainer_state`."""
+    """Read the trainer state written by :meth:`CheckpointManager.save_trainer_state`, checked against the
+    checksum ``checkpoint.json`` recorded for it (:class:`~posttrain.ckpt.verify.CheckpointCorruptError`)."""
     step_dir = Path(step_dir)
-    path = step_dir / (TRAINER_STATE if rank is None else f"data_rank_{rank}.pt")
-    if not path.is_file():
+    name = TRAINER_STATE if rank is None else f"data_rank_{rank}.pt"
+    path = step_dir / name
+    manifest = read_json(step_dir / STEP_MANIFEST) or {}
+    record = manifest.get("checksums", {}).get(name)
+    if record is not None:
+        raise_if(check_file(step_dir, name, record), f"trainer state of {step_dir}")
+    elif name not in manifest.get("files", [name]) or not path.is_file():
         raise ValueError(
             f"no trainer state at {path}: the checkpoint was saved without it (per_rank="
             f"{rank is not None}); load without trainer state or pass the matching rank"
+        )
+    if not path.is_file():
+        raise CheckpointCorruptError(
+            f"{path} is missing although {step_dir / STEP_MANIFEST} lists it: it was saved, then deleted or "
+            f"lost; resume from another step (trainer.resume_from_path=<root>/global_step_<M>)"
         )
     return torch.load(path, weights_only=True)

@@ -41,6 +41,14 @@ from .lora import is_lora_state, merge_lora, peft_config_of
 from .snapshot import snapshot_to_host
 from .staging import HostStaging, StagingSavePlanner, staging_device
 from .tied import drop_aliases, fill_aliases, tied_aliases
+from .verify import (
+    check_loaded,
+    gathered_records,
+    raise_if,
+    refuse_non_finite,
+    role_file_records,
+    verify_role,
+)
 from .writer import AsyncWriter
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -123,13 +131,16 @@ def save_role(
     contents: list[str],
     global_step: int,
     writer: AsyncWriter | None = None,
+    verify: bool = True,
 ) -> None:
     """Write one role into ``role_dir`` on every rank (collective).
 
     With ``writer`` this blocks only for the device-to-host snapshot (plus the full-model gather when
     ``hf_model`` is saved) and queues the file writes on the writer's thread; the first such save also allocates
     the host buffers unless :func:`prepare_role` allocated them ahead. A tied parameter is written once, a LoRA
-    model's adapter config goes into the manifest, and ``hf_model`` holds the merged weights.
+    model's adapter config goes into the manifest, and ``hf_model`` holds the merged weights. With ``verify``
+    (the default) the manifest records every tensor's and file's checksums (:mod:`posttrain.ckpt.verify`) and a
+    state holding NaN or inf is refused before anything is written; ``verify=False`` only for measuring its cost.
     """
     role_dir = Path(role_dir)
     _check_save(state, contents)
@@ -138,6 +149,10 @@ def save_role(
     full = _full_model_state(state.model) if "hf_model" in contents else None
     rank, world = ckpt_dist.get_rank(), ckpt_dist.get_world_size()
     manifest = _manifest(state, info, contents, global_step, world) | {"tied_aliases": aliases}
+    manifest["verify"] = verify
+    if verify:  # checksums on the tensors' own device, before any byte leaves it; nothing non-finite is saved
+        manifest["checksums"] = {"tensors": gathered_records(sharded)}
+        refuse_non_finite(manifest["checksums"]["tensors"], f"refusing to save {role_dir}")
     if full is not None and rank == 0 and manifest["peft_config"] and is_lora_state(full):
         full = merge_lora(full, manifest["peft_config"])  # hf_model: the merged model, loadable as is
     if writer is None:
@@ -211,6 +226,14 @@ def write_role_files(
                 tie = bool(getattr(info.hf_config, "tie_word_embeddings", False))
             manifest["hf_files"] = write_safetensors(role_dir / HF_DIR, full, tie_word_embeddings=tie)
     ckpt_dist.barrier(group)
+    checksums = manifest.get("checksums")
+    if checksums is not None or manifest.get("verify", True):
+        if checksums is None:  # a caller that collected the state itself (the Megatron portable save)
+            checksums = {"tensors": gathered_records(sharded or {}, group)}
+            refuse_non_finite(checksums["tensors"], f"refusing to save {role_dir}")
+        checksums["files"] = role_file_records(role_dir, group)
+        manifest["checksums"] = checksums
+    manifest.pop("verify", None)
     if rank == 0:
         manifest["written_unix"] = time.time()
         write_json(role_dir / ROLE_MANIFEST, manifest)
@@ -257,14 +280,23 @@ def read_role_manifest(role_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def load_role(role_dir: str | Path, state: RoleState, contents: list[str]) -> dict[str, Any]:
-    """Restore ``contents`` of one role into ``state`` on every rank (collective); return the saved counters."""
+def load_role(
+    role_dir: str | Path, state: RoleState, contents: list[str], verify: bool = True
+) -> dict[str, Any]:
+    """Restore ``contents`` of one role into ``state`` on every rank (collective); return the saved counters.
+
+    With ``verify`` (the default) every file is checked against the manifest's checksums first, then the loaded
+    tensors against their recorded checksums and for NaN/inf: a :class:`~posttrain.ckpt.verify.
+    CheckpointCorruptError` names the file and tensor. ``verify=False`` only for measuring its cost."""
     role_dir = Path(role_dir)
     check_contents(contents, "checkpoint.load_contents")
     manifest = read_role_manifest(role_dir)
     _check_load(role_dir, state, contents, manifest["contents"])
+    if verify:
+        raise_if(verify_role(role_dir), f"checkpoint {role_dir}")
     if "model" in contents:
-        _load_sharded(role_dir, state, contents, manifest.get("tied_aliases", {}))
+        saved = (manifest.get("checksums") or {}).get("tensors") if verify else None
+        _load_sharded(role_dir, state, contents, manifest.get("tied_aliases", {}), saved, verify)
     if "extra" in contents:
         return load_extra(role_dir / DIST_CKPT / EXTRA_DIR, ckpt_dist.get_rank(), state.lr_scheduler)
     return {}
@@ -284,14 +316,24 @@ def _check_load(role_dir: Path, state: RoleState, contents: list[str], saved: li
         )
 
 
-def _load_sharded(role_dir: Path, state: RoleState, contents: list[str], aliases: dict[str, str]) -> None:
-    """DCP-load model (+ optimizer) in place; names stored as tied aliases are filled from their kept name."""
+def _load_sharded(
+    role_dir: Path,
+    state: RoleState,
+    contents: list[str],
+    aliases: dict[str, str],
+    saved: dict[str, list[Any]] | None,
+    verify: bool,
+) -> None:
+    """DCP-load model (+ optimizer) in place, checked against ``saved`` checksums and for NaN/inf (``verify``);
+    names stored as tied aliases are filled from their kept name."""
     sharded = _sharded_state(state, contents)
     model_sd = sharded["model"]
     stored = {k: v for k, v in model_sd.items() if not (k in aliases and aliases[k] in model_sd)}
     to_read = {**sharded, "model": stored}
     with ckpt_dist.single_process_dcp() as no_dist:
         dcp.load(to_read, storage_reader=dcp.FileSystemReader(str(role_dir / DIST_CKPT)), no_dist=no_dist)
+    if verify:
+        check_loaded(to_read, saved, f"checkpoint {role_dir}")
     model_sd = fill_aliases(to_read["model"], {a: k for a, k in aliases.items() if a in model_sd})
     if "optimizer" in to_read:
         set_state_dict(

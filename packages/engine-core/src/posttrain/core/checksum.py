@@ -77,6 +77,10 @@ def padded(nbytes: int) -> int:
 def row_hashes(rows: torch.Tensor) -> torch.Tensor:
     """int64 hash of each row of a (n, 256) int8 tensor (see the module docstring)."""
     w, c = _tables(rows.device)
+    if rows.device.type == "cpu":
+        # the same products in float32, exact (every sum is below 256 * 128 * 127 < 2**24): about twice as fast
+        # as torch._int_mm on a CPU
+        return (torch.mm(rows.to(torch.float32), w.to(torch.float32)).to(torch.int64) * c).sum(1)
     n = rows.shape[0]
     if n < _MIN_ROWS:  # zero rows hash to zero
         rows = torch.cat([rows, rows.new_zeros(_MIN_ROWS - n, ROW)])

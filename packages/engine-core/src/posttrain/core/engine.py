@@ -24,6 +24,10 @@ PerTensorParams = tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any] | Non
 """(lazy stream of (HF name, full tensor), peft config dict or None)."""
 
 
+class NonFiniteTrainingError(RuntimeError):
+    """Too many optimizer steps in a row were skipped for a non-finite gradient norm."""
+
+
 class EngineModeCtx:
     """Load on enter, offload on exit, for ``mode`` in {train, eval}."""
 
@@ -75,6 +79,7 @@ class BaseEngine(ABC):
         self.checkpoint_config = checkpoint_config
         self.mode: str | None = None
         self.skipped_steps = 0
+        self.skipped_in_a_row = 0
 
     # ------------------------------------------------------------------ lifecycle
     @abstractmethod
@@ -100,6 +105,11 @@ class BaseEngine(ABC):
         """End of :meth:`initialize`: move to the CPU what ``param_offload``, ``optimizer_offload`` and
         ``grad_offload`` ask for."""
         cfg = self.engine_config
+        if cfg.param_offload is None:
+            raise ValueError(
+                "engine.param_offload=null (choose) is resolved by the RL trainer for ref.engine only: set it "
+                "to true or false for this engine"
+            )
         if cfg.param_offload or cfg.optimizer_offload or cfg.grad_offload:
             self.to("cpu", model=cfg.param_offload, optimizer=cfg.optimizer_offload, grad=cfg.grad_offload)
 
@@ -145,13 +155,43 @@ class BaseEngine(ABC):
         """Apply the optimizer update with the current gradients."""
 
     def optimizer_step(self) -> float:
-        """Clip, then step unless the norm is non-finite (the step is skipped and counted). Returns the norm."""
+        """Clip, then step unless the norm is non-finite (the step is skipped and counted). Returns the norm.
+
+        ``optim.max_skipped_steps_in_a_row`` skipped steps in a row raise :class:`NonFiniteTrainingError`
+        naming the first non-finite gradient or weight of this rank (before anything is saved)."""
         grad_norm = self.clip_grad_norm()
         if math.isfinite(grad_norm):
             self.apply_optimizer_step()
-        else:
-            self.skipped_steps += 1
+            self.skipped_in_a_row = 0
+            return grad_norm
+        self.skipped_steps += 1
+        self.skipped_in_a_row += 1
+        limit = self.optimizer_config.max_skipped_steps_in_a_row
+        if limit and self.skipped_in_a_row >= limit:
+            first = self.first_non_finite()
+            raise NonFiniteTrainingError(
+                f"{self.skipped_in_a_row} optimizer steps in a row had a non-finite gradient norm ({grad_norm}); "
+                f"first non-finite tensor on this rank: {first or 'none found here (another rank holds it)'}. "
+                "The run stops here, before anything non-finite is saved: lower optim.lr, check the data of these "
+                "steps, and resume from the last checkpoint (optim.max_skipped_steps_in_a_row sets how many "
+                "skipped steps in a row are tolerated)"
+            )
         return grad_norm
+
+    def first_non_finite(self) -> str | None:
+        """``weight <name>`` or ``gradient of <name>``: the first parameter of ``self.module`` (this rank's
+        shard) holding NaN or inf; None when there is none or the engine has no ``module``."""
+        module = getattr(self, "module", None)
+        if module is None:
+            return None
+        for name, p in module.named_parameters():
+            for what, t in (("weight", p), ("gradient of", p.grad)):
+                if t is None:
+                    continue
+                local = t.to_local() if hasattr(t, "to_local") else t
+                if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+                    return f"{what} {name}"
+        return None
 
     @abstractmethod
     def lr_scheduler_step(self) -> float:
@@ -194,7 +234,9 @@ class BaseEngine(ABC):
     ) -> None: ...
 
     @abstractmethod
-    def load_checkpoint(self, local_path: str, **kwargs: Any) -> None: ...
+    def load_checkpoint(self, local_path: str, **kwargs: Any) -> dict[str, Any]:
+        """Restore ``checkpoint.load_contents`` from the role directory ``local_path`` (collective); return the
+        saved step counters (``global_step``, ``skipped_steps``) when ``extra`` is loaded, else ``{}``."""
 
     def prepare_checkpoint(self, role: str, writer: Any) -> None:
         """Start allocating, in the background, the host buffers of this role's future async saves into

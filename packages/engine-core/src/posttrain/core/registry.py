@@ -25,6 +25,7 @@ PACKAGES = {
         "fsdp": "posttrain-engine-fsdp",
         "fsdp2": "posttrain-engine-fsdp",
         "megatron": "posttrain-engine-megatron (pip install 'posttrain[megatron]')",
+        "torchtitan": "posttrain-engine-torchtitan (pip install 'posttrain[torchtitan]')",
     },
     ROLLOUT_GROUP: {
         "hf": "posttrain-rollout-hf",

@@ -46,6 +46,7 @@ from .modeling import (
     init_rope_buffers,
     load_weights,
     materialize,
+    resolve_gradient_checkpointing,
 )
 from .weights import (
     iter_rollout_tensors,
@@ -110,6 +111,9 @@ class FSDPEngine(BaseEngine):
             torch.cuda.set_device(self._device)
         layout_cls = getattr(layouts, cfg.sharded_layout()) if distributed else layouts.PlainLayout
         self.layout = layout = layout_cls(cfg, self._device)
+        fsdp_size = getattr(cfg, "fsdp_size", -1)
+        shards = fsdp_size if fsdp_size > 0 else (torch.distributed.get_world_size() if distributed else 1)
+        self.model_config = resolve_gradient_checkpointing(self.model_config, cfg, self._device, shards)
         built = build_model(
             self.model_config,
             cfg,
@@ -348,11 +352,12 @@ class FSDPEngine(BaseEngine):
 
         prepare_fsdp_checkpoint(self, role, writer)
 
-    def load_checkpoint(self, local_path: str, **kwargs: Any) -> None:
-        """Delegates to ``posttrain.fsdp.checkpoint.load_fsdp_checkpoint``."""
+    def load_checkpoint(self, local_path: str, **kwargs: Any) -> dict[str, Any]:
+        """Delegates to ``posttrain.fsdp.checkpoint.load_fsdp_checkpoint``: the saved counters (``global_step``,
+        ``skipped_steps``) when ``extra`` is loaded, else ``{}``."""
         from .checkpoint import load_fsdp_checkpoint
 
-        load_fsdp_checkpoint(self, local_path)
+        return load_fsdp_checkpoint(self, local_path)
 
 
 def _floats(values: list[Any]) -> list[float]:

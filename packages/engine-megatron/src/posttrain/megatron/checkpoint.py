@@ -29,10 +29,13 @@ from typing import Any
 
 import torch
 
-from posttrain.ckpt import retain_role_saves
+from posttrain.ckpt import read_role_manifest, retain_role_saves
 from posttrain.ckpt.layout import ROLE_MANIFEST
 
 from . import async_save, build, fsdp_dtensor, lora, portable
+
+STEP_FILE = "step.json"
+"""``<role>/extra/step.json``: the ``global_step`` the role was saved at (rank 0 writes it with ``extra``)."""
 
 HF_SIDE_FILES = (
     "config.json",
@@ -176,11 +179,14 @@ def _fresh_dir(path: Path) -> None:
     _barrier()
 
 
-def _write_side_files(engine: Any, root: Path, contents: list[str]) -> None:
-    """RNG per rank (restored only at the same world size and rank), huggingface/, transformer_config.json."""
+def _write_side_files(engine: Any, root: Path, contents: list[str], global_step: int) -> None:
+    """RNG per rank (restored only at the same world size and rank) and the step (``extra/step.json``),
+    huggingface/, transformer_config.json."""
     if "extra" in contents:
         (root / "extra").mkdir(parents=True, exist_ok=True)
         torch.save(_rng_state(), root / "extra" / f"rng_rank{_rank()}.pt")
+        if _rank() == 0:
+            (root / "extra" / STEP_FILE).write_text(json.dumps({"global_step": global_step}))
     _write_hf(engine, root / "huggingface", "hf_model" in contents)
     if _rank() == 0:
         config = build.config_to_dict(build.unwrap(engine.chunks[0]).config)
@@ -235,7 +241,7 @@ def save(
         engine._pending_save = async_save.save(sharded, ckpt_dir, {"global_step": global_step}, writer)
     else:
         dist_checkpointing.save(sharded, str(ckpt_dir), content_metadata={"global_step": global_step})
-    _write_side_files(engine, root, contents)
+    _write_side_files(engine, root, contents, global_step)
     _barrier()
     _retain(root, keep, writer if engine.checkpoint_config.async_save else None)
 
@@ -254,8 +260,10 @@ def _load_state(engine: Any, ckpt_dir: Path, contents: list[str]) -> dict[str, A
     return dict(state.get("extra") or {})
 
 
-def load(engine: Any, local_path: str) -> None:
-    """Restore ``checkpoint.load_contents`` from ``local_path/dist_ckpt`` (any TP/PP/DP layout)."""
+def load(engine: Any, local_path: str) -> dict[str, int]:
+    """Restore ``checkpoint.load_contents`` from ``local_path/dist_ckpt`` (any TP/PP/DP layout), or from a
+    portable role directory. Returns the saved counters (``global_step``, ``skipped_steps``) when ``extra`` is
+    loaded, else ``{}``."""
     if portable.is_portable(local_path):  # HF-keyed: the FSDP engine's, or saved with portable=true
         if getattr(engine, "lora", None) is not None:
             raise NotImplementedError(
@@ -263,7 +271,11 @@ def load(engine: Any, local_path: str) -> None:
                 "layout has no names for Megatron's LoRA adapters; resume LoRA runs from native megatron "
                 "checkpoints (checkpoint.portable=false)"
             )
-        return portable.load(engine, local_path)
+        portable.load(engine, local_path)
+        if "extra" not in engine.checkpoint_config.load_contents:
+            return {}
+        step = read_role_manifest(Path(local_path))["global_step"]
+        return {"global_step": int(step), "skipped_steps": engine.skipped_steps}
     ckpt_dir = Path(local_path) / "dist_ckpt"
     if not ckpt_dir.is_dir():
         raise ValueError(
@@ -275,8 +287,12 @@ def load(engine: Any, local_path: str) -> None:
     rng_file = Path(local_path) / "extra" / f"rng_rank{_rank()}.pt"
     if "extra" in contents and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    if "extra" in contents and extra:
-        engine._lr_step = int(extra["lr_step"])
-        engine.skipped_steps = int(extra["skipped_steps"])
-        if engine.optimizer is not None:
-            engine._set_lr()
+    if "extra" not in contents or not extra:
+        return {}
+    engine._lr_step = int(extra["lr_step"])
+    engine.skipped_steps = int(extra["skipped_steps"])
+    if engine.optimizer is not None:
+        engine._set_lr()
+    step_file = Path(local_path) / "extra" / STEP_FILE
+    step = json.loads(step_file.read_text()) if step_file.is_file() else {}  # older saves: no step file
+    return {**step, "skipped_steps": engine.skipped_steps}

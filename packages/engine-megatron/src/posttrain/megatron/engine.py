@@ -389,9 +389,11 @@ class MegatronEngine(BaseEngine):
         checkpoint.wait_for_pending_save(self)  # a second save waits for the first
         checkpoint.save(self, local_path, global_step, max_ckpt_to_keep, writer=kwargs.get("writer"))
 
-    def load_checkpoint(self, local_path: str, **kwargs: Any) -> None:
+    def load_checkpoint(self, local_path: str, **kwargs: Any) -> dict[str, int]:
+        """Restore ``checkpoint.load_contents``; returns the saved counters (``global_step``, ``skipped_steps``)
+        when ``extra`` is loaded, else ``{}``."""
         checkpoint.wait_for_pending_save(self)
-        checkpoint.load(self, local_path)
+        return checkpoint.load(self, local_path)
 
     # ------------------------------------------------------------------ parallel layout
     def get_data_parallel_size(self) -> int:

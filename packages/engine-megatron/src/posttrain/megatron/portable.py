@@ -58,6 +58,7 @@ from posttrain.ckpt.layout import (
 )
 from posttrain.ckpt.role import write_role_files
 from posttrain.ckpt.snapshot import snapshot_to_host
+from posttrain.ckpt.verify import raise_if, verify_role
 
 from . import build
 
@@ -414,6 +415,7 @@ def load(engine: Any, local_path: str) -> None:
     role = Path(local_path)
     contents = list(engine.checkpoint_config.load_contents)
     manifest = read_role_manifest(role)
+    raise_if(verify_role(role), f"checkpoint {role}")  # every file against its recorded checksums, first
     saved = manifest["contents"]
     missing = [c for c in contents if c not in saved and c != "hf_model"]
     if missing:

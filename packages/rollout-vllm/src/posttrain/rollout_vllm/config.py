@@ -45,10 +45,14 @@ class VLLMRolloutConfig(RolloutConfig):
     launches without them), eager elsewhere (vLLM's CPU backend would compile for minutes first)."""
     max_num_batched_tokens: int = 8192
     """vLLM scheduler token budget."""
-    max_num_seqs: int = 1024
-    """vLLM scheduler sequence budget."""
+    max_num_seqs: int | None = None
+    """vLLM scheduler sequence budget: the most sequences decoded at once, and (with CUDA graphs) the largest
+    decode batch captured as a graph. null: the RL trainer sets it to one generate call's sequences per rank
+    (prompts x ``n``, rounded up to 16, at most 1024: :func:`posttrain.core.memory_policy.choose_max_num_seqs`);
+    a rollout built outside a trainer takes 1024."""
     enable_prefix_caching: bool = True
-    """vLLM prefix cache (reset after every weight sync)."""
+    """vLLM prefix cache (reset after every weight sync: a Python walk over every KV block, about 20 ms on an H200;
+    with the cache off the reset is skipped)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for vLLM's ``LLM`` / ``AsyncEngineArgs`` (e.g. ``block_size``); they win over the
     arguments built from the fields above."""
@@ -77,5 +81,7 @@ class VLLMRolloutConfig(RolloutConfig):
             raise ValueError(
                 f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"rollout.max_num_seqs={self.max_num_seqs} must be >= 1 (or null to choose)")
         if self.lora_int_id < 1:
             raise ValueError(f"rollout.lora_int_id={self.lora_int_id} must be >= 1")

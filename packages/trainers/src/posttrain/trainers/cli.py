@@ -86,15 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     module, _, func = commands[name][0].partition(":")
-    from posttrain.core.config.loader import ConfigError  # imports torch (posttrain.core): not for --help
+    from .command import exit_code  # imports torch (posttrain.core): not for --help
 
     command = getattr(importlib.import_module(module), func)
     loaded = time.perf_counter()
     try:
-        return int(command(rest) or 0)
-    except ConfigError as exc:
-        print(f"posttrain {name}: {exc}", file=sys.stderr)
-        return 2
+        return exit_code(f"posttrain {name}", lambda: command(rest))
     finally:
         if timing:
             done = time.perf_counter()

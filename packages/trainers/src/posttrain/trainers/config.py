@@ -33,6 +33,7 @@ from posttrain.core.rollout import RolloutConfig
 
 from .algorithms import AlgorithmConfig
 from .data.config import DataConfig
+from .data.files import coerce_file_lists
 from .rewards import RewardConfig
 from .roles import ActorConfig, CriticConfig, RefConfig, SFTActorConfig
 from .trainer_config import RLTrainerConfig, TrainerConfig
@@ -197,7 +198,7 @@ def load_config(
     """Defaults <- presets (in order) <- overrides, as a ``root`` tree (the RL one unless told), with each role's
     engine and the rollout configured by the classes their names registered."""
     preset_paths = [resolve_preset(p) for p in presets]
-    dotlist = parse_overrides(overrides)
+    dotlist = coerce_file_lists(parse_overrides(overrides))  # data.train_files=/x.parquet -> [/x.parquet]
     raw = OmegaConf.merge(*[OmegaConf.load(p) for p in preset_paths], dotlist)
     try:
         return merge_config(schema_for(raw, root), preset_paths, dotlist)

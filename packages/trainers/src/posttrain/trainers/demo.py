@@ -12,7 +12,8 @@
 Why this task: a 0.35 M-parameter model memorises arithmetic facts rather than learning addition, so RL gains on
 training sums do not reach unseen sums; "largest of three" it learns as a rule, so they do.
 
-Every knob is a ``key=value`` override of :class:`DemoConfig`, e.g. ``posttrain demo grpo_steps=40``.
+Every knob is a ``key=value`` override of :class:`DemoConfig`, e.g. ``posttrain demo grpo_steps=40``;
+``posttrain demo --help`` lists them.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.core.config.loader import ConfigError, merge_config
+from posttrain.core.config.loader import merge_config
 
 from . import main_ppo, sft
+from .command import exit_code, fields_help
 from .data.convert import write_parquet
 from .data.synthetic import largest_rows
 from .model_init import init_model
@@ -118,18 +120,17 @@ def run(cfg: DemoConfig) -> dict[str, float]:
     return result
 
 
+def usage() -> str:
+    """``posttrain demo --help``: what the demo does and every knob with its default and meaning."""
+    return f"usage: posttrain demo [key=value ...]\n\n{__doc__.strip()}\n\nknobs (key=default):\n{fields_help(DemoConfig)}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
-        print(__doc__)
+        print(usage())
         return 0
-    try:
-        cfg = merge_config(DemoConfig(), [], args)
-        run(cfg)
-    except ConfigError as exc:
-        print(f"posttrain demo: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code("posttrain demo", lambda: run(merge_config(DemoConfig(), [], args)))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The step loop the SFT and RL trainers share: validation and checkpoint cadence, logging, teardown.
 
-A trainer provides ``train_step()``, ``validate()`` and ``save_checkpoint(step)`` and the attributes set in its
+At the start of ``fit()`` rank 0 writes the resolved config and the installed versions to
+``<trainer.default_local_dir>/config.yaml`` (:mod:`.run_record`). A trainer provides ``train_step()``, ``validate()`` and ``save_checkpoint(step)`` and the attributes set in its
 constructor (``cfg``, ``tracker``, ``ckpt``, ``global_step``, ``total_steps``, ``val_set``, ``owns_group``).
 Validation runs every ``trainer.test_freq`` steps and after the last one (and before the first with
 ``trainer.val_before_train``); checkpoints every ``trainer.save_freq`` steps and after the last one.
@@ -17,6 +18,7 @@ from posttrain.core.config.loader import to_dict
 
 from . import distributed as pdist
 from .logging import Tracker
+from .run_record import write_run_record
 
 
 class StepLoop:
@@ -29,6 +31,8 @@ class StepLoop:
     total_steps: int
     val_set: Any
     owns_group: bool
+    command: str = "sft"
+    """The ``posttrain`` subcommand that reruns this trainer's ``config.yaml``."""
 
     def train_step(self) -> dict[str, float]:
         raise NotImplementedError
@@ -62,6 +66,8 @@ class StepLoop:
     def fit(self) -> dict[str, float]:
         """Train to ``total_steps``; return the last step's metrics (with val/* when validated)."""
         cfg = self.cfg.trainer
+        if pdist.rank() == 0:
+            write_run_record(self.cfg, cfg.default_local_dir, self.command)
         metrics: dict[str, float] = {}
         if self.val_set is not None and cfg.val_before_train and self.global_step == 0:
             self.tracker.log(self.validate(), 0)

@@ -1,8 +1,9 @@
 """PPO / GRPO entry point: ``python -m posttrain.trainers.main_ppo [--config PRESET] [key=value ...]``.
 
-``posttrain ppo`` and ``posttrain grpo`` run the same loop; ``grpo`` only changes the defaults
-(``algorithm.adv_estimator=grpo``, no critic) before your presets and overrides apply. Under torchrun every
-process runs this module: ``torchrun --nproc_per_node 2 -m posttrain.trainers.main_ppo trainer.n_gpus_per_node=2``.
+``posttrain ppo`` and ``posttrain grpo`` run the same loop; ``grpo`` only adds the built-in preset ``grpo``
+(``algorithm.adv_estimator=grpo``, no critic) as the bottom layer, so your presets and then your overrides win
+over it. Under torchrun every process runs this module:
+``torchrun --nproc_per_node 2 -m posttrain.trainers.main_ppo trainer.n_gpus_per_node=2``.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from posttrain.core.config.loader import ConfigError
-
-from .config import load_config
+from . import preflight, threads
+from .algorithms import adv_estimator_traits
+from .command import exit_code
+from .config import PostTrainConfig, load_config
 from .rl.trainer import RLTrainer
 
-ALGORITHM_DEFAULTS = {"ppo": [], "grpo": ["algorithm.adv_estimator=grpo"]}
+COMMAND_PRESETS = {"ppo": [], "grpo": ["grpo"]}
+"""Presets each command puts under the user's ``--config`` presets."""
 
 
 def parser(prog: str) -> argparse.ArgumentParser:
@@ -29,10 +32,18 @@ def parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+def resolve(argv: Sequence[str], algorithm: str = "ppo") -> PostTrainConfig:
+    """The config ``posttrain <algorithm> argv`` trains with: the command's presets, then ``--config`` presets in
+    order, then ``key=value`` overrides."""
+    args = parser(f"posttrain {algorithm}").parse_args(list(argv))
+    return load_config(args.overrides, [*COMMAND_PRESETS[algorithm], *args.config])
+
+
 def run(argv: Sequence[str], algorithm: str = "ppo") -> dict[str, Any]:
     """Train with ``argv`` and return the last step's metrics."""
-    args = parser(f"posttrain {algorithm}").parse_args(list(argv))
-    cfg = load_config([*ALGORITHM_DEFAULTS[algorithm], *args.overrides], args.config)
+    cfg = resolve(argv, algorithm)
+    preflight.check_rl(cfg, use_critic=adv_estimator_traits(cfg.algorithm.adv_estimator).needs_critic)
+    threads.configure()
     trainer = RLTrainer(cfg)
     try:
         return trainer.fit()
@@ -43,12 +54,7 @@ def run(argv: Sequence[str], algorithm: str = "ppo") -> dict[str, Any]:
 
 
 def _main(argv: Sequence[str] | None, algorithm: str) -> int:
-    try:
-        run(sys.argv[1:] if argv is None else argv, algorithm)
-    except ConfigError as exc:
-        print(f"posttrain {algorithm}: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code(f"posttrain {algorithm}", lambda: run(sys.argv[1:] if argv is None else argv, algorithm))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

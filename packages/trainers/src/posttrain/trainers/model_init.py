@@ -12,7 +12,9 @@ under a fixed seed, its vocabulary rounded up to a multiple of 64.
 Sizes: ``tiny`` (hidden 128, 2 heads of head_dim 64, 1 KV head, 2 layers: about 0.35 M parameters, so SFT and GRPO
 run in minutes on two CPU cores; head_dim 64 is what vLLM's CPU attention accepts), ``small``, and the shapes of
 Qwen2.5-0.5B (``0.5b``: hidden 896, 24 layers, 14 heads, 2 KV heads, 494 M parameters) and Qwen2.5-1.5B
-(``1.5b``: hidden 1536, 28 layers, 12 heads, 2 KV heads, 1.54 B parameters) with random weights, for benchmarks.
+(``1.5b``: hidden 1536, 28 layers, 12 heads, 2 KV heads, 1.54 B parameters) with random weights, for benchmarks;
+``0.6b`` is the shape of Qwen3-0.6B (hidden 1024, 28 layers, 16 heads of head_dim 128, 8 KV heads). ``--arch``
+is ``qwen2`` or ``qwen3`` (Qwen3 adds per-head q/k norms; the torchtitan engine builds Qwen3).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class ModelSize:
     """Fill the tokenizer with synthetic merges up to exactly this many tokens (None: as trained)."""
     max_position_embeddings: int = 2048
     """Longest sequence the model config allows."""
+    head_dim: int | None = None
+    """Per-head width (None: hidden_size / num_attention_heads)."""
 
 
 SIZES = {
@@ -95,8 +99,19 @@ SIZES = {
         pad_vocab_to=151936,
         max_position_embeddings=32768,
     ),
+    "0.6b": ModelSize(
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        num_hidden_layers=28,
+        intermediate_size=3072,
+        vocab_size=1024,
+        pad_vocab_to=151936,
+        max_position_embeddings=40960,
+        head_dim=128,
+    ),
 }
-ARCHS = ("qwen2",)
+ARCHS = ("qwen2", "qwen3")
 
 
 def build_tokenizer(vocab_size: int, seed: int = 0):
@@ -189,7 +204,7 @@ def model_config(arch: str, size: str, tokenizer: Any, max_position_embeddings: 
         num_hidden_layers=s.num_hidden_layers,
         num_attention_heads=s.num_attention_heads,
         num_key_value_heads=s.num_key_value_heads,
-        head_dim=s.hidden_size // s.num_attention_heads,
+        head_dim=s.head_dim or s.hidden_size // s.num_attention_heads,
         max_position_embeddings=max_position_embeddings or s.max_position_embeddings,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -29,13 +30,15 @@ import torch
 
 from posttrain.ckpt import CheckpointManager, load_trainer_state
 from posttrain.core import LossContext, PackedBatch
-from posttrain.core.config.loader import ConfigError
 
 from . import distributed as pdist
+from . import preflight, threads
+from .command import exit_code
 from .config import SFTConfig, load_config
 from .data.sampler import StatefulSampler, rank_slice
 from .data.sft_dataset import SFTDataset
 from .loop import StepLoop
+from .model_files import load_tokenizer, require_model_weights
 from .perf import peak_flops_per_device, step_flops
 from .resume import resume_point
 from .roles import fill_token_budget
@@ -51,39 +54,19 @@ def sft_loss(model_output: dict[str, torch.Tensor], micro: PackedBatch, ctx: Los
     return loss, {}
 
 
-def require_model_weights(cfg: SFTConfig, rollout_loads_weights: bool = False) -> None:
-    """Refuse a ``model.path`` without weights before anything is built
-    (:meth:`~posttrain.core.config.ModelConfig.require_weights`); an actor that starts from a Megatron
-    dist_ckpt (``use_dist_checkpointing``) needs none, unless a rollout loads them too."""
-    from_dist_ckpt = getattr(cfg.actor.engine, "use_dist_checkpointing", False)
-    if rollout_loads_weights or not from_dist_ckpt:
-        cfg.model.require_weights("model.path")
-
-
-def load_tokenizer(cfg: SFTConfig):
-    from transformers import AutoTokenizer
-
-    if not cfg.model.tokenizer_dir:
-        raise ValueError(
-            "model.path is empty: set model.path=<local HF model dir> (make a tiny one with "
-            "`posttrain model init --size tiny --out DIR`)"
-        )
-    return AutoTokenizer.from_pretrained(
-        cfg.model.tokenizer_dir, trust_remote_code=cfg.model.trust_remote_code
-    )
-
-
 class SFTTrainer(StepLoop):
     """The SFT loop over one engine (the ``actor`` role)."""
+
+    command = "sft"
 
     def __init__(self, cfg: SFTConfig) -> None:
         self.cfg = cfg
         self.owns_group = pdist.init_distributed()
         pdist.check_world_size(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
         torch.manual_seed(cfg.trainer.seed)
-        require_model_weights(cfg)
+        require_model_weights(cfg.model, cfg.actor.engine)
         fill_token_budget(cfg.actor.engine, cfg.data.max_length)
-        tokenizer = load_tokenizer(cfg)
+        tokenizer = load_tokenizer(cfg.model)
         self.train_set = SFTDataset(cfg.data.train_files, tokenizer, cfg.data, key="data.train_files")
         self.val_set = (
             SFTDataset(cfg.data.val_files, tokenizer, cfg.data, key="data.val_files")
@@ -160,6 +143,9 @@ class SFTTrainer(StepLoop):
         metrics = {
             "train/loss": loss_sum / self.dp_size,
             "train/grad_norm": grad_norm,
+            "train/skipped_step": float(
+                not math.isfinite(grad_norm)
+            ),  # counted by the engine, shown by the console
             "train/lr": lr,
             "train/epoch": epoch,
             "train/samples_seen": self._samples_seen(),
@@ -224,6 +210,8 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     """Parse ``argv``, train, and return the last step's metrics."""
     args = parser().parse_args(list(argv))
     cfg = load_config(args.overrides, args.config, root=SFTConfig)
+    preflight.check_sft(cfg)  # before any engine: each failure exits 2 naming the key
+    threads.configure()
     trainer = SFTTrainer(cfg)
     try:
         return trainer.fit()
@@ -234,12 +222,7 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        run(sys.argv[1:] if argv is None else argv)
-    except ConfigError as exc:
-        print(f"posttrain sft: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code("posttrain sft", lambda: run(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

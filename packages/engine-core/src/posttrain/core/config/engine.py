@@ -68,8 +68,10 @@ class EngineConfig:
     strategy: str | None = None
     """Backend name (``fsdp``, ``fsdp2``, ``megatron`` or a third-party one), read once by the config loader to
     choose this config's class. null: the run's ``model_engine``."""
-    param_offload: bool = False
-    """Keep parameters on the CPU outside train/eval contexts."""
+    param_offload: bool | None = False
+    """Keep parameters on the CPU outside train/eval contexts. null (the reference only): the RL trainer chooses
+    from the model's size, the free device memory and the rollout's needs
+    (:func:`posttrain.core.memory_policy.choose_ref_offload`) and logs the choice."""
     optimizer_offload: bool = False
     """Keep optimizer state on the CPU outside the train context."""
     grad_offload: bool = False

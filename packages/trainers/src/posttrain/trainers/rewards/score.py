@@ -28,6 +28,16 @@ MATH_SOURCES = (
 )
 
 
+def has_rule(data_source: str) -> bool:
+    """True when :func:`default_compute_score` has a rule for ``data_source``."""
+    return data_source in GSM8K_SOURCES or data_source in MATH_SOURCES or data_source.startswith("aime")
+
+
+def known_sources() -> str:
+    """The data sources the rule-based scorers know, for messages."""
+    return f"{', '.join(GSM8K_SOURCES)}, {', '.join(MATH_SOURCES)}, aime*"
+
+
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
 ) -> float:
@@ -37,6 +47,6 @@ def default_compute_score(
     if data_source in MATH_SOURCES or data_source.startswith("aime"):
         return math_boxed.compute_score(solution_str, str(ground_truth))
     raise ValueError(
-        f"no rule-based reward for data_source={data_source!r} (known: {', '.join(GSM8K_SOURCES)}, "
-        f"{', '.join(MATH_SOURCES)}, aime*): set reward.custom_reward_function=module:function"
+        f"no rule-based reward for data_source={data_source!r} (known: {known_sources()}): set "
+        "reward.custom_reward_function=module:function"
     )

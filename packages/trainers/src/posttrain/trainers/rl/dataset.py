@@ -100,7 +100,8 @@ class PromptDataset:
                 )
         if not self.items:
             raise ValueError(
-                f"{key}: every prompt is longer than data.max_prompt_length={max_len} tokens: raise it"
+                f"{key}: every prompt is longer than {max_len} tokens: raise rollout.prompt_length (the prompt "
+                "length of both the rollout and this filter)"
             )
         if self.dropped:
             warnings.warn(

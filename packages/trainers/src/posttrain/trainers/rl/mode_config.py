@@ -1,13 +1,20 @@
 """How generation and training interleave: ``trainer.mode``, ``trainer.max_staleness``, ``trainer.stale_policy``,
 and where the rollout runs: ``trainer.rollout_placement``, ``trainer.rollout_devices``.
 
-Owned by :mod:`.modes` (which runs them) and mixed into :class:`~posttrain.trainers.trainer_config.TrainerConfig`
-so the keys sit under ``trainer``. Kept free of heavy imports: the config tree imports it.
+:meth:`RolloutModeConfig.build_rollout_source` builds the object the trainer takes each step's rollouts from (one
+class per way of interleaving, in :mod:`.modes`). Mixed into the RL trainers'
+:class:`~posttrain.trainers.trainer_config.RLTrainerConfig`, so the keys sit under ``trainer``. Kept free of heavy
+imports: the config tree imports it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .generation import RolloutSampler, WeightSync
+    from .modes import Draw, RolloutSource
 
 MODES = ("sync", "one_step_off", "async")
 STALE_POLICIES = ("wait", "drop")
@@ -21,7 +28,7 @@ class RolloutModeConfig:
     mode: str = "sync"
     """sync (generate, then train on it, every step), one_step_off (step k+1's rollout is generated while step k
     trains: every sample is one policy version old) or async (the rollout runs up to max_staleness versions
-    ahead). The RL trainers read it; SFT refuses any mode but sync."""
+    ahead). Only this config reads it (it picks the class :meth:`build_rollout_source` builds); SFT has no such key."""
     max_staleness: int = 1
     """async: the most policy versions a sample may lag the policy it trains (0 reproduces sync bitwise;
     one_step_off is async with 1 and stale_policy=wait)."""
@@ -95,3 +102,43 @@ class RolloutModeConfig:
     def staleness_bound(self) -> int:
         """The most versions a trained sample may lag (0 in sync mode)."""
         return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
+
+    def check_estimator(self, estimator: Any) -> None:
+        """Refuse what cannot run beside a generating rollout: an estimator that generates inside the step (remax's
+        greedy baseline would need the busy rollout)."""
+        if self.mode != "sync" and estimator.needs_greedy_baseline:
+            raise ValueError(
+                f"trainer.mode={self.mode} with an estimator that generates a greedy baseline inside the step "
+                "(remax): use trainer.mode=sync or another algorithm.adv_estimator"
+            )
+
+    def build_rollout_source(
+        self,
+        *,
+        sampler: RolloutSampler,
+        weights: WeightSync,
+        draw: Draw,
+        replicas: Any,
+        prompts_per_rank: int,
+        total_steps: int,
+        n: int,
+        free_cache: bool,
+    ) -> RolloutSource:
+        """The trainer's rollout source: :class:`~.modes.SyncRollouts` for sync, :class:`~.modes.RolloutAhead`
+        (generating ``lookahead`` batches ahead on a background thread) for one_step_off and async."""
+        from .modes import RolloutAhead, SyncRollouts
+
+        if self.mode == "sync":
+            return SyncRollouts(sampler=sampler, weights=weights, draw=draw, free_cache=free_cache)
+        return RolloutAhead(
+            lookahead=self.lookahead,
+            bound=self.staleness_bound,
+            threads=self.rollout_threads,
+            sampler=sampler,
+            weights=weights,
+            draw=draw,
+            replicas=replicas,
+            prompts_per_rank=prompts_per_rank,
+            total_steps=total_steps,
+            n=n,
+        )

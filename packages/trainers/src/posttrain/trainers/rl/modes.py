@@ -1,4 +1,10 @@
-"""``trainer.mode=one_step_off|async``: the rollout generates ahead of training, in a background thread.
+"""Rollout sources: where each step's rollouts come from, one class per ``trainer.mode``.
+
+:class:`SyncRollouts` (``sync``) generates a step's batch when the step asks for it; :class:`RolloutAhead`
+(``one_step_off``, ``async``) has the rollout generate ahead of training, in a background thread. Both offer the
+trainer the same calls (``start``, ``next_batch``, ``sleep``, ``after_update``, ``before_validate``, ``save``,
+``restore``, ``close``) and are built by :meth:`.mode_config.RolloutModeConfig.build_rollout_source` from the
+pieces they drive (:mod:`.generation`), never from the trainer.
 
 The rollout runs its jobs (weight pushes and generations) one at a time, in submission order, on one worker
 thread (:class:`RolloutWorker`); torch releases the GIL inside its ops, so a colocated HF rollout on a CPU
@@ -33,20 +39,29 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from posttrain.ckpt import load_trainer_state
 from posttrain.core.weight_sync import WeightSyncError
+
+from .. import distributed as pdist
+from .buffer import Group, RolloutBuffer, merge_groups, split_groups, staleness_metrics
+from .generation import RolloutSampler, WeightSync
+from .step_metrics import extra_means
 
 if TYPE_CHECKING:
     from posttrain.core.rollout import BaseRollout
 
     from ..config import PostTrainConfig
 
-from .buffer import Group, RolloutBuffer, split_groups, staleness_metrics
+Draw = Callable[[], tuple[int, list]]
+"""() -> (epoch, this rank's prompts) of the sampler's next batch."""
 
 
 class RolloutWorker:
@@ -88,39 +103,67 @@ class Pending:
     """The worker's result on the generating rank; None on the other ranks of a replica group."""
 
 
-def push_weights(rollout: Any, snapshot: list, peft_config: Any, base_sync_done: bool, version: int) -> float:
-    """Worker job: load a weight snapshot into the rollout; returns its seconds."""
-    start = time.perf_counter()
-    rollout.wake_up(["weights"])
-    rollout.update_weights(
-        iter(snapshot), peft_config=peft_config, base_sync_done=base_sync_done, version=version
-    )
-    rollout.wake_up(["kv_cache"])
-    return time.perf_counter() - start
+class SyncRollouts:
+    """``trainer.mode=sync``: each step draws its prompts and generates them now, from the weights the previous
+    step synced; after the actor's update the new weights go straight into the rollout."""
 
+    def __init__(self, *, sampler: RolloutSampler, weights: WeightSync, draw: Draw, free_cache: bool) -> None:
+        self.sampler, self.weights, self.draw, self.free_cache = sampler, weights, draw, free_cache
 
-def generate_at(trainer: Any, prompts: list, index: int, version: int) -> tuple:
-    """Worker job: sample and score batch ``index``, after checking that the rollout serves ``version``."""
-    served = trainer.rollout.weight_version()
-    if served != version:
-        raise WeightSyncError(
-            f"batch {index} was queued for weight version {version} but the rollout serves {served}: a queued "
-            "push did not take effect"
-        )
-    return trainer.sample_and_score(prompts, validate=False, step=index)
+    def start(self, version: int) -> None:
+        """Nothing runs ahead: the first step generates from the weights synced at start-up."""
+
+    def next_batch(self, step: int, timer: Any) -> tuple[list | None, dict[str, Any], dict[str, float]]:
+        """(prompts, rollouts: samples, scores, sources, reward extras, epoch, metrics) of step ``step``."""
+        epoch, prompts = self.draw()
+        with timer("gen"):
+            samples, scores, sources, extras = self.sampler.generate(prompts, step)
+        return prompts, dict(samples=samples, scores=scores, sources=sources, extras=extras, epoch=epoch), {}
+
+    def sleep(self) -> dict[str, float]:
+        """Free the rollout's memory for the update (``rollout.free_cache_engine``)."""
+        return self.weights.sleep_rollout() if self.free_cache else {}
+
+    def after_update(self, step: int) -> dict[str, float]:
+        """Sync the updated weights (version ``step + 1``) into the rollout."""
+        return self.weights.sync(version=step + 1)
+
+    def before_validate(self, step: int) -> None:
+        """The rollout already serves the current weights."""
+
+    def save(self, ckpt: Any, step: int) -> None:
+        """Nothing is in flight between steps."""
+
+    def restore(self, path: Path) -> None:
+        """Nothing to restore."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
 
 
 class RolloutAhead:
-    """Keeps the rollout generating ``lookahead`` batches ahead of training (see the module docstring).
+    """``trainer.mode=one_step_off|async``: keeps the rollout generating ``lookahead`` batches ahead of training
+    (see the module docstring). Built from the pieces it drives: the weight path (``weights``), the scored
+    sampling (``sampler``), the next prompts (``draw``) and the replica group (``replicas``)."""
 
-    ``trainer`` provides ``cfg``, ``rollout``, ``replicas``, ``total_steps``, ``draw_prompts()``,
-    ``sample_and_score(prompts, validate, step)`` and ``weight_snapshot()``."""
-
-    def __init__(self, trainer: Any) -> None:
-        cfg = trainer.cfg.trainer
-        self.trainer, self.lookahead, self.bound = trainer, cfg.lookahead, cfg.staleness_bound
-        self.n = trainer.cfg.rollout.n
-        self.worker = RolloutWorker(cfg.rollout_threads)
+    def __init__(
+        self,
+        *,
+        lookahead: int,
+        bound: int,
+        threads: int,
+        sampler: RolloutSampler,
+        weights: WeightSync,
+        draw: Draw,
+        replicas: Any,
+        prompts_per_rank: int,
+        total_steps: int,
+        n: int,
+    ) -> None:
+        self.lookahead, self.bound, self.n = lookahead, bound, n
+        self.sampler, self.weights, self.draw, self.replicas = sampler, weights, draw, replicas
+        self.per_batch, self.total_steps = prompts_per_rank, total_steps
+        self.worker = RolloutWorker(threads)
         self.buffer = RolloutBuffer()
         self.pending: deque[Pending] = deque()
         self.launched = 0
@@ -137,38 +180,46 @@ class RolloutAhead:
     @property
     def taken(self) -> int:
         """Batches whose groups have all left the buffer (trained or dropped)."""
-        return self.popped // self.trainer.prompts_per_rank
+        return self.popped // self.per_batch
 
     def start(self, version: int) -> None:
         """The rollout serves ``version`` (synced directly at start-up); without a restored state, the next
         batch is the one of step ``version``."""
         self.version = version
         if not self.restored:
-            self.launched, self.popped = version, version * self.trainer.prompts_per_rank
+            self.launched, self.popped = version, version * self.per_batch
 
     # ------------------------------------------------------------------ scheduling
     def _push(self, version: int) -> None:
         if self.version >= version:
             return
-        snapshot, peft_config, base_done = self.trainer.weight_snapshot()
-        args = (self.trainer.rollout, snapshot, peft_config, base_done, version)
-        self.push_s.append(self.worker.submit(push_weights, *args))
+        self.push_s.append(self.worker.submit(self.weights.push, *self.weights.snapshot(), version))
         self.version = version
 
+    def _generate_at(self, prompts: list, index: int, version: int) -> tuple:
+        """Worker job: sample and score batch ``index``, after checking that the rollout serves ``version``."""
+        served = self.weights.served()
+        if served != version:
+            raise WeightSyncError(
+                f"batch {index} was queued for weight version {version} but the rollout serves {served}: a "
+                "queued push did not take effect"
+            )
+        return self.sampler.sample_and_score(prompts, index)
+
     def _top_up(self) -> None:
-        last = self.trainer.total_steps + self.buffer.dropped // self.trainer.prompts_per_rank
+        last = self.total_steps + self.buffer.dropped // self.per_batch
         while self.launched - self.taken <= self.lookahead and self.launched < last:
-            epoch, prompts = self.trainer.draw_prompts()
+            epoch, prompts = self.draw()
             future = None
-            if self.trainer.replicas.is_src:
-                future = self.worker.submit(generate_at, self.trainer, prompts, self.launched, self.version)
+            if self.replicas.is_src:
+                future = self.worker.submit(self._generate_at, prompts, self.launched, self.version)
             self.pending.append(Pending(self.launched, self.version, epoch, future))
             self.launched += 1
 
     def _harvest(self) -> None:
         job = self.pending.popleft()
         result = job.future.result() if job.future is not None else None
-        samples, scores, sources, extras = self.trainer.replicas.broadcast(result)
+        samples, scores, sources, extras = self.replicas.broadcast(result)
         self.buffer.extend(
             split_groups(samples, scores, sources, extras, n=self.n, version=job.version, epoch=job.epoch)
         )
@@ -180,8 +231,7 @@ class RolloutAhead:
         self._mark = (now, self.worker.busy_s)
         self._push(step)
         dropped_before, groups, wait = self.buffer.dropped, [], 0.0
-        per_batch = self.trainer.prompts_per_rank
-        while len(groups) < per_batch:
+        while len(groups) < self.per_batch:
             self._top_up()
             if not self.buffer:
                 start = time.perf_counter()
@@ -197,6 +247,14 @@ class RolloutAhead:
         metrics.update(self._timing(wait, rollout_idle))
         return groups, metrics
 
+    def next_batch(self, step: int, timer: Any) -> tuple[list | None, dict[str, Any], dict[str, float]]:
+        """(None: the prompts were drawn when queued, rollouts with their versions, metrics) of step ``step``,
+        from the buffer."""
+        groups, metrics = self.next_groups(step)
+        rollouts = merge_groups(groups)
+        rollouts["extras"] = extra_means(rollouts["extras"])
+        return None, rollouts, metrics
+
     def _timing(self, wait: float, rollout_idle: float) -> dict[str, float]:
         """The same keys on every rank and step (the trainer all-reduces them by key)."""
         done = [f for f in self.push_s if f.done()]
@@ -208,9 +266,17 @@ class RolloutAhead:
             "perf/rollout_idle_s": rollout_idle,
         }
 
+    def sleep(self) -> dict[str, float]:
+        """Never: the rollout generates while the actor trains."""
+        return {}
+
+    def after_update(self, step: int) -> dict[str, float]:
+        """Nothing now: the next step queues the push of the updated weights."""
+        return {}
+
     def drain(self, version: int | None = None) -> None:
         """Wait for every queued job (their batches go to the buffer); with ``version``, push it first, so the
-        rollout serves it afterwards (validation)."""
+        rollout serves it afterwards."""
         if version is not None:
             self._push(version)
         while self.pending:
@@ -218,6 +284,12 @@ class RolloutAhead:
         for f in self.push_s:
             f.result()
         self.push_s = []
+        if version is not None:
+            self.weights.version = version
+
+    def before_validate(self, step: int) -> None:
+        """The rollout finishes its queue, then serves the weights of step ``step``."""
+        self.drain(version=step)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -230,8 +302,24 @@ class RolloutAhead:
         self.buffer.load_state_dict(state["buffer"])
         self.launched, self.popped, self.restored = int(state["launched"]), int(state["popped"]), True
 
+    def save(self, ckpt: Any, step: int) -> None:
+        """Write this rank's generated, not yet trained groups with their versions into step ``step``'s
+        checkpoint (``ckpt`` is the run's CheckpointManager)."""
+        self.drain()
+        ckpt.save_trainer_state(step, {"rollout_ahead": self.state_dict()}, per_rank=True)
+
+    def restore(self, path: Path) -> None:
+        """Load this rank's groups and counters from the checkpoint at ``path`` (when it holds them)."""
+        if (path / f"data_rank_{pdist.rank()}.pt").is_file():
+            self.load_state_dict(load_trainer_state(path, rank=pdist.rank())["rollout_ahead"])
+
     def close(self) -> None:
         self.worker.close()
+
+
+RolloutSource = SyncRollouts | RolloutAhead
+"""What the trainer calls for each step's rollouts; :meth:`.mode_config.RolloutModeConfig.build_rollout_source`
+picks one."""
 
 
 def build_rollout(cfg: PostTrainConfig, device: Any) -> BaseRollout:
@@ -265,13 +353,3 @@ def rollout_device(devices: list[str]) -> str:
             "process(es) on this node: give one device per process (indexed by the local rank)"
         )
     return devices[int(os.environ.get("LOCAL_RANK", "0"))]
-
-
-def check_mode_supported(cfg: Any, estimator: Any) -> None:
-    """Refuse what cannot run beside a generating rollout: an estimator that generates inside the step (remax's
-    greedy baseline would need the busy rollout)."""
-    if cfg.mode != "sync" and estimator.needs_greedy_baseline:
-        raise ValueError(
-            f"trainer.mode={cfg.mode} with an estimator that generates a greedy baseline inside the step (remax): "
-            "use trainer.mode=sync or another algorithm.adv_estimator"
-        )

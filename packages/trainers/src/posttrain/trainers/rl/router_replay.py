@@ -29,21 +29,19 @@ from posttrain.core import BaseEngine, PackedBatch
 FIELD = "routed_experts"
 
 
-def replay_mode(cfg: Any, engine_cls: type[BaseEngine]) -> str:
-    """The actor's ``router_replay.mode`` (``disabled``, ``R2`` or ``R3``) once the run is known to support
-    it (``engine_cls`` is the actor's engine class, from the registry); a ValueError naming the fix
-    otherwise."""
-    mode = cfg.actor.engine.router_replay.mode
+def replay_mode(mode: str, engine_cls: type[BaseEngine], return_routed_experts: bool) -> str:
+    """The actor's ``router_replay.mode`` (``disabled``, ``R2`` or ``R3``) once the run is known to support it:
+    ``engine_cls`` (the actor's engine class) declares ``supports_router_replay``, and R3 has a rollout that
+    records the experts (``rollout.return_routed_experts``); a ValueError naming the fix otherwise."""
     if mode == "disabled":
         return mode
-    strategy = cfg.actor.engine.strategy
     if not engine_cls.supports_router_replay:
         raise ValueError(
-            f"actor.engine.router_replay.mode={mode} with actor.engine.strategy={strategy}: "
-            f"{engine_cls.__name__} does not replay routing (supports_router_replay is False); use an engine "
-            "that does (model_engine=megatron) or set router_replay.mode=disabled"
+            f"actor.engine.router_replay.mode={mode}: the actor's engine {engine_cls.__name__} does not replay "
+            "routing (supports_router_replay is False); use an engine that does (model_engine=megatron) or set "
+            "router_replay.mode=disabled"
         )
-    if mode == "R3" and not cfg.rollout.return_routed_experts:
+    if mode == "R3" and not return_routed_experts:
         raise ValueError(
             "actor.engine.router_replay.mode=R3 replays the rollout's routing: set "
             "rollout.return_routed_experts=true (the hf rollout records it)"

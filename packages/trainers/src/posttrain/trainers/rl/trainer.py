@@ -36,34 +36,29 @@ from typing import Any
 import torch
 
 from posttrain.ckpt import CheckpointManager, load_trainer_state
-from posttrain.core.weight_sync import WeightSyncError
 
 from .. import distributed as pdist
 from ..algorithms import adv_estimator_traits, get_kl_controller, make_actor_loss, make_critic_loss
 from ..config import PostTrainConfig
 from ..data.sampler import StatefulSampler, rank_slice
 from ..loop import StepLoop
+from ..model_files import load_tokenizer, require_model_weights
 from ..resume import resume_point
 from ..rewards import RewardManager, reward_metrics
 from ..roles import fill_token_budget
-from ..sft import load_tokenizer, require_model_weights
 from . import phases, router_replay
+from .auto_memory import choose_memory_trades
 from .batch import build_batch
-from .buffer import merge_groups
 from .dataset import PromptDataset
-from .modes import RolloutAhead, build_rollout, check_mode_supported
-from .step_metrics import Timer, extra_means
-
-
-def step_seed(trainer_seed: int, rollout_seed: int, step: int, dp_rank: int) -> int:
-    """The sampling seed of one generate call: a fixed mix of ``trainer.seed``, ``rollout.seed``, the step and the
-    data-parallel rank (``rollout.seed=0``, the default, leaves the mix as it was before the rollout seed joined
-    it)."""
-    return (trainer_seed * 1_000_003 + rollout_seed * 104_729 + step * 7919 + dp_rank * 131) % (2**31)
+from .generation import RolloutSampler, WeightSync
+from .modes import build_rollout
+from .step_metrics import Timer
 
 
 class RLTrainer(StepLoop):
     """PPO / GRPO over registry-built engines and a registry-built rollout."""
+
+    command = "ppo"  # config.yaml names its estimator, so `posttrain ppo --config` reruns a GRPO run too
 
     def __init__(self, cfg: PostTrainConfig) -> None:
         self.cfg = cfg
@@ -74,7 +69,7 @@ class RLTrainer(StepLoop):
         self.use_critic = self.estimator.needs_critic
         self.use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self._check_config()
-        self.tokenizer = load_tokenizer(cfg)
+        self.tokenizer = load_tokenizer(cfg.model)
         self.train_set = PromptDataset(cfg.data.train_files, self.tokenizer, cfg.data)
         self.val_set = (
             PromptDataset(cfg.data.val_files, self.tokenizer, cfg.data, key="data.val_files")
@@ -86,6 +81,7 @@ class RLTrainer(StepLoop):
         )
         steps = cfg.trainer.total_training_steps or self.sampler.steps_per_epoch * cfg.trainer.total_epochs
         self.total_steps = steps
+        choose_memory_trades(cfg, pdist.world_size(), pdist.rank())
         self._build_engines()
         self.dp_size = self.actor.get_data_parallel_size()
         self.dp_rank = self.actor.get_data_parallel_rank()
@@ -93,30 +89,43 @@ class RLTrainer(StepLoop):
         self._check_batch_sizes()
         self.prompts_per_rank = cfg.data.train_batch_size // self.dp_size
         self.rollout = build_rollout(cfg, self.actor.device)
-        self.rewards = RewardManager(cfg.reward)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
         self.actor_loss = make_actor_loss(cfg.actor, loss_scale_factor=float(cfg.rollout.response_length))
         self.critic_loss = make_critic_loss(cfg.critic) if self.use_critic else None
-        self.base_synced = False
-        self.weight_version: int | None = None
+        self.weights = WeightSync(self.actor, self.rollout, cfg.rollout.dtype)
+        self.sampling = self._rollout_sampler()
+        self.source = cfg.trainer.build_rollout_source(
+            sampler=self.sampling,
+            weights=self.weights,
+            draw=self.draw_prompts,
+            replicas=self.replicas,
+            prompts_per_rank=self.prompts_per_rank,
+            total_steps=self.total_steps,
+            n=cfg.rollout.n,
+            free_cache=cfg.rollout.free_cache_engine,
+        )
         self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, cfg.checkpoint)
-        self.ahead = RolloutAhead(self) if cfg.trainer.mode != "sync" else None
         self.global_step = self._resume()
         self.tracker = self.make_tracker()
-        self.sync_weights(version=self.global_step)
-        if self.ahead is not None:
-            self.ahead.start(self.global_step)
+        self.weights.sync(version=self.global_step)
+        self.source.start(self.global_step)
 
     # ------------------------------------------------------------------ set-up
     def _check_config(self) -> None:
         """Refuse, before anything is built, a model path without weights, a router replay mode the actor's
         engine cannot do, or two different prompt lengths; then fill in the micro-batch token budgets."""
         cfg = self.cfg
-        require_model_weights(cfg, rollout_loads_weights=cfg.rollout.load_format != "dummy")
+        require_model_weights(
+            cfg.model, cfg.actor.engine, rollout_loads_weights=cfg.rollout.load_format != "dummy"
+        )
         if self.use_critic and cfg.critic.model.path:
             cfg.critic.model.require_weights("critic.model.path")
-        self.replay_mode = router_replay.replay_mode(cfg, cfg.actor.engine.engine_class("language_model"))
-        check_mode_supported(cfg.trainer, self.estimator)
+        self.replay_mode = router_replay.replay_mode(
+            cfg.actor.engine.router_replay.mode,
+            cfg.actor.engine.engine_class("language_model"),
+            cfg.rollout.return_routed_experts,
+        )
+        cfg.trainer.check_estimator(self.estimator)
         phases.check_behaviour_old_log_probs(cfg.algorithm.rollout_correction, cfg.rollout, self.replay_mode)
         cfg.data.max_prompt_length = cfg.data.prompt_length(cfg.rollout.prompt_length)
         for role in ("actor", "ref", "critic"):
@@ -184,8 +193,7 @@ class RLTrainer(StepLoop):
         state = load_trainer_state(path)
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        if self.ahead is not None and (path / f"data_rank_{pdist.rank()}.pt").is_file():
-            self.ahead.load_state_dict(load_trainer_state(path, rank=pdist.rank())["rollout_ahead"])
+        self.source.restore(path)
         if pdist.rank() == 0:
             print(f"resumed from {path} (step {step})", file=sys.stderr)
         return step
@@ -205,139 +213,38 @@ class RLTrainer(StepLoop):
             step,
             {"global_step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()},
         )
-        if self.ahead is not None:  # this rank's generated, not yet trained groups, with their versions
-            self.ahead.drain()
-            self.ckpt.save_trainer_state(step, {"rollout_ahead": self.ahead.state_dict()}, per_rank=True)
+        self.source.save(self.ckpt, step)  # one_step_off / async: the generated, not yet trained groups
         return self.ckpt.commit(step)
 
-    # ------------------------------------------------------------------ weight sync
-    def sync_weights(self, version: int) -> dict[str, float]:
-        """Stream the actor's weights into the rollout (verified by checksums on the receiving side); ``version``
-        counts the actor's updates so far (the steps done), which the rollout then reports serving."""
-        merge = not getattr(self.rollout, "supports_lora_adapters", False)
-        start = time.perf_counter()
-        self.rollout.wake_up(["weights"])
-        with self.actor.eval_mode():  # as stored: the rollout's sender casts to rollout.dtype while packing
-            stream, peft_config = self.actor.get_per_tensor_param(
-                base_sync_done=self.base_synced, peft_merge=merge
-            )
-            report = self.rollout.update_weights(
-                stream, peft_config=peft_config, base_sync_done=self.base_synced, version=version
-            )
-        self.base_synced = peft_config is not None
-        self.weight_version = version
-        self.rollout.wake_up(["kv_cache"])
-        return {
-            "timing_s/update_weights": time.perf_counter() - start,
-            "sync/tensors": report.num_tensors,
-            "sync/megabytes": report.num_bytes / 2**20,
-        }
-
-    def weight_snapshot(self) -> tuple[list, Any, bool]:
-        """(a copy of the actor's weights as the rollout takes them, peft config, base_sync_done) for a push the
-        rollout's thread runs while the actor trains on (:mod:`.modes`)."""
-        merge = not getattr(self.rollout, "supports_lora_adapters", False)
-        with self.actor.eval_mode():
-            stream, peft_config = self.actor.get_per_tensor_param(
-                base_sync_done=self.base_synced, dtype=self.cfg.rollout.dtype, peft_merge=merge
-            )
-            snapshot = [(name, t.detach().clone()) for name, t in stream]
-        base_done, self.base_synced = self.base_synced, peft_config is not None
-        return snapshot, peft_config, base_done
-
-    def check_weight_version(self) -> None:
-        """Refuse to roll out unless the rollout serves the weights of the last sync (the actor's step)."""
-        served = self.rollout.weight_version()
-        if served != self.weight_version:
-            raise WeightSyncError(
-                f"the rollout serves weight version {served}, but the actor's weights of step "
-                f"{self.weight_version} were synced last: the sync did not take effect, so generating now would "
-                "sample from stale weights"
-            )
-
-    def sleep_rollout(self) -> dict[str, float]:
-        """Free the rollout's memory for training (``rollout.free_cache_engine``): sleep level 2 (weights and KV
-        cache dropped) when the next sync carries every weight, level 1 (weights kept) when it carries a LoRA
-        adapter only."""
-        if not self.cfg.rollout.free_cache_engine or self.ahead is not None:  # it generates while we train
-            return {}
-        self.rollout.sleep(level=1 if self.base_synced else 2)
-        stats = getattr(self.rollout, "memory_stats", {})
-        return {f"rollout/{k}": float(v) for k, v in stats.items()}
-
-    # ------------------------------------------------------------------ generation and rewards
-    def generate(
-        self, prompts: list, validate: bool = False, step: int = 0
-    ) -> tuple[list, list[float], list, dict[str, float]]:
-        """(samples grouped by prompt, scores, data sources, reward extras), made on the replica group's source
-        rank."""
-        result = self._generate(prompts, validate, step) if self.replicas.is_src else None
-        return self.replicas.broadcast(result)
-
-    def _generate(self, prompts: list, validate: bool, step: int) -> tuple[list, list[float], list, dict]:
-        self.check_weight_version()
-        samples, scores, sources, extras = self.sample_and_score(prompts, validate, step)
-        return samples, scores, sources, extra_means(extras)
-
-    def sample_and_score(
-        self, prompts: list, validate: bool, step: int
-    ) -> tuple[list, list[float], list, dict]:
-        """(samples grouped by prompt, scores, data sources, per-sample reward extras), sampled with the seed of
-        ``step``."""
-        sampling = self.cfg.rollout.sampling(validate=validate)
-        sampling.seed = step_seed(self.cfg.trainer.seed, self.cfg.rollout.seed, step, self.dp_rank)
-        sampling.stop_token_ids = (
-            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+    # ------------------------------------------------------------------ rollout
+    def _rollout_sampler(self) -> RolloutSampler:
+        return RolloutSampler(
+            self.rollout,
+            self.tokenizer,
+            RewardManager(self.cfg.reward),
+            self.cfg.rollout,
+            trainer_seed=self.cfg.trainer.seed,
+            dp_rank=self.dp_rank,
+            replicas=self.replicas,
+            weights=self.weights,
         )
-        samples = self.rollout.generate([p.ids for p in prompts], sampling)
-        texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-        owners = [prompts[s.prompt_index] for s in samples]
-        result = self.rewards(
-            [p.data_source for p in owners],
-            texts,
-            [p.ground_truth for p in owners],
-            [p.extra_info for p in owners],
-        )
-        return samples, result.scores, [p.data_source for p in owners], result.extras
 
-    def _greedy_baselines(self, prompts: list, n: int, step: int) -> torch.Tensor:
-        """(B,) the reward of one greedy response per prompt, repeated for its ``n`` samples."""
-        greedy = dataclasses.replace(self.cfg.rollout, temperature=0.0, n=1)
-        saved, self.cfg.rollout = self.cfg.rollout, greedy
-        try:
-            _, scores, _, _ = self.generate(prompts, step=step)
-        finally:
-            self.cfg.rollout = saved
-        return torch.tensor(scores, dtype=torch.float32).repeat_interleave(n)
+    @property
+    def weight_version(self) -> int | None:
+        """The version of the weights last synced into the rollout (the actor's updates so far)."""
+        return self.weights.version
 
     def draw_prompts(self) -> tuple[int, list]:
         """(epoch, this rank's prompts) of the sampler's next batch."""
         epoch, indices = self.sampler.next_batch()
         return epoch, [self.train_set[i] for i in rank_slice(indices, self.dp_rank, self.dp_size)]
 
-    def _rollouts(self, timer: Timer) -> tuple[list, dict[str, Any], dict[str, float]]:
-        """(prompts or None, rollouts: samples, scores, sources, reward extras, epoch, versions or None, metrics):
-        generated now (sync) or taken from the rollout buffer (one_step_off, async)."""
-        if self.ahead is None:
-            epoch, prompts = self.draw_prompts()
-            with timer("gen"):
-                samples, scores, sources, extras = self.generate(prompts, step=self.global_step)
-            return (
-                prompts,
-                dict(samples=samples, scores=scores, sources=sources, extras=extras, epoch=epoch),
-                {},
-            )
-        groups, metrics = self.ahead.next_groups(self.global_step)
-        rollouts = merge_groups(groups)
-        rollouts["extras"] = extra_means(rollouts["extras"])
-        return None, rollouts, metrics
-
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
         cfg, timer = self.cfg, Timer()
         step_start = time.perf_counter()
         n = cfg.rollout.n
-        prompts, got, metrics = self._rollouts(timer)
+        prompts, got, metrics = self.source.next_batch(self.global_step, timer)
         samples, scores, sources, reward_extras = got["samples"], got["scores"], got["sources"], got["extras"]
         uids = [self.dp_rank * self.prompts_per_rank + s.prompt_index for s in samples]
         batch = build_batch(samples, scores, uids, cfg.rollout.temperature)
@@ -357,13 +264,13 @@ class RLTrainer(StepLoop):
                 phases.compute_values(self.critic, batch, self.replicas)
         with timer("adv"):
             baselines = (
-                self._greedy_baselines(prompts, n, self.global_step)
+                self.sampling.greedy_baselines(prompts, n, self.global_step)
                 if self.estimator.needs_greedy_baseline
                 else None
             )
             metrics.update(phases.compute_advantages(batch, cfg.algorithm, self.kl_ctrl, baselines))
         with timer("sleep"):
-            metrics.update(self.sleep_rollout())
+            metrics.update(self.source.sleep())
         metrics.update(self._update_models(batch, timer))
         metrics.update(timer)
         metrics.update(self._batch_metrics(batch, scores, sources, uids, time.perf_counter() - step_start))
@@ -418,8 +325,7 @@ class RLTrainer(StepLoop):
                     **common,
                 )
             )
-        if self.ahead is None:  # otherwise the next step queues the push (see .modes)
-            metrics.update(self.sync_weights(version=self.global_step + 1))
+        metrics.update(self.source.after_update(self.global_step))
         return metrics
 
     def _batch_metrics(self, batch, scores, sources, uids, step_s: float) -> dict[str, float]:
@@ -453,15 +359,12 @@ class RLTrainer(StepLoop):
         """Greedy (rollout.val_temperature) reward over the whole validation set."""
         if self.val_set is None:
             return {}
-        if self.ahead is not None:  # the rollout finishes its queue, then serves the current weights
-            self.ahead.drain(version=self.global_step)
-            self.weight_version = self.global_step
+        self.source.before_validate(self.global_step)
         mine = [self.val_set[i] for i in range(len(self.val_set))][self.dp_rank :: self.dp_size]
-        _, scores, sources, _ = self.generate(mine, validate=True) if mine else ([], [], [], {})
+        _, scores, sources, _ = self.sampling.generate(mine, validate=True) if mine else ([], [], [], {})
         total, count = pdist.all_reduce([sum(scores), len(scores)])
         return {"val/reward/mean": total / max(count, 1.0)}
 
     def release(self) -> None:
-        if self.ahead is not None:
-            self.ahead.close()
+        self.source.close()
         self.rollout.release()

@@ -1,0 +1,153 @@
+"""Memory-for-speed trades chosen from the model's size and the free device memory, where the user left them unset.
+
+A config value of ``None`` (``null`` in YAML or on the command line) means "choose"; an explicit value is always
+taken as given. Each choice comes with the reason, in bytes, which the caller logs:
+
+- :func:`choose_gradient_checkpointing`: recompute activations only when one micro-batch's saved activations
+  (``max_token_len_per_gpu`` tokens) would not fit beside the training state in the free memory.
+- :func:`choose_ref_offload`: keep the reference model on the device unless, with it there, the rollout's share of
+  the memory left could not hold its weights and the KV cache of one generate call.
+- :func:`choose_max_num_seqs`: let vLLM schedule every sequence of one generate call at once (at most 1024).
+
+The byte counts are estimates for a dense decoder (Qwen2/Llama layout) in bf16 with an fp32 master copy and Adam:
+per token and layer the saved activations of attention and a gated MLP (``2 * (10 * hidden + 4 * intermediate)``
+bytes), one fp32 row of logits per token, and 16 bytes of training state per parameter, sharded over the ranks.
+They aim to be within a factor of two, with :data:`HEADROOM` of the free memory kept back for what they miss.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+HEADROOM = 0.8
+"""Share of the free memory a choice may plan to use; the rest absorbs the estimates' error and fragmentation."""
+MAX_SEQS = 1024
+"""The most sequences :func:`choose_max_num_seqs` lets vLLM run at once."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The sizes of a dense decoder that the estimates need (from its Hugging Face ``config.json``)."""
+
+    params: int
+    """Parameter count."""
+    layers: int
+    """Decoder layers."""
+    hidden: int
+    """Hidden size."""
+    intermediate: int
+    """MLP inner size."""
+    vocab: int
+    """Vocabulary size."""
+    kv_bytes_per_token: int
+    """KV-cache bytes per token in bf16 (keys and values of every layer)."""
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> ModelShape:
+        """The shape of a ``config.json``'s dense decoder (text config of a multimodal one)."""
+        c = config.get("text_config", config)
+        hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+        heads = c["num_attention_heads"]
+        kv_heads = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or hidden // heads
+        inter = c.get("intermediate_size") or 4 * hidden
+        attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+        embed = vocab * hidden * (1 if c.get("tie_word_embeddings", False) else 2)
+        params = embed + layers * (attn + 3 * hidden * inter + 2 * hidden)
+        return cls(
+            params=params,
+            layers=layers,
+            hidden=hidden,
+            intermediate=inter,
+            vocab=vocab,
+            kv_bytes_per_token=2 * layers * kv_heads * head_dim * 2,
+        )
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelShape:
+        """The shape of the model directory ``path`` (its ``config.json``)."""
+        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+
+    def train_state_bytes(self, world: int) -> int:
+        """fp32 master weights, fp32 gradients and Adam's two moments, sharded over ``world`` ranks."""
+        return 16 * self.params // max(world, 1)
+
+    def activation_bytes(self, tokens: int, checkpointing: bool) -> int:
+        """Saved activations of one micro-batch of ``tokens`` tokens plus its fp32 logits; with checkpointing
+        each layer keeps its input and one layer's activations live at a time."""
+        per_layer = 2 * (10 * self.hidden + 4 * self.intermediate) * tokens
+        kept = (
+            (self.layers * 2 * self.hidden * tokens + per_layer) if checkpointing else self.layers * per_layer
+        )
+        return kept + 4 * self.vocab * tokens
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A chosen value and why."""
+
+    value: object
+    reason: str
+
+    def line(self, key: str) -> str:
+        """``key=value (reason)``, for the run's log."""
+        return f"{key}={self.value} (chosen: {self.reason})"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def choose_gradient_checkpointing(shape: ModelShape, tokens: int, free_bytes: int, world: int = 1) -> Choice:
+    """Off when the training state and one ``tokens``-token micro-batch's activations without recomputation fit
+    in :data:`HEADROOM` of ``free_bytes``; on otherwise."""
+    state = shape.train_state_bytes(world)
+    need = state + shape.activation_bytes(tokens, checkpointing=False)
+    budget = int(HEADROOM * free_bytes)
+    if need <= budget:
+        return Choice(
+            False,
+            f"state {_gib(state)} + activations of {tokens} tokens = {_gib(need)} fit in "
+            f"{_gib(budget)} ({HEADROOM:.0%} of {_gib(free_bytes)} free)",
+        )
+    return Choice(
+        True,
+        f"state + activations of {tokens} tokens = {_gib(need)} exceed {_gib(budget)} "
+        f"({HEADROOM:.0%} of {_gib(free_bytes)} free)",
+    )
+
+
+def choose_ref_offload(
+    shape: ModelShape, free_bytes: int, world: int, rollout_share: float, rollout_tokens: int
+) -> Choice:
+    """Keep the bf16 reference on the device (False) when, with it and the actor's training state there, the
+    rollout's share (``rollout_share`` of the memory left) still holds the rollout's bf16 weights and the KV
+    cache of ``rollout_tokens`` tokens (one generate call's prompts and responses) with room to spare."""
+    ref = 2 * shape.params // max(world, 1)
+    left = free_bytes - shape.train_state_bytes(world) - ref
+    need = 2 * shape.params + shape.kv_bytes_per_token * rollout_tokens
+    share = int(rollout_share * max(left, 0))
+    if need <= HEADROOM * share:
+        return Choice(
+            False,
+            f"with the reference ({_gib(ref)}) on the device the rollout's {_gib(share)} "
+            f"hold its weights and the KV cache of {rollout_tokens} tokens ({_gib(need)})",
+        )
+    return Choice(
+        True,
+        f"with the reference ({_gib(ref)}) on the device the rollout's {_gib(share)} would "
+        f"not hold its weights and the KV cache of {rollout_tokens} tokens ({_gib(need)})",
+    )
+
+
+def choose_max_num_seqs(sequences: int) -> Choice:
+    """Every sequence of one generate call (``sequences``: prompts per rank x responses per prompt) at once,
+    rounded up to a multiple of 16 (vLLM's CUDA-graph batch sizes step by 16 above 256), at most
+    :data:`MAX_SEQS`."""
+    if sequences < 1:
+        raise ValueError(f"sequences={sequences}: a generate call brings at least one sequence")
+    value = min(-(-sequences // 16) * 16, MAX_SEQS)
+    why = "all at once" if value >= sequences else f"capped at {MAX_SEQS}"
+    return Choice(value, f"one generate call brings {sequences} sequences per rank: {why}")

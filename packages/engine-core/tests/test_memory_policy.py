@@ -1,0 +1,75 @@
+"""The memory-for-speed policy: byte counts against hand arithmetic, and each choice flipping where its budget
+says it should."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posttrain.core.memory_policy import (
+    HEADROOM,
+    ModelShape,
+    choose_gradient_checkpointing,
+    choose_max_num_seqs,
+    choose_ref_offload,
+)
+
+GiB = 2**30
+# Qwen2.5-0.5B's config.json fields (tied embeddings)
+QWEN_05B = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    vocab_size=151936,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    tie_word_embeddings=True,
+)
+
+
+def test_shape_counts_qwen_05b_parameters_and_kv_bytes(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_05B))
+    shape = ModelShape.from_path(tmp_path)
+    # 494,032,768 parameters in the real model (its q/k/v biases, 1,536 per layer... left out here)
+    assert abs(shape.params - 494_032_768) / 494_032_768 < 0.002
+    assert shape.kv_bytes_per_token == 2 * 24 * 2 * 64 * 2  # K and V, 24 layers, 2 heads of 64, bf16
+    assert shape.train_state_bytes(world=2) == 16 * shape.params // 2
+
+
+def test_activation_bytes_by_hand() -> None:
+    s = ModelShape(params=0, layers=3, hidden=10, intermediate=20, vocab=7, kv_bytes_per_token=0)
+    per_layer = 2 * (10 * 10 + 4 * 20) * 5  # 5 tokens
+    assert s.activation_bytes(5, checkpointing=False) == 3 * per_layer + 4 * 7 * 5
+    assert s.activation_bytes(5, checkpointing=True) == 3 * 2 * 10 * 5 + per_layer + 4 * 7 * 5
+
+
+def test_checkpointing_turns_on_exactly_past_the_budget() -> None:
+    s = ModelShape.from_hf_config(QWEN_05B)
+    tokens = 16384
+    need = s.train_state_bytes(1) + s.activation_bytes(tokens, checkpointing=False)
+    free_fits = int(need / HEADROOM) + 16
+    assert choose_gradient_checkpointing(s, tokens, free_fits).value is False
+    assert choose_gradient_checkpointing(s, tokens, free_fits - 64).value is True
+    # an H200's free memory holds the 0.5B shape's 16k-token micro-batch without recomputation
+    off = choose_gradient_checkpointing(s, tokens, 139 * GiB)
+    assert off.value is False and "fit in" in off.reason
+    assert choose_gradient_checkpointing(s, tokens, 40 * GiB).value is True
+
+
+def test_ref_offload_only_when_the_rollout_would_not_fit() -> None:
+    s = ModelShape.from_hf_config(QWEN_05B)
+    tokens = 640 * 1536  # 128 prompts x 5 responses x (512 + 1024) tokens
+    keep = choose_ref_offload(s, 139 * GiB, world=1, rollout_share=0.6, rollout_tokens=tokens)
+    assert keep.value is False
+    assert choose_ref_offload(s, 20 * GiB, world=1, rollout_share=0.6, rollout_tokens=tokens).value is True
+
+
+@pytest.mark.parametrize(("seqs", "want"), [(1, 16), (640, 640), (641, 656), (256, 256), (5000, 1024)])
+def test_max_num_seqs_covers_one_generate_call(seqs: int, want: int) -> None:
+    assert choose_max_num_seqs(seqs).value == want
+
+
+def test_max_num_seqs_refuses_an_empty_call() -> None:
+    with pytest.raises(ValueError, match="sequences=0"):
+        choose_max_num_seqs(0)

@@ -1,0 +1,1 @@
+"""TorchTitan training engine (torchtitan models and parallelisms over Hugging Face checkpoints) for posttrain."""

@@ -1,0 +1,86 @@
+"""``TorchTitanEngineConfig``: the torchtitan engine's knobs on top of the shared :class:`EngineConfig`.
+
+Registered as backend ``torchtitan`` (entry-point group ``posttrain.engines``); :meth:`build` returns the
+engine, initialised. This module imports only engine-core's config (no torchtitan). Parallelisms torchtitan 0.3.0 has but this engine does not
+drive yet (tensor, pipeline, context and expert parallelism) are fields that accept 1 and refuse anything else by
+name, so a run asking for them stops before any work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from posttrain.core.config.engine import EngineConfig, normalize_dtype
+
+AC_MODES = ("none", "full", "selective")
+
+
+@dataclass(kw_only=True)
+class TorchTitanEngineConfig(EngineConfig):
+    """torchtitan's Qwen3 / Llama-3 models sharded by torchtitan's own FSDP2 (HSDP) function."""
+
+    engines: ClassVar[dict[str, str]] = {
+        "language_model": "posttrain.torchtitan.engine:TorchTitanLanguageModelEngine",
+    }
+
+    strategy: str | None = "torchtitan"
+    """Always ``torchtitan`` (the backend name)."""
+    fsdp_size: int = -1
+    """Shard group size; -1 shards over all ranks, a smaller divisor of the world size gives HSDP (replicate x
+    shard), as torchtitan's ``data_parallel_shard_degree``."""
+    model_dtype: str = "fp32"
+    """Dtype of the master parameters (the optimizer's copy); FSDP2 computes in ``dtype``."""
+    reshard_after_forward: str = "default"
+    """torchtitan's ``fsdp_reshard_after_forward`` policy: ``default`` (every block but the last), ``always`` or
+    ``never``."""
+    activation_checkpointing: str | None = None
+    """torchtitan's activation checkpointing of each block: ``none``, ``full`` (recompute the block) or
+    ``selective`` (save the matmul outputs, recompute the rest); null follows
+    ``model.enable_gradient_checkpointing`` (full when true, none when false)."""
+    compile: bool = False
+    """``torch.compile`` each transformer block (torchtitan's ``apply_compile``); the first steps pay for it."""
+    use_torch_compile: bool = True
+    """Compile the log-prob/entropy head's per-chunk function on CUDA."""
+    entropy_checkpointing: bool = True
+    """Recompute each head chunk's fp32 softmax in backward instead of keeping it."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.strategy != "torchtitan":
+            raise ValueError(
+                f"TorchTitanEngineConfig.strategy={self.strategy!r}: it is always torchtitan (another backend "
+                "has its own engine config class)"
+            )
+        self.model_dtype = normalize_dtype(self.model_dtype, "engine.model_dtype")
+        if self.fsdp_size == 0 or self.fsdp_size < -1:
+            raise ValueError(f"engine.fsdp_size={self.fsdp_size}: use -1 (all ranks) or a positive divisor")
+        if self.reshard_after_forward not in ("default", "always", "never"):
+            raise ValueError(
+                f"engine.reshard_after_forward={self.reshard_after_forward!r}: use default, always or never"
+            )
+        if self.activation_checkpointing is not None and self.activation_checkpointing not in AC_MODES:
+            raise ValueError(
+                f"engine.activation_checkpointing={self.activation_checkpointing!r}: use one of "
+                f"{', '.join(AC_MODES)}"
+            )
+
+    def check_world_size(self, world_size: int) -> int:
+        """Check ``fsdp_size`` divides ``world_size``; every rank is a data-parallel rank."""
+        if 0 < self.fsdp_size < world_size and world_size % self.fsdp_size:
+            raise ValueError(
+                f"engine.fsdp_size={self.fsdp_size} does not divide the world size {world_size}: use a "
+                f"divisor of {world_size} or -1"
+            )
+        if self.fsdp_size == 1 and world_size > 1:
+            raise ValueError(
+                f"engine.fsdp_size=1 on {world_size} ranks is pure replication, where FSDP2 (torch 2.14) "
+                "divides the gradients twice: use a shard group of at least 2 ranks (or -1)"
+            )
+        return world_size
+
+    def ac_mode(self, enable_gradient_checkpointing: bool) -> str:
+        """The activation checkpointing mode in force (see :attr:`activation_checkpointing`)."""
+        if self.activation_checkpointing is not None:
+            return self.activation_checkpointing
+        return "full" if enable_gradient_checkpointing else "none"

@@ -1,0 +1,408 @@
+"""The torchtitan engine: torchtitan's Qwen3 / Llama-3 model for an HF checkpoint behind posttrain's BaseEngine.
+
+Layout. Under ``torchrun`` (``WORLD_SIZE`` set) the engine initialises the default process group if the caller
+has not (NCCL on CUDA, gloo on CPU) and shards with torchtitan's FSDP2 function over all ranks, or HSDP when
+``0 < fsdp_size < world``; every rank is a data-parallel rank. In a plain process it runs the unsharded model
+(autocast to ``dtype`` when that differs from ``model_dtype``).
+
+A step. ``forward_backward_batch`` splits the packed batch into micro-batches (by token budget with
+``use_dynamic_bsz``, else by count), runs every rank through the same number of them (zero-weighted 2-token
+filler passes on a rank with fewer), and hands each micro-batch's outputs to the loss function with the step's
+global token counts (:func:`posttrain.core.loss_context`). The model sees one packed row with positions that
+restart per document and torchtitan's varlen metadata (:mod:`posttrain.torchtitan.attention`); its output layer
+returns next-token log-probs (and entropy on request) chunk by chunk (:mod:`posttrain.torchtitan.head`).
+``optimizer_step`` clips to ``clip_grad`` and skips the update on a non-finite norm; the LR follows
+``OptimizerConfig.lr_multiplier`` through ``LambdaLR``.
+
+Names. Weights load from the HF safetensors, stream to the rollout and go into checkpoints through the HF-named
+view of the model (:func:`posttrain.torchtitan.modeling.hf_view`), so checkpoints have the FSDP engine's layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.core.batch import LossFn, PackedBatch, loss_context, make_micro_batches, restore_order
+from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+from posttrain.core.determinism import enable_full_determinism
+from posttrain.core.engine import BaseEngine, PerTensorParams
+
+from . import modeling, parallel
+from .attention import inner_attention_config, packed_metadata
+from .config import TorchTitanEngineConfig
+from .head import HeadRequest, align_to_tokens
+
+logger = logging.getLogger(__name__)
+
+
+def ensure_process_group() -> bool:
+    """Initialise the default group under torchrun if nobody has; True when a group exists."""
+    if not dist.is_available():
+        return False
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return dist.is_initialized()
+
+
+class HFConfig(SimpleNamespace):
+    """An HF ``config.json`` as attributes; ``save_pretrained`` writes it back (what checkpoints call)."""
+
+    def save_pretrained(self, out_dir: str) -> None:
+        Path(out_dir, "config.json").write_text(json.dumps(vars(self), indent=2, sort_keys=True) + "\n")
+
+
+def read_hf_config(model_config: ModelConfig) -> HFConfig:
+    """``config.json`` of ``model.path`` with ``model.override_config`` applied."""
+    model_config.require_weights()
+    path = Path(model_config.path) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model.path={model_config.path!r} has no config.json: point it at an HF model dir")
+    return HFConfig(**(json.loads(path.read_text()) | dict(model_config.override_config)))
+
+
+def check_model_config(model_config: ModelConfig) -> None:
+    """Refuse what this engine cannot do with the model, before any work."""
+    if model_config.lora_rank > 0:
+        raise ValueError(
+            f"model.lora_rank={model_config.lora_rank}: the torchtitan engine has no LoRA (torchtitan 0.3.0's "
+            "models have no adapters); set model.lora_rank=0, or use model_engine=fsdp2 for LoRA"
+        )
+    modeling.check_supported(read_hf_config(model_config))
+
+
+def read_hf_weights(model_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the model directory's safetensors files, by HF name."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors weights: the torchtitan engine loads safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+class TorchTitanLanguageModelEngine(BaseEngine):
+    """Causal LM: ``log_probs`` (and ``entropy`` when ``batch.meta['calculate_entropy']``) per token."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        engine_config: TorchTitanEngineConfig,
+        optimizer_config: OptimizerConfig,
+        checkpoint_config: CheckpointConfig,
+    ) -> None:
+        if not isinstance(engine_config, TorchTitanEngineConfig):
+            raise ValueError(
+                f"the torchtitan engine needs a TorchTitanEngineConfig, got {type(engine_config).__name__}: "
+                "set model_engine=torchtitan"
+            )
+        check_model_config(model_config)
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+        self.engine_config: TorchTitanEngineConfig = engine_config
+        self.module: torch.nn.Module | None = None
+        self.hf_module: torch.nn.Module | None = None
+        """The HF-named view of :attr:`module` (same parameters)."""
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: Any = None
+        self.hf_config: Any = None
+        self.device_mesh: Any = None
+        self.distributed = False
+        self._tied: set[str] = set()
+        self._device = torch.device("cpu")
+
+    # ------------------------------------------------------------------ construction
+    def initialize(self) -> None:
+        cfg = self.engine_config
+        if cfg.full_determinism:
+            enable_full_determinism(cfg.seed)
+        self.distributed = ensure_process_group()
+        if self.distributed:
+            cfg.check_world_size(dist.get_world_size())
+        if torch.cuda.is_available():
+            self._device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self._device)
+        self.hf_config = read_hf_config(self.model_config)
+        model = modeling.build_model(self.hf_config, inner_attention_config(self._device))
+        self.hf_module = modeling.hf_view(model, self.hf_config.model_type)
+        self._tied = {"lm_head.weight"} if model.enable_weight_tying else set()
+        model.lm_head.use_compile = cfg.use_torch_compile
+        parallel.apply_activation_checkpointing(
+            model, cfg.ac_mode(self.model_config.enable_gradient_checkpointing)
+        )
+        if cfg.compile:
+            parallel.apply_compile(model, dist.get_world_size() if self.distributed else 1)
+        if self.distributed:
+            self.device_mesh = parallel.build_mesh(self._device.type, cfg.fsdp_size)
+            parallel.apply_fsdp(model, self.device_mesh, cfg)
+        modeling.materialize(model, self._device, cfg.seed)
+        self.module = model
+        self._load_hf_weights()
+        if not cfg.forward_only:
+            self._build_optimizer()
+        self.apply_offload_config()
+
+    def _load_hf_weights(self) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        weights = read_hf_weights(self.model_config.path)
+        expected = set(self.hf_module.state_dict())
+        missing = expected - set(weights) - self._tied
+        if missing:
+            raise ValueError(
+                f"{self.model_config.path} lacks {sorted(missing)[:4]} ({len(missing)} tensors) that the "
+                f"{self.hf_config.model_type} model needs: is it a complete HF checkpoint of this config?"
+            )
+        weights = {k: v for k, v in weights.items() if k in expected}
+        set_model_state_dict(
+            self.hf_module, weights, options=StateDictOptions(full_state_dict=True, strict=False)
+        )
+
+    def _build_optimizer(self) -> None:
+        oc = self.optimizer_config
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=oc.lr,
+            betas=tuple(oc.betas),
+            eps=oc.eps,
+            weight_decay=oc.weight_decay,
+            fused=self._device.type == "cuda" or None,
+        )
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: oc.lr_multiplier(step)
+        )
+
+    # ------------------------------------------------------------------ properties and layout
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def get_data_parallel_size(self) -> int:
+        return dist.get_world_size() if self.distributed else 1
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank() if self.distributed else 0
+
+    def get_data_parallel_group(self) -> Any:
+        return dist.group.WORLD if self.distributed else None
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        return True
+
+    def on_mode_enter(self, mode: str) -> None:
+        self.module.train(mode == "train")
+
+    def on_mode_exit(self, mode: str) -> None:
+        self._reshard()
+
+    def _reshard(self) -> None:
+        """Free parameters FSDP2 still holds gathered once no backward follows."""
+        if self.distributed:
+            from torch.distributed.fsdp import FSDPModule
+
+            for sub in self.module.modules():
+                if isinstance(sub, FSDPModule):
+                    sub.reshard()
+
+    def to(
+        self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> None:
+        device = torch.device(device)
+        if model:
+            self.module.to(device)
+        if grad:
+            parallel.move_grads(list(self.module.parameters()), device)
+        if optimizer and self.optimizer is not None:
+            parallel.move_optimizer_state(self.optimizer, device)
+        if device.type == "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ compute
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        compute = getattr(torch, self.engine_config.dtype)
+        master = getattr(torch, self.engine_config.model_dtype)
+        if self.distributed or compute == master:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device.type, dtype=compute)
+
+    def _forward_micro(self, mb: PackedBatch, cu_host: list[int]) -> dict[str, torch.Tensor]:
+        """Per-token outputs of one micro-batch (on the device; ``cu_host`` its boundaries on the host)."""
+        ids = mb.input_ids
+        temp = _temperatures(mb)
+        targets, inv_temp = torch.roll(ids, -1), torch.roll(temp.float(), -1).reciprocal()
+        with_entropy = bool(mb.meta.get("calculate_entropy", False))
+        head = self.module.lm_head
+        head.request = HeadRequest(
+            targets,
+            inv_temp,
+            with_entropy,
+            self.engine_config.logits_chunk_size(targets.numel()),
+            checkpoint=self.engine_config.entropy_checkpointing,
+        )
+        try:
+            with self._autocast():
+                stats = self.module(ids[None], mb.position_ids[None], packed_metadata(cu_host, self._device))
+        finally:
+            head.request = None
+        stats = stats.float()
+        out = {"log_probs": align_to_tokens(stats[:, 0], mb.cu_seqlens)}
+        if with_entropy:
+            out["entropy"] = align_to_tokens(stats[:, 1], mb.cu_seqlens)
+        return out
+
+    def forward_backward_batch(
+        self, batch: PackedBatch, loss_fn: LossFn | None, forward_only: bool = False
+    ) -> dict[str, Any]:
+        if loss_fn is None and not forward_only:
+            raise ValueError("forward_backward_batch(forward_only=False) needs a loss_fn")
+        max_tokens, per_micro = self.engine_config.micro_batching(forward_only)
+        parts = make_micro_batches(
+            batch,
+            max_tokens=max_tokens,
+            micro_batch_size=per_micro,
+            use_dynamic_bsz=self.engine_config.use_dynamic_bsz,
+            dp_group=None,
+        )
+        steps = self._lockstep_count(len(parts))
+        ctx = loss_context(batch, self.get_data_parallel_group())
+        _check_temperatures(batch)
+        micro_batches = [batch.select(p) for p in parts]
+        outputs: list[dict[str, torch.Tensor]] = []
+        losses: list[torch.Tensor] = []
+        metrics: dict[str, list[Any]] = {}
+        for host_mb in micro_batches:
+            mb = host_mb.to(self._device)
+            out = self._forward_micro(mb, host_mb.cu_seqlens.tolist())
+            if loss_fn is not None:
+                loss, mb_metrics = loss_fn(out, mb, ctx)
+                if not forward_only:
+                    loss.backward()
+                losses.append(loss.detach())
+                for key, value in (mb_metrics or {}).items():
+                    metrics.setdefault(key, []).append(value)
+            outputs.append({k: v.detach() for k, v in out.items()})
+        for _ in range(steps - len(micro_batches)):
+            self._filler_pass(forward_only)
+        if forward_only:
+            self._reshard()
+        target = batch.input_ids.device
+        model_output = {
+            k: restore_order(parts, micro_batches, [o[k] for o in outputs]).to(target) for k in outputs[0]
+        }
+        return {
+            "model_output": model_output,
+            "loss": _floats(losses),
+            "metrics": {k: _floats(v) for k, v in metrics.items()},
+        }
+
+    def _lockstep_count(self, count: int) -> int:
+        """The largest micro-batch count over the data-parallel ranks (FSDP needs equal counts)."""
+        if self.get_data_parallel_size() == 1:
+            return count
+        n = torch.tensor([count], device=self._device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return int(n.item())
+
+    def _filler_pass(self, forward_only: bool) -> None:
+        """A 2-token pass with zero weight, so this rank joins the collectives of a micro-batch it lacks."""
+        filler = PackedBatch.from_sequences([[0, 0]])
+        out = self._forward_micro(filler.to(self._device), filler.cu_seqlens.tolist())
+        if not forward_only:
+            (sum(v.sum() for v in out.values()) * 0.0).backward()
+
+    def optimizer_zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.module.zero_grad(set_to_none=True)
+
+    def clip_grad_norm(self) -> float:
+        group = self.device_mesh.get_group("fsdp") if self.device_mesh is not None else None
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        return parallel.grad_norm_and_clip(params, self.optimizer_config.clip_grad, group, self._device)
+
+    def apply_optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def lr_scheduler_step(self) -> float:
+        self.lr_scheduler.step()
+        return float(self.lr_scheduler.get_last_lr()[0])
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def get_per_tensor_param(
+        self,
+        *,
+        base_sync_done: bool = False,
+        peft_merge: bool | None = None,
+        dtype: torch.dtype | str | None = None,
+    ) -> PerTensorParams:
+        """Lazy (HF name, full tensor) stream in ``dtype`` (default: as stored); a tied ``lm_head`` is left out
+        as ``save_pretrained`` does. Every rank must consume it (each gather is a collective). There is no LoRA
+        here: ``base_sync_done`` and ``peft_merge`` change nothing, and the peft config is None."""
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        state = self.hf_module.state_dict(keep_vars=True)
+
+        def stream():
+            for name, tensor in state.items():
+                if name in self._tied:
+                    continue
+                full = parallel.full_tensor(tensor, self._device)
+                yield name, full if dtype is None else full.to(dtype)
+
+        return stream(), None
+
+    def save_checkpoint(
+        self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None, **kwargs: Any
+    ) -> None:
+        """Delegates to ``posttrain.torchtitan.checkpoint.save_checkpoint``."""
+        from .checkpoint import save_checkpoint
+
+        save_checkpoint(self, local_path, global_step, max_ckpt_to_keep=max_ckpt_to_keep, **kwargs)
+
+    def prepare_checkpoint(self, role: str, writer: Any) -> None:
+        """Delegates to ``posttrain.torchtitan.checkpoint.prepare_checkpoint`` (no-op without async_save)."""
+        from .checkpoint import prepare_checkpoint
+
+        prepare_checkpoint(self, role, writer)
+
+    def load_checkpoint(self, local_path: str, **kwargs: Any) -> None:
+        """Delegates to ``posttrain.torchtitan.checkpoint.load_checkpoint``."""
+        from .checkpoint import load_checkpoint
+
+        load_checkpoint(self, local_path)
+
+
+def _floats(values: list[Any]) -> list[float]:
+    """Python floats of scalars and 0-d tensors."""
+    return [float(v.detach().float()) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
+def _check_temperatures(batch: PackedBatch) -> None:
+    if "temperature" in batch.fields:
+        low = float(batch.fields["temperature"].min()) if batch.num_tokens else 1.0
+    else:
+        low = float(batch.meta.get("temperature", 1.0))
+    if low <= 0:
+        raise ValueError(
+            f"temperature must be > 0 for log-probs, got min {low}: pass the sampling temperature "
+            "(use 1.0 for greedy rollouts)"
+        )
+
+
+def _temperatures(mb: PackedBatch) -> torch.Tensor:
+    """(T,) temperature of each token: ``fields['temperature']``, else ``meta['temperature']``, else 1."""
+    if "temperature" in mb.fields:
+        return mb.fields["temperature"].float()
+    return torch.full((mb.num_tokens,), float(mb.meta.get("temperature", 1.0)), device=mb.input_ids.device)

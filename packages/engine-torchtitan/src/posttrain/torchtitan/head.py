@@ -1,0 +1,98 @@
+"""The output layer as a head that returns next-token log-probs (and entropy), never fp32 logits of a whole row.
+
+:class:`StatsHead` replaces torchtitan's ``lm_head`` (same ``weight`` parameter, so weight tying, FSDP units and
+names stay as they were). With a :class:`HeadRequest` set it returns, for hidden states ``h`` (T, D), targets
+``y[t] = input_ids[t+1]`` and inverse temperatures ``1/tau[t+1]``, chunk by chunk::
+
+    z = (h W^T) / tau            # fp32, one chunk at a time
+    log_prob[t] = z[y[t]] - logsumexp(z)
+    entropy[t]  = logsumexp(z) - sum(softmax(z) * z)
+
+With gradients on and ``checkpoint``, each chunk's fp32 part is recomputed in backward. :func:`align_to_tokens`
+moves the statistics onto the token they score (0 at each document's first token), the convention of the other
+engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from torchtitan.models.common.linear import Linear
+
+
+@dataclass
+class HeadRequest:
+    """What :class:`StatsHead` computes for one forward."""
+
+    targets: torch.Tensor
+    """(T,) int64: the token each position predicts."""
+    inv_temperature: torch.Tensor
+    """(T,) float32: 1 / temperature of the distribution that produced each target."""
+    with_entropy: bool
+    """Also return the entropy of each predicted distribution."""
+    chunk_size: int
+    """Tokens per chunk of the vocabulary projection."""
+    checkpoint: bool = True
+    """With gradients on, recompute each chunk's fp32 part in backward instead of keeping it."""
+
+
+def _chunk_stats(
+    logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    z = logits.float() * inv_temp.unsqueeze(-1)
+    lse = torch.logsumexp(z, dim=-1)
+    log_prob = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return log_prob, None
+    return log_prob, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+class StatsHead(Linear):
+    """torchtitan ``Linear`` that returns (T, 1 or 2) [log_prob, entropy] while :attr:`request` is set."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        pass
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.request: HeadRequest | None = None
+        self.use_compile = False
+        """Compile the per-chunk function on first use on CUDA (``engine.use_torch_compile``)."""
+        self._stats_fn: Any = None
+
+    def _chunk_fn(self, device: torch.device) -> Any:
+        if self._stats_fn is None:
+            use = self.use_compile and device.type == "cuda"
+            self._stats_fn = torch.compile(_chunk_stats, dynamic=True) if use else _chunk_stats
+        return self._stats_fn
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.request is None:
+            return super().forward(hidden)
+        req = self.request
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        fn = self._chunk_fn(flat.device)
+        outs = []
+        for start in range(0, flat.shape[0], req.chunk_size):
+            end = start + req.chunk_size
+            logits = F.linear(flat[start:end], self.weight, self.bias)
+            args = (logits, req.targets[start:end], req.inv_temperature[start:end], req.with_entropy)
+            if req.checkpoint and torch.is_grad_enabled():
+                log_prob, entropy = checkpoint(fn, *args, use_reentrant=False)
+            else:
+                log_prob, entropy = fn(*args)
+            outs.append(torch.stack([log_prob, entropy], -1) if entropy is not None else log_prob[:, None])
+        return torch.cat(outs, dim=0)
+
+
+def align_to_tokens(per_position: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Move statistics of 'the token after t' onto that token; each document's first token gets 0."""
+    aligned = torch.roll(per_position, 1, dims=0)
+    starts = cu_seqlens[:-1].to(device=aligned.device, dtype=torch.long)
+    return aligned.index_fill(0, starts, 0.0)

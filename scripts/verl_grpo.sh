@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# verl 0.9.1's GRPO (`python -m verl.trainer.main_ppo`, FSDP2 actor, vLLM 0.24 rollout) on the work of posttrain's
+# `bench/rl_throughput.py --work readme` (same model, prompts, lengths and batch), for the lent GPU machine:
+#
+#   bash scripts/verl_grpo.sh [verl overrides ...]    # there, after the verl parts (scripts/verl_parts.sh) and a
+#                                                     # `gpu_checks.sh rl --work readme` run that made the model/data
+#
+# The work: the 0.5B-shaped model and 256-token digit prompts under /tmp/rl_bench (rewritten with data_source
+# openai/gsm8k so verl's default reward scores them), 128 prompts x 5 responses up to 1,024 tokens a step,
+# mini-batches of 64 prompts, lr 1e-6, KL loss (low_var_kl, 0.001), bf16.
+# verl's own performance settings for one GPU (its perf tuning guide, docs/perf/perf_tuning.rst): remove padding
+# (packed sequences), dynamic batch size with token budgets (ppo 16,384 tokens per GPU as posttrain's preset,
+# log-prob passes 32,768), chunked prefill, vLLM CUDA graphs (enforce_eager=False), free_cache_engine (vLLM sleeps
+# while the actor trains), no parameter or optimizer offload (the model fits), vLLM at 0.6 of the memory and
+# max_num_seqs 1024 (every sequence of a step at once; verl's default is 256), gradient checkpointing off (what
+# posttrain's policy chooses for this shape on an H200). Per-step metrics land in $OUT/verl.log (verl's console
+# logger prints timing_s/gen, timing_s/step and perf/throughput each step).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu-out}"; mkdir -p "$out"
+eval "$(bash /tmp/vstash/unpack.sh)"
+export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+model=/tmp/rl_bench/models/0.5b-vdefault
+src=$(ls /tmp/rl_bench/data/0.5b-vdefault-p256-r*.parquet | tail -1)
+data=/tmp/rl_bench/verl-data; mkdir -p "$data"
+python3 - "$src" "$data/train.parquet" <<'PY'
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+t = pq.read_table(sys.argv[1])
+t = t.set_column(t.schema.get_field_index("data_source"), "data_source", pa.array(["openai/gsm8k"] * t.num_rows))
+pq.write_table(t, sys.argv[2])
+PY
+cp "$data/train.parquet" "$data/test.parquet"
+timeout "${VERL_TIMEOUT:-570}" python3 -m verl.trainer.main_ppo \
+  algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False \
+  data.train_files="$data/train.parquet" data.val_files="$data/test.parquet" data.train_batch_size=128 \
+  data.max_prompt_length=512 data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation=error \
+  actor_rollout_ref.model.path="$model" actor_rollout_ref.model.use_remove_padding=True \
+  actor_rollout_ref.model.enable_gradient_checkpointing=False \
+  actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.actor.optim.lr=1e-6 \
+  actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.use_dynamic_bsz=True \
+  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 actor_rollout_ref.actor.use_kl_loss=True \
+  actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl \
+  actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.actor.fsdp_config.param_offload=False \
+  actor_rollout_ref.actor.fsdp_config.optimizer_offload=False actor_rollout_ref.ref.fsdp_config.param_offload=False \
+  actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768 \
+  actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+  actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5 \
+  actor_rollout_ref.rollout.max_num_seqs=1024 actor_rollout_ref.rollout.enforce_eager=False \
+  actor_rollout_ref.rollout.free_cache_engine=True actor_rollout_ref.rollout.enable_chunked_prefill=True \
+  actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768 \
+  trainer.critic_warmup=0 trainer.logger='["console"]' trainer.project_name=verl-bench trainer.experiment_name=readme \
+  trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.total_training_steps="${STEPS:-4}" trainer.val_before_train=False \
+  trainer.test_freq=-1 trainer.save_freq=-1 trainer.default_local_dir=/tmp/verl-run "$@" 2>&1 \
+  | tee "$out/verl.log" | grep -E "step:|Error|error" | cut -c1-2000 | tail -20
