@@ -8,6 +8,7 @@ venv, so a dependency a member forgot to declare fails there. ``uv run nox`` run
 from __future__ import annotations
 
 import os
+import sys
 import tomllib
 from pathlib import Path
 
@@ -81,6 +82,15 @@ def vllm_cpu(session: nox.Session) -> None:
     session.run("bash", str(script), str(ROOT / ".nox" / "vllm-cpu-venv"), external=True)
 
 
+@nox.session(python=False, tags=["cpu"])
+def megatron_install(session: nox.Session) -> None:
+    """The built posttrain-engine-megatron wheel, installed with plain pip into a Megatron user's stack (torch,
+    transformers 5.24, megatron-core and Megatron-Bridge already there), must up- or downgrade nothing in it."""
+    script = ROOT / "packages" / "engine-megatron" / "ci" / "stack_install.py"
+    work = ROOT / ".nox" / "megatron-install"
+    session.run(sys.executable, str(script), str(work), "--python", PYTHON, external=True)
+
+
 @nox.session(python=PYTHON, tags=["gpu"])
 @nox.parametrize("member", MEMBERS)
 def gpu(session: nox.Session, member: str) -> None:
@@ -107,10 +117,15 @@ def build(session: nox.Session) -> None:
     """Build every wheel with exact sibling pins, install them into a clean venv and import every module."""
     dist = Path(session.create_tmp()) / "dist"
     session.run("uv", "build", "--all-packages", "--no-sources", "--out-dir", str(dist), external=True)
-    overrides = Path(session.create_tmp()) / "overrides.txt"
-    overrides.write_text("\n".join(_overrides()) + "\n")
+    overrides = ROOT / "overrides.txt"
+    published = [ln for ln in overrides.read_text().splitlines() if ln and not ln.startswith("#")]
+    if published != _overrides():
+        session.error(
+            "overrides.txt differs from pyproject.toml's [tool.uv] override-dependencies: copy them over"
+        )
     wheels = sorted(str(p) for p in dist.glob("*.whl"))
     meta = next(w for w in wheels if Path(w).name.startswith("posttrain-"))
+    # README.md's command for an environment without Megatron-Bridge, plus the vLLM and torchtitan extras
     session.run(
         "uv",
         "pip",
@@ -118,6 +133,7 @@ def build(session: nox.Session) -> None:
         "--overrides",
         str(overrides),
         f"{meta}[megatron,vllm,torchtitan]",
+        "posttrain-engine-megatron[bridge]",
         "--find-links",
         str(dist),
         external=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 
@@ -171,6 +172,36 @@ def test_bridge_without_transformer_engine_says_what_to_install():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600).stdout
     assert "HINT" in out and "transformer_engine" in out and "pip install" in out
+
+
+def test_missing_bridge_names_the_install(monkeypatch):
+    """Megatron-Bridge is a prerequisite, not a dependency: without it the first use says how to install it."""
+    import sys
+
+    from posttrain.megatron._deps import import_bridge
+
+    monkeypatch.setitem(sys.modules, "megatron.bridge", None)  # what the import sees when it is not installed
+    with pytest.raises(
+        ImportError, match=r"Megatron-Bridge >= 0\.6\.2 in place .*posttrain-engine-megatron\[bridge\]"
+    ):
+        import_bridge()
+
+
+@pytest.mark.parametrize("version", ["0.6.2", "0.6.3", "0.7.0rc0", "0.7.0.dev0+g1234abc"])
+def test_bridge_version_at_the_floor_or_newer_passes(version):
+    from posttrain.megatron._deps import check_bridge_version
+
+    check_bridge_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.6.1", "0.6.2rc1", "0.3.1"])
+def test_bridge_older_than_the_floor_is_refused(version):
+    from posttrain.megatron._deps import check_bridge_version
+
+    with pytest.raises(
+        ImportError, match=rf"Megatron-Bridge {re.escape(version)} is installed; .*>= 0\.6\.2"
+    ):
+        check_bridge_version(version)
 
 
 def test_megatron_fsdp_save_warns_about_cuda_device_max_connections(monkeypatch):
