@@ -123,4 +123,7 @@ def test_config_transports_are_the_transport_modules_and_import_without_torch():
 
     assert config.TRANSPORTS == transport.TRANSPORTS
     code = "import sys, posttrain.rollout_vllm.config; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        == "False\n"
+    )
