@@ -113,3 +113,17 @@ def test_a_vllm_without_batch_invariance_is_refused(monkeypatch, model_dir):
         r"actor.engine.full_determinism=false",
     ):  # refused before vLLM starts (or CUDA is touched)
         VLLMRollout(VLLMRolloutConfig(), model_dir, device="cuda", deterministic=True)
+
+
+def test_config_transports_are_the_transport_modules_and_import_without_torch():
+    import subprocess
+    import sys
+
+    from posttrain.rollout_vllm import config, transport
+
+    assert config.TRANSPORTS == transport.TRANSPORTS
+    code = "import sys, posttrain.rollout_vllm.config; print('torch' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        == "False\n"
+    )

@@ -13,7 +13,10 @@ from typing import Any, ClassVar
 from posttrain.core.rollout import RolloutConfig
 
 from .engines import EXECUTORS
-from .transport import TRANSPORTS
+
+TRANSPORTS = ("inprocess", "shm", "cuda_ipc")
+"""The weight-sync transports (the keys of :data:`.transport.BUFFERS`, named here so the config imports without
+torch)."""
 
 
 @dataclass(kw_only=True)

@@ -1,41 +1,68 @@
 """RL algorithms on the packed layout: advantage estimators, policy losses, KL estimators and controllers,
 loss aggregation, and the actor/critic loss functions engines run. Each is a small registered function whose
-docstring gives its formula and source; see docs/algorithms.md."""
+docstring gives its formula and source; see docs/algorithms.md. The configs and registries import without torch;
+the functions' modules are imported when one of their names is first read."""
 
-from .advantages import (
-    ADV_ESTIMATORS,
-    AdvantageInputs,
+from typing import Any
+
+from .config import (
+    ActorLossConfig,
     AlgorithmConfig,
+    CriticLossConfig,
+    KLControlConfig,
+    PolicyLossConfig,
+    RolloutCorrectionConfig,
+)
+from .names import (
+    ADV_ESTIMATORS,
+    CORRECTIONS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
     EstimatorTraits,
     adv_estimator_traits,
-    compute_advantage,
-    get_adv_estimator,
-    register_adv_estimator,
-    scores_to_token_rewards,
 )
-from .agg import LOSS_AGG_MODES, LossTokens, agg_loss
-from .kl import (
-    KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    KLControlConfig,
-    apply_kl_penalty,
-    get_kl_controller,
-    get_kl_estimator,
-    kl_penalty,
-    register_kl_estimator,
-)
-from .losses import CriticLossConfig, entropy_from_logits, make_actor_loss, make_critic_loss, value_loss
-from .packed import align_values
-from .policy import (
-    POLICY_LOSSES,
-    ActorLossConfig,
-    PolicyLossConfig,
-    PolicyLossInputs,
-    get_policy_loss,
-    register_policy_loss,
-)
-from .rollout_correction import CORRECTIONS, RolloutCorrectionConfig, rollout_is_weights
+
+# The torch functions, imported from their module on first access, so that the configs above load without torch.
+_TORCH_NAMES = {
+    "advantages": (
+        "AdvantageInputs",
+        "compute_advantage",
+        "get_adv_estimator",
+        "register_adv_estimator",
+        "scores_to_token_rewards",
+    ),
+    "agg": ("LossTokens", "agg_loss"),
+    "kl": (
+        "AdaptiveKLController",
+        "FixedKLController",
+        "apply_kl_penalty",
+        "get_kl_controller",
+        "get_kl_estimator",
+        "kl_penalty",
+        "register_kl_estimator",
+    ),
+    "losses": ("entropy_from_logits", "make_actor_loss", "make_critic_loss", "value_loss"),
+    "packed": ("align_values",),
+    "policy": ("PolicyLossInputs", "get_policy_loss", "register_policy_loss"),
+    "rollout_correction": ("rollout_is_weights",),
+}
+_MODULE_OF = {name: module for module, names in _TORCH_NAMES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "ADV_ESTIMATORS",

@@ -17,11 +17,12 @@ data-parallel ranks or mini-batches.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .kl import KL_ESTIMATORS, KLControlConfig
+from .config import AlgorithmConfig
+from .names import ADV_ESTIMATORS, EstimatorTraits, adv_estimator_traits
 from .packed import (
     from_padded,
     last_token_positions,
@@ -30,42 +31,8 @@ from .packed import (
     seq_index_from_cu,
     to_padded,
 )
-from .registry import FunctionRegistry
-from .rollout_correction import RolloutCorrectionConfig
 
-
-@dataclass(kw_only=True)
-class AlgorithmConfig:
-    """RL algorithm knobs shared by actor and critic (verl's ``algorithm`` section, same names and defaults)."""
-
-    gamma: float = 1.0
-    """Discount factor (gae, reinforce_plus_plus)."""
-    lam: float = 1.0
-    """GAE lambda."""
-    adv_estimator: str = "gae"
-    """gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline or remax."""
-    norm_adv_by_std_in_grpo: bool = True
-    """GRPO: divide by the group's std; false is Dr.GRPO (arXiv:2503.20783)."""
-    use_kl_in_reward: bool = False
-    """Subtract ``beta * kl(actor_old || ref)`` from each token's reward."""
-    kl_penalty: str = "kl"
-    """KL estimator for the in-reward penalty: k1/kl, k2/mse, k3/low_var_kl, abs (``+`` = straight-through)."""
-    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-    """How beta evolves."""
-    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    """Importance weights from the rollout's behaviour policy to the proximal one (off-policy samples)."""
-
-    def __post_init__(self) -> None:
-        if self.adv_estimator not in ADV_ESTIMATORS:
-            raise ValueError(
-                f"algorithm.adv_estimator={self.adv_estimator!r}: choose one of {ADV_ESTIMATORS.names()}"
-            )
-        if self.kl_penalty.rstrip("+") not in KL_ESTIMATORS:
-            raise ValueError(
-                f"algorithm.kl_penalty={self.kl_penalty!r}: choose one of {KL_ESTIMATORS.names()}"
-            )
-        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
-            raise ValueError(f"algorithm.gamma={self.gamma} and algorithm.lam={self.lam} must lie in [0, 1]")
+__all__ = ["ADV_ESTIMATORS", "AlgorithmConfig", "EstimatorTraits", "adv_estimator_traits"]  # old import path
 
 
 @dataclass
@@ -118,28 +85,9 @@ class AdvantageInputs:
         return per_seq[seq_index_from_cu(self.cu_seqlens)] * self.response_mask
 
 
-@dataclass(frozen=True)
-class EstimatorTraits:
-    """What the RL loop must produce before an estimator can run (declared when it is registered)."""
-
-    needs_critic: bool = False
-    """Per-token ``values`` from a critic: the loop builds, runs and trains a critic (``critic.*``)."""
-    needs_greedy_baseline: bool = False
-    """Per-sequence ``reward_baselines``, the reward of a greedy response to the same prompt: the loop
-    generates one per prompt each step."""
-
-
 AdvantageFn = Callable[[AdvantageInputs, AlgorithmConfig], tuple[torch.Tensor, torch.Tensor]]
-ADV_ESTIMATORS: FunctionRegistry[AdvantageFn] = FunctionRegistry(
-    "advantage estimator", "algorithm.adv_estimator", EstimatorTraits()
-)
 register_adv_estimator = ADV_ESTIMATORS.register
 get_adv_estimator = ADV_ESTIMATORS.get
-
-
-def adv_estimator_traits(name: str) -> EstimatorTraits:
-    """The traits estimator ``name`` was registered with; a ValueError listing the names if unknown."""
-    return ADV_ESTIMATORS.traits(name)
 
 
 def scores_to_token_rewards(

@@ -27,14 +27,8 @@ import torch
 
 from posttrain.core.batch import LossContext
 
+from .names import check_loss_agg_mode
 from .packed import masked_mean, segment_sum, seq_index_from_cu
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-def check_loss_agg_mode(mode: str, key: str = "loss_agg_mode") -> None:
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"{key}={mode!r}: choose one of {', '.join(LOSS_AGG_MODES)}")
 
 
 def agg_loss(

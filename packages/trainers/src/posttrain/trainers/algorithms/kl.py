@@ -19,16 +19,16 @@ a controller: fixed, or adaptive (Ziegler et al. 2019, arXiv:1909.08593): after 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .config import KLControlConfig
+from .names import KL_ESTIMATORS
 from .packed import masked_mean, segment_sum, seq_index_from_cu
-from .registry import FunctionRegistry
 
+__all__ = ["KLControlConfig", "KL_ESTIMATORS"]  # re-exported: their old import path
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-KL_ESTIMATORS: FunctionRegistry[KLFn] = FunctionRegistry("KL estimator", "kl_penalty / kl_loss_type")
 register_kl_estimator = KL_ESTIMATORS.register
 
 
@@ -75,29 +75,6 @@ def get_kl_estimator(name: str) -> KLFn:
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate of type ``kind`` (see the module docstring)."""
     return get_kl_estimator(kind)(logprob, ref_logprob)
-
-
-@dataclass(kw_only=True)
-class KLControlConfig:
-    """The KL coefficient controller for ``algorithm.use_kl_in_reward`` (verl's ``algorithm.kl_ctrl``)."""
-
-    type: str = "fixed"
-    """``fixed`` or ``adaptive``."""
-    kl_coef: float = 0.001
-    """Initial (fixed: constant) coefficient beta."""
-    horizon: int = 10000
-    """Adaptive: steps over which beta moves by at most 20 percent per unit of error."""
-    target_kl: float = 0.1
-    """Adaptive: the KL beta steers towards."""
-
-    def __post_init__(self) -> None:
-        if self.type not in ("fixed", "adaptive"):
-            raise ValueError(f"algorithm.kl_ctrl.type={self.type!r}: use fixed or adaptive")
-        if self.type == "adaptive" and (self.horizon <= 0 or self.target_kl <= 0):
-            raise ValueError(
-                f"algorithm.kl_ctrl.horizon={self.horizon} and target_kl={self.target_kl} must be > 0 "
-                "for the adaptive controller"
-            )
 
 
 class FixedKLController:

@@ -14,17 +14,19 @@ the advantages were computed with) and ``returns``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from posttrain.core.batch import LossContext, LossFn, PackedBatch
 
-from .agg import LossTokens, check_loss_agg_mode
+from .agg import LossTokens
+from .config import CriticLossConfig
 from .kl import kl_penalty
 from .packed import align_values
 from .policy import ActorLossConfig, PolicyLossInputs, get_policy_loss
+
+__all__ = ["CriticLossConfig"]  # re-exported: its old import path
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -83,22 +85,6 @@ def make_actor_loss(cfg: ActorLossConfig, loss_scale_factor: float | None = None
         return loss, metrics
 
     return actor_loss
-
-
-@dataclass(kw_only=True)
-class CriticLossConfig:
-    """The critic's loss knobs (verl's ``critic`` names and defaults)."""
-
-    cliprange_value: float = 0.5
-    """New values may move at most this far from the values the advantages used."""
-    loss_agg_mode: str = "token-mean"
-    """How the value loss is aggregated (same modes as the actor: token-mean, seq-mean-token-sum,
-    seq-mean-token-mean or seq-mean-token-sum-norm)."""
-
-    def __post_init__(self) -> None:
-        check_loss_agg_mode(self.loss_agg_mode, "critic.loss_agg_mode")
-        if self.cliprange_value < 0:
-            raise ValueError(f"critic.cliprange_value={self.cliprange_value} must be >= 0")
 
 
 def value_loss(

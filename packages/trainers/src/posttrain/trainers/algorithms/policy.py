@@ -13,80 +13,17 @@ micro-batch's loss tokens): ``actor/pg_clipfrac``, ``actor/ppo_kl`` (mean of ``o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .agg import LossTokens, check_loss_agg_mode
-from .kl import KL_ESTIMATORS
+from .agg import LossTokens
+from .config import ActorLossConfig, PolicyLossConfig
+from .names import POLICY_LOSSES
 from .packed import segment_sum, seq_index_from_cu
-from .registry import FunctionRegistry
 
-
-@dataclass(kw_only=True)
-class PolicyLossConfig:
-    """Which policy loss (verl's ``actor.policy_loss``)."""
-
-    loss_mode: str = "vanilla"
-    """vanilla (PPO clip + dual clip), gspo or cispo."""
-
-    def __post_init__(self) -> None:
-        if self.loss_mode not in POLICY_LOSSES:
-            raise ValueError(
-                f"actor.policy_loss.loss_mode={self.loss_mode!r}: choose one of {POLICY_LOSSES.names()}"
-            )
-
-
-@dataclass(kw_only=True)
-class ActorLossConfig:
-    """The actor's loss knobs, with verl's ``actor`` names and defaults (an actor config can extend this)."""
-
-    clip_ratio: float = 0.2
-    """PPO clip epsilon: the clip on both sides unless clip_ratio_low/high set one."""
-    clip_ratio_low: float | None = None
-    """Lower clip: ratio >= 1 - clip_ratio_low (None = clip_ratio)."""
-    clip_ratio_high: float | None = None
-    """Upper clip: ratio <= 1 + clip_ratio_high (None = clip_ratio; DAPO's clip-higher raises it)."""
-    clip_ratio_c: float = 3.0
-    """Dual-clip bound (Ye et al. 2020, arXiv:1912.09729) for negative advantages; must be > 1."""
-    loss_agg_mode: str = "token-mean"
-    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
-    loss_scale_factor: float | None = None
-    """Divisor of seq-mean-token-sum-norm; None = the rollout's response_length."""
-    entropy_coeff: float = 0.0
-    """Subtract entropy_coeff * entropy (aggregated like the loss); needs the engine's entropy output."""
-    use_kl_loss: bool = False
-    """Add kl_loss_coef * KL(actor || ref) to the loss (GRPO style) instead of KL in the reward."""
-    kl_loss_coef: float = 0.001
-    """Weight of the KL loss."""
-    kl_loss_type: str = "low_var_kl"
-    """KL estimator of the KL loss: k1/kl, k2/mse, k3/low_var_kl, abs (``+`` = straight-through)."""
-    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    """Which policy loss."""
-
-    def __post_init__(self) -> None:
-        check_loss_agg_mode(self.loss_agg_mode, "actor.loss_agg_mode")
-        if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"actor.clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip lower bound)")
-        if self.kl_loss_type.rstrip("+") not in KL_ESTIMATORS:
-            raise ValueError(
-                f"actor.kl_loss_type={self.kl_loss_type!r}: choose one of {KL_ESTIMATORS.names()}"
-            )
-        for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
-            value = getattr(self, key)
-            if value is not None and value < 0:
-                raise ValueError(f"actor.{key}={value} must be >= 0")
-
-    @property
-    def clip_low(self) -> float:
-        """The lower clip in effect: clip_ratio_low, or clip_ratio when that is None."""
-        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
-
-    @property
-    def clip_high(self) -> float:
-        """The upper clip in effect: clip_ratio_high, or clip_ratio when that is None."""
-        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+__all__ = ["POLICY_LOSSES", "ActorLossConfig", "PolicyLossConfig"]  # re-exported: their old import path
 
 
 @dataclass(kw_only=True)
@@ -109,7 +46,6 @@ class PolicyLossInputs(LossTokens):
 
 
 PolicyLossFn = Callable[[PolicyLossInputs, ActorLossConfig], tuple[torch.Tensor, dict[str, Any]]]
-POLICY_LOSSES: FunctionRegistry[PolicyLossFn] = FunctionRegistry("policy loss", "actor.policy_loss.loss_mode")
 register_policy_loss = POLICY_LOSSES.register
 get_policy_loss = POLICY_LOSSES.get
 

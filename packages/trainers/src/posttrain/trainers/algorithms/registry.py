@@ -1,9 +1,13 @@
 """A name -> function table with a ``register`` decorator, a ``get`` that lists the known names, and per-name
 traits: metadata the RL loop branches on (an advantage estimator's need for a critic, say), declared where the
-function is registered instead of by name in the loop."""
+function is registered instead of by name in the loop.
+
+A registry knows its built-in names as data and the module that registers their functions, so a config can
+check a name without importing torch; ``get`` and ``traits`` import that module the first time they run."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -13,8 +17,12 @@ F = TypeVar("F", bound=Callable)
 class FunctionRegistry(Generic[F]):
     """Functions of one kind (advantage estimators, policy losses, KL estimators) by name."""
 
-    def __init__(self, kind: str, config_key: str, default_traits: Any = None) -> None:
+    def __init__(
+        self, kind: str, config_key: str, *, builtin: tuple[str, ...], module: str, default_traits: Any = None
+    ) -> None:
         self.kind, self.config_key = kind, config_key
+        self.builtin, self.module = builtin, module
+        """Names ``module`` registers when imported (checked against it by the tests)."""
         self.default_traits = default_traits
         self.fns: dict[str, F] = {}
         self._traits: dict[str, Any] = {}
@@ -46,13 +54,16 @@ class FunctionRegistry(Generic[F]):
         return self._traits[name]
 
     def _check(self, name: str) -> None:
-        if name not in self.fns:
+        if name not in self:
             raise ValueError(
                 f"unknown {self.kind} {name!r} ({self.config_key}): choose one of {self.names()}"
             )
+        if name not in self.fns:
+            importlib.import_module(self.module)
 
     def names(self) -> list[str]:
-        return sorted(self.fns)
+        """The built-in names and every registered one, sorted."""
+        return sorted({*self.builtin, *self.fns})
 
     def __contains__(self, name: object) -> bool:
-        return name in self.fns
+        return name in self.builtin or name in self.fns

@@ -38,66 +38,15 @@ R2, which records its experts).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from .config import RolloutCorrectionConfig
+from .names import CORRECTIONS
 from .packed import segment_sum, seq_index_from_cu
-from .registry import FunctionRegistry
 
-LEVELS = ("token", "sequence")
-OLD_LOG_PROB = ("recompute", "behaviour")
-
-CorrectionFn = Callable[[torch.Tensor, "RolloutCorrectionConfig"], tuple[torch.Tensor, torch.Tensor]]
-CORRECTIONS: FunctionRegistry[CorrectionFn] = FunctionRegistry(
-    "rollout correction", "algorithm.rollout_correction.mode"
-)
+CorrectionFn = Callable[[torch.Tensor, RolloutCorrectionConfig], tuple[torch.Tensor, torch.Tensor]]
 register_correction = CORRECTIONS.register
-
-
-@dataclass(kw_only=True)
-class RolloutCorrectionConfig:
-    """How the loss corrects for samples drawn by another policy than the proximal one (``algorithm.
-    rollout_correction``)."""
-
-    mode: str = "none"
-    """none (no weight), tis (truncated at cap) or mis (zero outside [cap_low, cap])."""
-    level: str = "token"
-    """token (a ratio per token) or sequence (the geometric mean of the sequence's token ratios)."""
-    cap: float = 2.0
-    """Upper bound of the weight: tis truncates at it, mis masks above it (AReaL's behav_imp_weight_cap)."""
-    cap_low: float = 0.0
-    """mis only: weights below it are masked too (0: no lower bound)."""
-    old_log_prob: str = "recompute"
-    """recompute (the old-log-prob pass: the proximal policy is the trainer's weights before the update) or
-    behaviour (skip the pass; the old log-probs are the rollout's, so the clip is taken around the sampler)."""
-
-    def __post_init__(self) -> None:
-        key = "algorithm.rollout_correction"
-        if self.mode != "none" and self.mode not in CORRECTIONS:
-            raise ValueError(f"{key}.mode={self.mode!r}: choose none or one of {CORRECTIONS.names()}")
-        if self.level not in LEVELS:
-            raise ValueError(f"{key}.level={self.level!r}: choose one of {LEVELS}")
-        if self.old_log_prob not in OLD_LOG_PROB:
-            raise ValueError(f"{key}.old_log_prob={self.old_log_prob!r}: choose one of {OLD_LOG_PROB}")
-        if self.cap <= 1.0:
-            raise ValueError(
-                f"{key}.cap={self.cap} must be > 1 (a weight cap below 1 down-weights every token)"
-            )
-        if not 0.0 <= self.cap_low < 1.0:
-            raise ValueError(f"{key}.cap_low={self.cap_low} must lie in [0, 1)")
-        if self.cap_low > 0 and self.mode != "mis":
-            raise ValueError(f"{key}.cap_low={self.cap_low} only applies to mode=mis: set it to 0 or use mis")
-        if self.mode != "none" and self.old_log_prob == "behaviour":
-            raise ValueError(
-                f"{key}.mode={self.mode} with old_log_prob=behaviour: the proximal policy is then the "
-                "behaviour policy and every weight is 1; use old_log_prob=recompute or mode=none"
-            )
-
-    @property
-    def enabled(self) -> bool:
-        """True when a weight multiplies the loss."""
-        return self.mode != "none"
 
 
 @register_correction("tis")
