@@ -54,9 +54,7 @@ def batch(seed: int):
 def _round_trip(name: str, hf_path: str, fsdp_role: str, out_dir: str) -> None:
     from megatron_cpu import make_engine
 
-    from posttrain.core.config import CheckpointConfig
-
-    eng = make_engine(hf_path, optim=optim(), ckpt=CheckpointConfig(portable=True), **ROUND_TRIP[name])
+    eng = make_engine(hf_path, optim=optim(), portable_checkpoint=True, **ROUND_TRIP[name])
     eng.load_checkpoint(fsdp_role)
     eng.save_checkpoint(os.path.join(out_dir, name, "actor"), global_step=2)
 
@@ -70,8 +68,8 @@ def _async_round_trip(name: str, hf_path: str, fsdp_role: str, out_dir: str) -> 
     from posttrain.ckpt import AsyncWriter
     from posttrain.core.config import CheckpointConfig
 
-    ckpt = CheckpointConfig(portable=True, async_save=True)
-    eng = make_engine(hf_path, optim=optim(), ckpt=ckpt, **ASYNC_ROUND_TRIP[name])
+    ckpt = CheckpointConfig(async_save=True)
+    eng = make_engine(hf_path, optim=optim(), ckpt=ckpt, portable_checkpoint=True, **ASYNC_ROUND_TRIP[name])
     eng.load_checkpoint(fsdp_role)
     writer = AsyncWriter(process_group=torch.distributed.new_group(backend="gloo"))
     gate = threading.Event()
@@ -89,10 +87,8 @@ def _async_round_trip(name: str, hf_path: str, fsdp_role: str, out_dir: str) -> 
 def _resume(name: str, hf_path: str, fsdp_role: str, out_dir: str) -> None:
     from megatron_cpu import make_engine, nll_loss
 
-    from posttrain.core.config import CheckpointConfig
-
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    eng = make_engine(hf_path, optim=optim(), ckpt=CheckpointConfig(portable=True), **LAYOUTS[name])
+    eng = make_engine(hf_path, optim=optim(), portable_checkpoint=True, **LAYOUTS[name])
     eng.load_checkpoint(fsdp_role)
     step3 = batch(2)
     if name == "dp2":

@@ -89,7 +89,7 @@ def _dcp_tensors(role) -> dict[str, torch.Tensor]:
 
 
 def test_portable_async_save_equals_the_sync_one(megatron_env, tiny_qwen2, packed_batch, tmp_path):
-    """checkpoint.portable with async_save: the call returns after the snapshot, the manifest and the commit
+    """engine.portable_checkpoint with async_save: the call returns after the snapshot, the manifest and the commit
     come after the background write, the files equal a sync save bit for bit, and a second save waits."""
     from dataclasses import replace
 
@@ -99,10 +99,10 @@ def test_portable_async_save_equals_the_sync_one(megatron_env, tiny_qwen2, packe
     from posttrain.ckpt import CheckpointManager
     from posttrain.core.config import CheckpointConfig
 
-    sync = CheckpointConfig(portable=True, save_contents=["model", "optimizer", "extra", "hf_model"])
+    sync = CheckpointConfig(save_contents=["model", "optimizer", "extra", "hf_model"])
     config = replace(sync, async_save=True)
     manager = CheckpointManager(tmp_path / "async", config)
-    eng = make_engine(tiny_qwen2, ckpt=sync)
+    eng = make_engine(tiny_qwen2, ckpt=sync, portable_checkpoint=True)
     with eng.train_mode():
         eng.train_batch(packed_batch, nll_loss)
         eng.lr_scheduler_step()
@@ -156,7 +156,7 @@ def test_direct_async_save_prunes_only_once_it_is_written(megatron_env, tiny_qwe
     from posttrain.core.config import CheckpointConfig
 
     sync = CheckpointConfig(max_ckpt_to_keep=1)
-    eng = make_engine(tiny_qwen2, ckpt=sync)
+    eng = make_engine(tiny_qwen2, ckpt=sync, portable_checkpoint=True)
     root = tmp_path / "run"
     eng.save_checkpoint(str(root / "global_step_1" / "actor"), global_step=1)
     eng.checkpoint_config = replace(sync, async_save=True)

@@ -4,7 +4,7 @@ Both engines start from the same tiny Qwen2 directory, see the same packed batch
 (weight decay 0: Megatron exempts biases and norms from weight decay, torch's AdamW does not). The FSDP engine
 runs FSDP2 over the one-rank gloo group of the Megatron fixture. Resume goes through the FSDP engine's checkpoint
 layout (HF names, flattened AdamW state): FSDP -> Megatron with its default config, Megatron -> FSDP with
-``checkpoint.portable=true``. Each resumed step must equal the original engine continuing; FSDP -> Megatron ->
+``engine.portable_checkpoint=true``. Each resumed step must equal the original engine continuing; FSDP -> Megatron ->
 FSDP without a step in between must give the same tensors bit for bit (fp32 and bf16 Megatron). Two gloo ranks
 (``cross_backend_worker.py``) do the same at TP=2, PP=2 and DP=2 with the distributed optimizer, the last also
 with an async portable save.
@@ -38,10 +38,10 @@ def _fsdp(path: str, ckpt=None):
     return eng
 
 
-def _megatron(path: str, ckpt=None):
+def _megatron(path: str, ckpt=None, **engine_kw):
     from megatron_cpu import make_engine
 
-    return make_engine(path, optim=optim(), ckpt=ckpt)
+    return make_engine(path, optim=optim(), ckpt=ckpt, **engine_kw)
 
 
 def _step(eng, seed: int) -> dict:
@@ -101,7 +101,7 @@ def test_fsdp_checkpoint_resumes_on_megatron(megatron_env, tiny_qwen2, tmp_path)
 
     native = tmp_path / "native" / "actor"
     mcore.save_checkpoint(str(native), global_step=3)
-    with pytest.raises(ValueError, match="checkpoint.portable=true"):
+    with pytest.raises(ValueError, match="engine.portable_checkpoint=true"):
         fsdp.load_checkpoint(str(native))
 
 
@@ -113,8 +113,8 @@ def test_portable_megatron_checkpoint_resumes_on_fsdp_and_megatron(megatron_env,
     from posttrain.core.config import CheckpointConfig
 
     role = tmp_path / "global_step_2" / "actor"
-    portable = CheckpointConfig(portable=True, save_contents=["model", "optimizer", "extra", "hf_model"])
-    mcore = _megatron(tiny_qwen2, ckpt=portable)
+    contents = CheckpointConfig(save_contents=["model", "optimizer", "extra", "hf_model"])
+    mcore = _megatron(tiny_qwen2, ckpt=contents, portable_checkpoint=True)
     for seed in (0, 1):
         _step(mcore, seed)
     mcore.save_checkpoint(str(role), global_step=2)
@@ -204,15 +204,13 @@ def test_fsdp_checkpoint_through_megatron_is_bit_exact(megatron_env, tiny_qwen2,
     when the megatron model runs in bf16 (the optimizer keeps fp32 main parameters) and with tied embeddings."""
     from megatron_cpu import make_engine, make_tiny_qwen2
 
-    from posttrain.core.config import CheckpointConfig
-
     if tied:
         tiny_qwen2 = make_tiny_qwen2(str(tmp_path / "tied"), tie_word_embeddings=True)
     fsdp = _fsdp(tiny_qwen2)
     for seed in (0, 1):
         _step(fsdp, seed)
     fsdp.save_checkpoint(str(tmp_path / "fsdp" / "actor"), global_step=2)
-    mcore = make_engine(tiny_qwen2, optim=optim(), ckpt=CheckpointConfig(portable=True), dtype=dtype)
+    mcore = make_engine(tiny_qwen2, optim=optim(), portable_checkpoint=True, dtype=dtype)
     mcore.load_checkpoint(str(tmp_path / "fsdp" / "actor"))
     mcore.save_checkpoint(str(tmp_path / "mcore" / "actor"), global_step=2)
     want, got = _dcp_tensors(tmp_path / "fsdp" / "actor"), _dcp_tensors(tmp_path / "mcore" / "actor")

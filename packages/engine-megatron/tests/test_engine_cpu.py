@@ -163,11 +163,9 @@ def test_hf_model_export_and_retention(megatron_env, tiny_qwen2, packed_batch, t
 
     from posttrain.core.config import CheckpointConfig
 
-    ckpt = CheckpointConfig(
-        save_contents=["model", "hf_model"],
-        mbridge_config={"distributed_save": False, "not_a_bridge_kwarg": 1},
-    )
-    eng = make_engine(tiny_qwen2, ckpt=ckpt)
+    ckpt = CheckpointConfig(save_contents=["model", "hf_model"])
+    hf_save_kwargs = {"distributed_save": False, "not_a_bridge_kwarg": 1}
+    eng = make_engine(tiny_qwen2, ckpt=ckpt, hf_save_kwargs=hf_save_kwargs)
     with eng.train_mode():
         eng.train_batch(packed_batch, nll_loss)
     (tmp_path / "global_step_9" / "actor").mkdir(

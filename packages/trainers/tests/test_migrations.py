@@ -28,6 +28,16 @@ DOC = "docs/migrating-from-verl.md"
         (["ref.engine.router_replay.record_file=r.pt"], "there is no posttrain key"),
         (["critic.engine.ulysses_sequence_parallel_size=2"], "context_parallel_size"),
         (["rollout.mode=async"], "rollout.executor"),
+        (
+            ["checkpoint.portable=true"],
+            r"actor\.engine\.portable_checkpoint.*critic\.engine\.portable_checkpoint",
+        ),
+        (["checkpoint.mbridge_config={}"], r"actor\.engine\.hf_save_kwargs"),
+        (["checkpoint.mbridge_config.distributed_save=false"], r"actor\.engine\.hf_save_kwargs"),
+        (
+            ["actor_rollout_ref.actor.checkpoint.mbridge_config.x=1"],
+            r"posttrain's is actor\.engine\.hf_save_kwargs",
+        ),
     ],
 )
 def test_old_keys_exit_2_naming_the_new_form(argv, says, capsys):

@@ -95,8 +95,8 @@ def _refuse_native_megatron(role_dir: Path) -> None:
     if (role_dir / "transformer_config.json").is_file() and not (role_dir / "manifest.json").is_file():
         raise ValueError(
             f"{role_dir} is a native megatron engine checkpoint (Megatron parameter names and shards), which "
-            "the FSDP engine cannot read: save it with checkpoint.portable=true on the megatron engine (HF "
-            "names, this engine's layout), or load it on the megatron engine"
+            "the FSDP engine cannot read: save it with <role>.engine.portable_checkpoint=true on the megatron "
+            "engine (HF names, this engine's layout), or load it on the megatron engine"
         )
 
 

@@ -13,7 +13,7 @@ model chunks and of Megatron's optimizer, so a checkpoint written at one TP/PP/D
 (:mod:`.async_save`; a portable checkpoint's files through :mod:`.portable` on the same writer). Under
 Megatron-FSDP ``dist_ckpt/`` holds the fsdp_dtensor format instead (torch DCP over DTensors, reshardable over
 DP: :mod:`.fsdp_dtensor`).
-The HF weights go through Megatron-Bridge's ``save_hf_weights`` with ``checkpoint.mbridge_config`` keyword
+The HF weights go through Megatron-Bridge's ``save_hf_weights`` with ``engine.hf_save_kwargs`` keyword
 arguments (only those its signature accepts).
 """
 
@@ -154,7 +154,7 @@ def _write_hf(engine: Any, hf_dir: Path, with_weights: bool) -> None:
             if src.is_file():
                 shutil.copy2(src, hf_dir / name)
     if with_weights:
-        kwargs = dict(engine.checkpoint_config.mbridge_config)
+        kwargs = dict(engine.engine_config.hf_save_kwargs)
         accepted = inspect.signature(engine.bridge.save_hf_weights).parameters
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
         engine.bridge.save_hf_weights(engine.chunks, hf_dir, show_progress=False, **kwargs)
@@ -221,7 +221,7 @@ def save(
     this save is written, when ``local_path`` is ``<root>/global_step_<N>/<role>`` (:func:`_retain`).
     """
     keep = max_ckpt_to_keep if max_ckpt_to_keep is not None else engine.checkpoint_config.max_ckpt_to_keep
-    if engine.checkpoint_config.portable:  # HF-keyed, the FSDP engine's layout (portable.py)
+    if engine.engine_config.portable_checkpoint:  # HF-keyed, the FSDP engine's layout (portable.py)
         _check_async(engine, writer)
         background = writer if engine.checkpoint_config.async_save else None
         engine._pending_save = portable.save(engine, local_path, global_step, background)
@@ -264,12 +264,14 @@ def load(engine: Any, local_path: str) -> dict[str, int]:
     """Restore ``checkpoint.load_contents`` from ``local_path/dist_ckpt`` (any TP/PP/DP layout), or from a
     portable role directory. Returns the saved counters (``global_step``, ``skipped_steps``) when ``extra`` is
     loaded, else ``{}``."""
-    if portable.is_portable(local_path):  # HF-keyed: the FSDP engine's, or saved with portable=true
+    if portable.is_portable(
+        local_path
+    ):  # HF-keyed: the FSDP engine's, or saved with engine.portable_checkpoint=true
         if getattr(engine, "lora", None) is not None:
             raise NotImplementedError(
                 f"{local_path!r} is a portable (HF-keyed) checkpoint and this engine has LoRA: the portable "
                 "layout has no names for Megatron's LoRA adapters; resume LoRA runs from native megatron "
-                "checkpoints (checkpoint.portable=false)"
+                "checkpoints (engine.portable_checkpoint=false)"
             )
         portable.load(engine, local_path)
         if "extra" not in engine.checkpoint_config.load_contents:

@@ -63,6 +63,15 @@ class McoreEngineConfig(EngineConfig):
     """Save the distributed optimizer in the fully reshardable layout."""
     distrib_optim_fully_reshardable_mem_efficient: bool = False
     """Lower-memory variant of the fully reshardable layout."""
+    portable_checkpoint: bool = False
+    """Save model and optimizer keyed by HF names in the FSDP engine's layout (DCP, flattened AdamW state,
+    LR scheduler state in extra), so the checkpoint resumes on either backend; false saves Megatron's
+    native dist_ckpt. A load reads either layout whatever this says. Set it on each role that saves
+    (actor, critic)."""
+    hf_save_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for Megatron-Bridge's ``save_hf_weights`` when ``checkpoint.save_contents`` lists
+    hf_model (e.g. distributed_save, memory_efficient); keys that the installed bridge's
+    ``save_hf_weights`` does not take are dropped."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,6 +85,12 @@ class McoreEngineConfig(EngineConfig):
                 FutureWarning,
                 stacklevel=1,
             )
+            if self.portable_checkpoint:
+                raise ValueError(
+                    "engine.portable_checkpoint=true with engine.vanilla_mbridge=true: the portable (HF-keyed) "
+                    "save uses Megatron-Bridge's conversion tasks, which the legacy mbridge lacks; set "
+                    "engine.vanilla_mbridge=false or engine.portable_checkpoint=false"
+                )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             warnings.warn(
                 "engine.sequence_parallel=true has no effect at tensor_model_parallel_size=1; turning it off",

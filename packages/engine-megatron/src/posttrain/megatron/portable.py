@@ -12,7 +12,7 @@ writes that layout from the megatron engine, so one checkpoint resumes on either
   the optimizer's fp32 main parameter and its ``exp_avg``/``exp_avg_sq``. Adam moments are elementwise, so they
   convert exactly like the parameter. ``step`` and the LR step (the torch LR scheduler's ``last_epoch``) carry
   over, as do ``skipped_steps`` and the torch RNG of the rank.
-- **save** (``checkpoint.portable=true``): the fp32 main parameters and Adam moments (DP shards of the
+- **save** (``engine.portable_checkpoint=true``): the fp32 main parameters and Adam moments (DP shards of the
   distributed optimizer all-reduced into whole TP shards) go through the bridge's Megatron -> HF conversion
   (full tensors); each rank keeps every world-size-th HF name and one ``dcp.save`` writes them. Param groups
   and the LR scheduler state are those of the FSDP engine's ``torch.optim.AdamW`` + ``LambdaLR`` built with
@@ -68,7 +68,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def is_portable(role_dir: str | Path) -> bool:
-    """True when ``role_dir`` holds an HF-keyed DCP checkpoint (FSDP engine, or megatron with portable=true)."""
+    """True when ``role_dir`` holds an HF-keyed DCP checkpoint (FSDP engine, or megatron with
+    portable_checkpoint=true)."""
     manifest = read_json(Path(role_dir) / ROLE_MANIFEST)
     return manifest is not None and manifest.get("layout") == LAYOUT
 
@@ -96,7 +97,7 @@ def _check_supported(engine: Any) -> None:
     if problems:
         raise NotImplementedError(
             f"the portable (HF-keyed) checkpoint does not support {', '.join(problems)}: use the native "
-            "megatron checkpoint (checkpoint.portable=false) for this engine"
+            "megatron checkpoint (engine.portable_checkpoint=false) for this engine"
         )
 
 
@@ -222,7 +223,7 @@ def _tasks(engine: Any) -> list[Any]:
             # must not be shifted)
             raise NotImplementedError(
                 f"{task.global_param_name} converts through {type(task.mapping).__name__}, which the "
-                "portable checkpoint does not support: use checkpoint.portable=false"
+                "portable checkpoint does not support: use engine.portable_checkpoint=false"
             )
     return tasks
 

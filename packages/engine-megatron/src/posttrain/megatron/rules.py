@@ -103,12 +103,6 @@ def check_engine(
     cfg.check_checkpoint(ckpt, role)
     if cfg.vanilla_mbridge:
         vanilla.check(cfg)
-        if ckpt.portable:
-            raise ValueError(
-                "checkpoint.portable=true with engine.vanilla_mbridge=true: the portable (HF-keyed) save "
-                "uses Megatron-Bridge's conversion tasks, which the legacy mbridge lacks; set "
-                "engine.vanilla_mbridge=false or checkpoint.portable=false"
-            )
     if cfg.use_megatron_fsdp and not on_cuda:
         raise ValueError(
             "engine.use_megatron_fsdp=true needs CUDA (Megatron-FSDP allocates CUDA streams): "
@@ -139,11 +133,11 @@ def check_engine(
             "or edit config.json"
         )
     if model.lora_rank > 0:
-        _check_lora(cfg, ckpt, model)
+        _check_lora(cfg, model)
     check_layout(cfg, _hf_config(model))
 
 
-def _check_lora(cfg: McoreEngineConfig, checkpoint: CheckpointConfig, model: ModelConfig) -> None:
+def _check_lora(cfg: McoreEngineConfig, model: ModelConfig) -> None:
     lora.check_config(model)
     if cfg.vanilla_mbridge:
         raise ValueError(
@@ -155,9 +149,9 @@ def _check_lora(cfg: McoreEngineConfig, checkpoint: CheckpointConfig, model: Mod
             f"model.lora_rank={model.lora_rank} with engine.use_megatron_fsdp=true is untested with "
             "Megatron-Bridge's LoRA: set engine.use_megatron_fsdp=false"
         )
-    if checkpoint.portable:
+    if cfg.portable_checkpoint:
         raise NotImplementedError(
-            f"checkpoint.portable=true with model.lora_rank={model.lora_rank}: the HF-keyed portable layout "
-            "has no names for the Megatron LoRA adapters; set checkpoint.portable=false (the native "
-            "dist_ckpt saves the adapters)"
+            f"engine.portable_checkpoint=true with model.lora_rank={model.lora_rank}: the HF-keyed portable "
+            "layout has no names for the Megatron LoRA adapters; set engine.portable_checkpoint=false (the "
+            "native dist_ckpt saves the adapters)"
         )

@@ -2,13 +2,13 @@
 
 Contents are subsets of ``model``, ``optimizer``, ``extra`` (LR scheduler, RNG, counters, dataloader position)
 and ``hf_model`` (full Hugging Face safetensors next to the sharded checkpoint). Engine-specific rules (the
-Megatron-FSDP ones) are each engine config's ``check_checkpoint``.
+Megatron-FSDP ones) are each engine config's ``check_checkpoint``; a backend's own checkpoint settings (the
+megatron engine's ``portable_checkpoint``, ``hf_save_kwargs``) are fields of its engine config.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
@@ -44,12 +44,6 @@ class CheckpointConfig:
     """Block training only for the device-to-host snapshot and write in the background."""
     max_ckpt_to_keep: int | None = None
     """Keep at most this many checkpoints (older ones are deleted after a new save succeeds); None keeps all."""
-    mbridge_config: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for Megatron-Bridge's HF save (e.g. distributed_filesystem, memory_efficient)."""
-    portable: bool = False
-    """Megatron engine: write model and optimizer keyed by HF names in the FSDP engine's layout (DCP, flattened
-    AdamW state, LR scheduler state in extra), so the checkpoint resumes on either backend. The FSDP engine
-    always writes this layout, and the megatron engine loads it whatever this flag says."""
 
     def __post_init__(self) -> None:
         check_contents(self.save_contents, "checkpoint.save_contents")

@@ -29,6 +29,13 @@ VERL_PREFIXES = {
 
 _NO_QAT = "posttrain has no quantisation-aware training (train in bf16 and quantise the exported HF model)"
 _ENGINE = "*.engine."
+_PORTABLE = (
+    "write actor.engine.portable_checkpoint (and critic.engine.portable_checkpoint for a critic) "
+    "with model_engine=megatron; the FSDP engines always save the portable layout"
+)
+_HF_SAVE = (
+    "actor.engine.hf_save_kwargs (and critic.engine.hf_save_kwargs for a critic) with model_engine=megatron"
+)
 
 MOVED: dict[str, str] = {
     "data.max_response_length": "verl's key; posttrain's is rollout.response_length",
@@ -68,6 +75,11 @@ MOVED: dict[str, str] = {
     "*.optim.optimizer": "removed: the optimizer is always torch.optim.AdamW; there is no posttrain key",
     "data.pad_mode": "removed: batches are always packed without padding (PackedBatch); there is no posttrain key",
     "rollout.mode": "removed: the vLLM rollout's rollout.executor says where it runs (executor=server is async)",
+    "checkpoint.portable": f"moved to the megatron engine's config: {_PORTABLE}",
+    "checkpoint.mbridge_config": f"moved to the megatron engine's config: write {_HF_SAVE}",
+    "checkpoint.mbridge_config.**": f"moved to the megatron engine's config: write {_HF_SAVE}",
+    "actor_rollout_ref.actor.checkpoint.mbridge_config": f"verl's key; posttrain's is {_HF_SAVE}",
+    "actor_rollout_ref.actor.checkpoint.mbridge_config.**": f"verl's key; posttrain's is {_HF_SAVE}",
 }
 """key pattern -> what to write instead (or that nothing replaces it)."""
 
