@@ -46,7 +46,6 @@ for role in actor ref; do
         "$role.engine.tensor_model_parallel_size=$TP"
         "$role.engine.pipeline_model_parallel_size=$PP"
         "$role.engine.context_parallel_size=$CP"
-        "$role.engine.use_mbridge=true"
         "$role.engine.vanilla_mbridge=false"
         "$role.engine.override_transformer_config.gradient_accumulation_fusion=false"
     )

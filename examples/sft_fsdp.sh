@@ -28,7 +28,6 @@ DATA=(
     data.val_files="[$DATA_DIR/test.parquet]"
     data.messages_key=messages
     data.truncation=error
-    data.pad_mode=no_padding
 )
 MODEL=(
     model.path="$MODEL_PATH"

@@ -28,7 +28,6 @@ DATA=(
     data.train_batch_size=${TRAIN_BATCH_SIZE:-8}
     data.max_length=${MAX_LENGTH:-1024}
     data.truncation=error
-    data.pad_mode=no_padding
 )
 MODEL=(
     model.path="$MODEL_PATH"
@@ -39,7 +38,6 @@ ENGINE=(
     actor.engine.pipeline_model_parallel_size="$PP"
     actor.engine.expert_model_parallel_size="$EP"
     actor.engine.context_parallel_size="$CP"
-    actor.engine.use_mbridge=true
     actor.engine.vanilla_mbridge=false
     actor.engine.use_megatron_fsdp=true
     actor.engine.use_distributed_optimizer=true
