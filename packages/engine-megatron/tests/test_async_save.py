@@ -156,7 +156,7 @@ def test_direct_async_save_prunes_only_once_it_is_written(megatron_env, tiny_qwe
     from posttrain.core.config import CheckpointConfig
 
     sync = CheckpointConfig(max_ckpt_to_keep=1)
-    eng = make_engine(tiny_qwen2, ckpt=sync, portable_checkpoint=True)
+    eng = make_engine(tiny_qwen2, ckpt=sync)
     root = tmp_path / "run"
     eng.save_checkpoint(str(root / "global_step_1" / "actor"), global_step=1)
     eng.checkpoint_config = replace(sync, async_save=True)
