@@ -316,5 +316,11 @@ def test_kl_in_reward_with_fixed_and_adaptive_controllers():
     restored = KLControlConfig(type="adaptive", kl_coef=1.0).build()
     restored.load_state_dict(ctrl.state_dict())
     assert restored.value == ctrl.value
+    built = KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.05, horizon=100).build()
+    assert isinstance(built, AdaptiveKLController) and (built.value, built.target, built.horizon) == (
+        0.2,
+        0.05,
+        100,
+    )
     with pytest.raises(ValueError, match="fixed or adaptive"):
         KLControlConfig(type="pid")
