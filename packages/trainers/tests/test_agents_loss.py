@@ -16,7 +16,6 @@ import torch
 from posttrain.core.batch import loss_context
 from posttrain.core.rollout import RolloutSample
 from posttrain.trainers.algorithms import AlgorithmConfig
-from posttrain.trainers.algorithms.losses import make_actor_loss
 from posttrain.trainers.algorithms.policy import ActorLossConfig
 from posttrain.trainers.rl.batch import build_batch
 from posttrain.trainers.rl.phases import compute_advantages
@@ -56,7 +55,7 @@ def test_masked_multi_turn_loss_matches_float64():
     compute_advantages(batch, AlgorithmConfig(adv_estimator="grpo"), None)
     new = torch.cat([token_log_probs(model, PROMPT + ids) for ids, _, _ in EPISODES]).float()
     cfg = ActorLossConfig(loss_agg_mode="token-mean", clip_ratio=0.2)
-    loss, _ = make_actor_loss(cfg, loss_scale_factor=1.0)({"log_probs": new}, batch, loss_context(batch))
+    loss, _ = cfg.build_loss(loss_scale_factor=1.0)({"log_probs": new}, batch, loss_context(batch))
 
     scores = [s for *_, s in EPISODES]
     mean = sum(scores) / 2

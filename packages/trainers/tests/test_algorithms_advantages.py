@@ -18,9 +18,7 @@ from posttrain.trainers.algorithms import (
     KLControlConfig,
     adv_estimator_traits,
     apply_kl_penalty,
-    compute_advantage,
     get_adv_estimator,
-    get_kl_controller,
     scores_to_token_rewards,
 )
 
@@ -224,11 +222,11 @@ def test_missing_inputs_and_unknown_names_raise():
     layout = random_layout(0)
     inputs = AdvantageInputs(layout.packed(dense_rewards(layout, 0)), layout.mask, layout.cu_seqlens)
     with pytest.raises(ValueError, match="values"):
-        compute_advantage(inputs, AlgorithmConfig(adv_estimator="gae"))
+        AlgorithmConfig(adv_estimator="gae").build_estimator()(inputs)
     with pytest.raises(ValueError, match="index"):
-        compute_advantage(inputs, AlgorithmConfig(adv_estimator="grpo"))
+        AlgorithmConfig(adv_estimator="grpo").build_estimator()(inputs)
     with pytest.raises(ValueError, match="reward_baselines"):
-        compute_advantage(inputs, AlgorithmConfig(adv_estimator="remax"))
+        AlgorithmConfig(adv_estimator="remax").build_estimator()(inputs)
     with pytest.raises(ValueError, match="rloo"):
         AlgorithmConfig(adv_estimator="ppo")
     with pytest.raises(ValueError, match="low_var_kl"):
@@ -268,7 +266,7 @@ def test_scores_land_on_the_last_response_token():
     inputs = AdvantageInputs.from_scores(
         scores, layout.mask, layout.cu_seqlens, index=torch.tensor(layout.groups)
     )
-    adv, _ = compute_advantage(inputs, AlgorithmConfig(adv_estimator="grpo"))
+    adv, _ = AlgorithmConfig(adv_estimator="grpo").build_estimator()(inputs)
     assert_close(layout.split(adv), run("grpo", layout, want)[0])
 
 
@@ -303,7 +301,7 @@ def test_kl_in_reward_with_fixed_and_adaptive_controllers():
     assert metrics["actor/reward_kl_penalty_coeff"] == 0.2
     error = min(max(current / 0.05 - 1, -0.2), 0.2)
     assert abs(ctrl.value - 0.2 * (1 + error * len(layout.masks) / 100)) < 1e-12
-    fixed = get_kl_controller(KLControlConfig(type="fixed", kl_coef=0.3))
+    fixed = KLControlConfig(type="fixed", kl_coef=0.3).build()
     assert isinstance(fixed, FixedKLController) and not isinstance(fixed, AdaptiveKLController)
     apply_kl_penalty(
         layout.packed(scores),
@@ -315,8 +313,14 @@ def test_kl_in_reward_with_fixed_and_adaptive_controllers():
         "k3",
     )
     assert fixed.value == 0.3
-    restored = get_kl_controller(KLControlConfig(type="adaptive", kl_coef=1.0))
+    restored = KLControlConfig(type="adaptive", kl_coef=1.0).build()
     restored.load_state_dict(ctrl.state_dict())
     assert restored.value == ctrl.value
+    built = KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.05, horizon=100).build()
+    assert isinstance(built, AdaptiveKLController) and (built.value, built.target, built.horizon) == (
+        0.2,
+        0.05,
+        100,
+    )
     with pytest.raises(ValueError, match="fixed or adaptive"):
         KLControlConfig(type="pid")

@@ -22,8 +22,6 @@ from posttrain.trainers.algorithms import (
     entropy_from_logits,
     get_policy_loss,
     kl_penalty,
-    make_actor_loss,
-    make_critic_loss,
 )
 
 SCALE = 7.0
@@ -189,7 +187,7 @@ def test_value_loss_and_alignment():
     micro = PackedBatch.from_sequences([[1] * len(m) for m in layout.masks], layout.masks)
     micro.fields.update(values=layout.packed(old), returns=layout.packed(ret))
     cfg = CriticLossConfig(cliprange_value=0.3)
-    loss, metrics = make_critic_loss(cfg)({"values": layout.packed(head)}, micro, ctx_of(layout))
+    loss, metrics = cfg.build_loss()({"values": layout.packed(head)}, micro, ctx_of(layout))
     per_tok = []
     for h, o, r in zip(head, old, ret):
         v = [0.0] + h[:-1]
@@ -252,7 +250,7 @@ def test_actor_loss_is_invariant_to_micro_batching_and_dp(mode, loss_mode):
         kl_loss_coef=0.1,
         policy_loss=PolicyLossConfig(loss_mode=loss_mode),
     )
-    loss_fn = make_actor_loss(cfg, loss_scale_factor=SCALE)
+    loss_fn = cfg.build_loss(loss_scale_factor=SCALE)
     everything = list(range(batch.num_seqs))
     whole, whole_grad = run_layout(loss_fn, batch, log_probs, entropy, [[everything]])
     by_count = make_micro_batches(batch, max_tokens=None, micro_batch_size=3, use_dynamic_bsz=False)
@@ -273,16 +271,16 @@ def test_actor_loss_terms_and_kl_zero_when_actor_is_reference():
     full = ActorLossConfig(entropy_coeff=0.05, use_kl_loss=True, kl_loss_coef=0.5)
     ctx = ctx_of(layout)
     out = {"log_probs": log_probs, "entropy": entropy}
-    pg, _ = make_actor_loss(base)(out, batch, ctx)
-    total, metrics = make_actor_loss(full)(out, batch, ctx)
+    pg, _ = base.build_loss()(out, batch, ctx)
+    total, metrics = full.build_loss()(out, batch, ctx)
     ent = agg_ref(layout.split(entropy), layout.masks, "token-mean")
     assert metrics["actor/kl_loss"] == 0.0
     assert abs(float(total) - (float(pg) - 0.05 * ent)) < 1e-12
     with pytest.raises(ValueError, match="calculate_entropy"):
-        make_actor_loss(full)({"log_probs": log_probs}, batch, ctx)
+        full.build_loss()({"log_probs": log_probs}, batch, ctx)
     del batch.fields["ref_log_probs"]
     with pytest.raises(ValueError, match="ref_log_probs"):
-        make_actor_loss(full)(out, batch, ctx)
+        full.build_loss()(out, batch, ctx)
 
 
 def test_agg_and_config_errors():

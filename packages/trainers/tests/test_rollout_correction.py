@@ -15,7 +15,6 @@ from posttrain.trainers.algorithms import (
     ActorLossConfig,
     PolicyLossConfig,
     RolloutCorrectionConfig,
-    make_actor_loss,
     rollout_is_weights,
 )
 
@@ -93,7 +92,7 @@ def test_actor_loss_multiplies_each_tokens_policy_loss_by_the_weight(loss_mode):
     rng = random.Random(46)
     weights = [[rng.choice([0.0, 0.5, 1.0, 1.7]) for _ in m] for m in layout.masks]
     cfg = ActorLossConfig(clip_ratio_c=3.0, policy_loss=PolicyLossConfig(loss_mode=loss_mode))
-    loss_fn = make_actor_loss(cfg, loss_scale_factor=SCALE)
+    loss_fn = cfg.build_loss(loss_scale_factor=SCALE)
     out, ctx = {"log_probs": log_probs}, ctx_of(layout)
     plain, _ = loss_fn(out, batch, ctx)
     batch.fields["is_weights"] = layout.packed(weights)
@@ -141,7 +140,7 @@ def test_decoupled_ppo_is_areals_loss():
 
     batch = PackedBatch.from_sequences([[3] * len(m) for m in layout.masks], layout.masks)
     batch.fields.update(old_log_probs=layout.packed(prox), advantages=layout.packed(adv), is_weights=weights)
-    loss_fn = make_actor_loss(ActorLossConfig(clip_ratio=eps, clip_ratio_c=1e9))
+    loss_fn = ActorLossConfig(clip_ratio=eps, clip_ratio_c=1e9).build_loss()
     loss, _ = loss_fn({"log_probs": layout.packed(new)}, batch, ctx_of(layout))
     assert abs(float(loss) - total / count) < 1e-12
 

@@ -212,8 +212,3 @@ def remax(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[torch.Tensor, 
     padded = to_padded(inputs.token_level_rewards * mask, cu)
     returns = from_padded(padded.flip(-1).cumsum(-1).flip(-1), cu) * mask
     return returns - inputs.broadcast(baselines.to(returns.dtype)), returns
-
-
-def compute_advantage(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns) (T,) with ``cfg.adv_estimator``."""
-    return get_adv_estimator(cfg.adv_estimator)(inputs, cfg)

@@ -4,9 +4,21 @@ names are checked against the registries of :mod:`.names`; the functions they se
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .names import ADV_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, check_loss_agg_mode
+
+if TYPE_CHECKING:
+    import torch
+
+    from .advantages import AdvantageInputs
+    from .kl import FixedKLController
+    from .losses import ActorLoss, CriticLoss
+
+AdvantageEstimator = Callable[["AdvantageInputs"], "tuple[torch.Tensor, torch.Tensor]"]
+"""``inputs -> (advantages, returns)``, each (T,): what :meth:`AlgorithmConfig.build_estimator` returns."""
 
 
 @dataclass(kw_only=True)
@@ -30,6 +42,14 @@ class KLControlConfig:
                 f"algorithm.kl_ctrl.horizon={self.horizon} and target_kl={self.target_kl} must be > 0 "
                 "for the adaptive controller"
             )
+
+    def build(self) -> FixedKLController:
+        """The controller: :class:`~.kl.AdaptiveKLController` or :class:`~.kl.FixedKLController`."""
+        from .kl import AdaptiveKLController, FixedKLController
+
+        if self.type == "adaptive":
+            return AdaptiveKLController(self.kl_coef, self.target_kl, self.horizon)
+        return FixedKLController(self.kl_coef)
 
 
 LEVELS = ("token", "sequence")
@@ -114,6 +134,18 @@ class AlgorithmConfig:
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"algorithm.gamma={self.gamma} and algorithm.lam={self.lam} must lie in [0, 1]")
 
+    def build_estimator(self) -> AdvantageEstimator:
+        """The advantage estimator ``adv_estimator`` names, bound to this config: ``inputs -> (advantages,
+        returns)``. A custom one must be registered (``register_adv_estimator``) before this is called."""
+        from .advantages import get_adv_estimator
+
+        estimator = get_adv_estimator(self.adv_estimator)
+
+        def estimate(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+            return estimator(inputs, self)
+
+        return estimate
+
 
 @dataclass(kw_only=True)
 class PolicyLossConfig:
@@ -169,6 +201,13 @@ class ActorLossConfig:
             if value is not None and value < 0:
                 raise ValueError(f"actor.{key}={value} must be >= 0")
 
+    def build_loss(self, loss_scale_factor: float | None = None) -> ActorLoss:
+        """The actor's ``loss_fn(model_output, micro, ctx)`` for the engine; ``loss_scale_factor`` fills a None
+        ``self.loss_scale_factor``."""
+        from .losses import ActorLoss
+
+        return ActorLoss(self, loss_scale_factor)
+
     @property
     def clip_low(self) -> float:
         """The lower clip in effect: clip_ratio_low, or clip_ratio when that is None."""
@@ -194,3 +233,12 @@ class CriticLossConfig:
         check_loss_agg_mode(self.loss_agg_mode, "critic.loss_agg_mode")
         if self.cliprange_value < 0:
             raise ValueError(f"critic.cliprange_value={self.cliprange_value} must be >= 0")
+
+    def build_loss(
+        self, loss_scale_factor: float | None = None, align_model_values: bool = True
+    ) -> CriticLoss:
+        """The critic's ``loss_fn(model_output, micro, ctx)`` for the engine; with ``align_model_values`` the
+        value-head outputs are aligned onto the next token first."""
+        from .losses import CriticLoss
+
+        return CriticLoss(self, loss_scale_factor, align_model_values)

@@ -105,13 +105,6 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1 + error * n_steps / self.horizon
 
 
-def get_kl_controller(cfg: KLControlConfig) -> FixedKLController:
-    """The controller ``cfg`` describes."""
-    if cfg.type == "adaptive":
-        return AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.horizon)
-    return FixedKLController(cfg.kl_coef)
-
-
 def apply_kl_penalty(
     token_level_scores: torch.Tensor,
     old_log_probs: torch.Tensor,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from posttrain.core.batch import LossContext, LossFn, PackedBatch
+from posttrain.core.batch import LossContext, PackedBatch
 
 from .agg import LossTokens
 from .config import CriticLossConfig
@@ -44,14 +44,19 @@ def _field(micro: PackedBatch, name: str, why: str) -> torch.Tensor:
     return micro.fields[name]
 
 
-def make_actor_loss(cfg: ActorLossConfig, loss_scale_factor: float | None = None) -> LossFn:
-    """The actor's ``loss_fn(model_output, micro, ctx)``; ``loss_scale_factor`` fills a None in ``cfg``."""
-    policy_fn = get_policy_loss(cfg.policy_loss.loss_mode)
-    scale = cfg.loss_scale_factor if cfg.loss_scale_factor is not None else loss_scale_factor
+class ActorLoss:
+    """The actor's ``loss_fn(model_output, micro, ctx)`` (built by :meth:`.config.ActorLossConfig.build`);
+    ``loss_scale_factor`` fills a None in ``cfg``."""
 
-    def actor_loss(
-        model_output: dict[str, torch.Tensor], micro: PackedBatch, ctx: LossContext
+    def __init__(self, cfg: ActorLossConfig, loss_scale_factor: float | None = None) -> None:
+        self.cfg = cfg
+        self.policy_fn = get_policy_loss(cfg.policy_loss.loss_mode)
+        self.scale = cfg.loss_scale_factor if cfg.loss_scale_factor is not None else loss_scale_factor
+
+    def __call__(
+        self, model_output: dict[str, torch.Tensor], micro: PackedBatch, ctx: LossContext
     ) -> tuple[torch.Tensor, dict[str, Any]]:
+        cfg = self.cfg
         log_prob, mask, cu = model_output["log_probs"], micro.loss_mask, micro.cu_seqlens
         old = _field(micro, "old_log_probs", "policy loss")
         adv = _field(micro, "advantages", "policy loss")
@@ -63,9 +68,9 @@ def make_actor_loss(cfg: ActorLossConfig, loss_scale_factor: float | None = None
             mask=mask,
             cu_seqlens=cu,
             ctx=ctx,
-            loss_scale_factor=scale,
+            loss_scale_factor=self.scale,
         )
-        loss, metrics = policy_fn(inputs, cfg)
+        loss, metrics = self.policy_fn(inputs, cfg)
         metrics["actor/pg_loss"] = float(loss.detach())
         entropy = model_output.get("entropy")
         if cfg.entropy_coeff != 0 and entropy is None:
@@ -83,8 +88,6 @@ def make_actor_loss(cfg: ActorLossConfig, loss_scale_factor: float | None = None
             metrics["actor/kl_loss"] = float(inputs.mean(kld.detach()))
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         return loss, metrics
-
-    return actor_loss
 
 
 def value_loss(
@@ -108,22 +111,27 @@ def value_loss(
     return loss, metrics
 
 
-def make_critic_loss(
-    cfg: CriticLossConfig, loss_scale_factor: float | None = None, align_model_values: bool = True
-) -> LossFn:
-    """The critic's ``loss_fn(model_output, micro, ctx)``."""
+class CriticLoss:
+    """The critic's ``loss_fn(model_output, micro, ctx)`` (built by :meth:`.config.CriticLossConfig.build`);
+    with ``align_model_values`` the value-head outputs are aligned onto the next token first."""
 
-    def critic_loss(
-        model_output: dict[str, torch.Tensor], micro: PackedBatch, ctx: LossContext
+    def __init__(
+        self, cfg: CriticLossConfig, loss_scale_factor: float | None = None, align_model_values: bool = True
+    ) -> None:
+        self.cfg, self.loss_scale_factor, self.align_model_values = cfg, loss_scale_factor, align_model_values
+
+    def __call__(
+        self, model_output: dict[str, torch.Tensor], micro: PackedBatch, ctx: LossContext
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         vpreds = model_output["values"]
-        if align_model_values:
+        if self.align_model_values:
             vpreds = align_values(vpreds, micro.cu_seqlens)
         old = _field(micro, "values", "value loss")
         returns = _field(micro, "returns", "value loss")
         tokens = LossTokens(
-            mask=micro.loss_mask, cu_seqlens=micro.cu_seqlens, ctx=ctx, loss_scale_factor=loss_scale_factor
+            mask=micro.loss_mask,
+            cu_seqlens=micro.cu_seqlens,
+            ctx=ctx,
+            loss_scale_factor=self.loss_scale_factor,
         )
-        return value_loss(vpreds, returns, old, tokens, cfg)
-
-    return critic_loss
+        return value_loss(vpreds, returns, old, tokens, self.cfg)

@@ -56,9 +56,8 @@ from .generation import RolloutSampler, WeightSync
 from .step_metrics import extra_means
 
 if TYPE_CHECKING:
-    from posttrain.core.rollout import BaseRollout
-
-    from ..config import PostTrainConfig
+    from posttrain.core.config import ModelConfig
+    from posttrain.core.rollout import BaseRollout, RolloutConfig
 
 Draw = Callable[[], tuple[int, list]]
 """() -> (epoch, this rank's prompts) of the sampler's next batch."""
@@ -322,24 +321,33 @@ RolloutSource = SyncRollouts | RolloutAhead
 picks one."""
 
 
-def build_rollout(cfg: PostTrainConfig, device: Any) -> BaseRollout:
-    """The trainer's rollout: built here on ``device`` (``trainer.rollout_placement=colocated``), or a handle on a
-    rollout worker process this rank starts (``process``, :mod:`.remote`)."""
+def build_rollout(
+    rollout: RolloutConfig,
+    model: ModelConfig,
+    *,
+    placement: str,
+    threads: int,
+    devices: list[str],
+    deterministic: bool,
+    device: Any,
+) -> BaseRollout:
+    """The trainer's rollout: built here on ``device`` (``placement=colocated``), or a handle on a rollout worker
+    process this rank starts (``process``, :mod:`.remote`) with ``threads`` CPU threads on its entry of
+    ``devices``. ``deterministic`` is the actor engine's ``full_determinism`` (vLLM: batch-invariant mode)."""
     from .remote import RemoteRollout
 
-    deterministic = cfg.actor.engine.full_determinism  # vLLM: batch-invariant mode
-    if cfg.trainer.rollout_placement == "process":
+    if placement == "process":
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         return RemoteRollout(
-            cfg.rollout,
-            cfg.model,
-            threads=cfg.trainer.rollout_threads,
+            rollout,
+            model,
+            threads=threads,
             rank=rank,
             deterministic=deterministic,
-            device=rollout_device(cfg.trainer.rollout_devices),
+            device=rollout_device(devices),
             trainer_device=device,
         )
-    return cfg.rollout.build(cfg.model, device=device, deterministic=deterministic)
+    return rollout.build(model, device=device, deterministic=deterministic)
 
 
 def rollout_device(devices: list[str]) -> str:

@@ -23,7 +23,6 @@ from ..algorithms import (
     RolloutCorrectionConfig,
     align_values,
     apply_kl_penalty,
-    compute_advantage,
     rollout_is_weights,
 )
 from ..algorithms.packed import masked_mean
@@ -174,7 +173,7 @@ def compute_advantages(
         values=batch.fields.get("values"),
         reward_baselines=reward_baselines,
     )
-    adv, returns = compute_advantage(inputs, cfg)
+    adv, returns = cfg.build_estimator()(inputs)
     batch.fields["advantages"] = adv.float()
     batch.fields["returns"] = returns.float()
     metrics["critic/advantages/mean"] = float(masked_mean(adv, batch.loss_mask))

@@ -38,7 +38,7 @@ import torch
 from posttrain.ckpt import CheckpointManager, load_trainer_state
 
 from .. import distributed as pdist
-from ..algorithms import adv_estimator_traits, get_kl_controller, make_actor_loss, make_critic_loss
+from ..algorithms import adv_estimator_traits
 from ..config import PostTrainConfig
 from ..data.sampler import StatefulSampler, rank_slice
 from ..loop import StepLoop
@@ -88,11 +88,19 @@ class RLTrainer(StepLoop):
         self.replicas = self._replica_groups()
         self._check_batch_sizes()
         self.prompts_per_rank = cfg.data.train_batch_size // self.dp_size
-        self.rollout = build_rollout(cfg, self.actor.device)
+        self.rollout = build_rollout(
+            cfg.rollout,
+            cfg.model,
+            placement=cfg.trainer.rollout_placement,
+            threads=cfg.trainer.rollout_threads,
+            devices=cfg.trainer.rollout_devices,
+            deterministic=cfg.actor.engine.full_determinism,
+            device=self.actor.device,
+        )
         self.agent = cfg.agent.build(self.tokenizer, cfg.rollout)  # None: single-turn rollouts
-        self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
-        self.actor_loss = make_actor_loss(cfg.actor, loss_scale_factor=float(cfg.rollout.response_length))
-        self.critic_loss = make_critic_loss(cfg.critic) if self.use_critic else None
+        self.kl_ctrl = cfg.algorithm.kl_ctrl.build()
+        self.actor_loss = cfg.actor.build_loss(loss_scale_factor=float(cfg.rollout.response_length))
+        self.critic_loss = cfg.critic.build_loss() if self.use_critic else None
         self.weights = WeightSync(self.actor, self.rollout, cfg.rollout.dtype)
         self.sampling = self._rollout_sampler()
         self.source = cfg.trainer.build_rollout_source(
