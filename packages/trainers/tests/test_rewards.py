@@ -174,7 +174,7 @@ def test_reward_metrics():
 
 
 def test_numeric_reward_extras_become_means_and_others_are_left_out():
-    from posttrain.trainers.rl.trainer import extra_means
+    from posttrain.trainers.rl.step_metrics import extra_means
 
     extras = {"acc": [1.0, 0.0, None, True], "note": ["a", "b", None, None], "len": [None, None, None, None]}
     assert extra_means(extras) == {"reward/extra/acc/mean": 2 / 3}

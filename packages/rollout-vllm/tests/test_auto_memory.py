@@ -1,4 +1,5 @@
-"""The RL run's null memory trades are chosen and logged; explicit values are kept as written."""
+"""The RL run's null memory trades are chosen and logged; explicit values are kept as written (here: the vLLM
+rollout's config needs posttrain-rollout-vllm, which the trainers venv lacks)."""
 
 from __future__ import annotations
 
