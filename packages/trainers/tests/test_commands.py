@@ -35,3 +35,11 @@ def test_bad_keys_exit_2_with_one_line(capsys):
     assert err.startswith("posttrain demo: unknown config key 'grpo_stepz'") and err.count("\n") == 1
     assert cli.main(["grpo", "--config", "grpo_tiny", "rollout.m=2"]) == 2
     assert capsys.readouterr().err.startswith("posttrain grpo: unknown config key 'rollout.m'")
+
+
+def test_config_show_prints_the_tree_each_command_trains_with(capsys):
+    """``config show grpo`` carries grpo's preset layer (adv_estimator grpo), as ``posttrain grpo`` does; ``ppo`` not."""
+    for word, want in (("grpo", "grpo"), ("ppo", "gae")):
+        assert cli.main(["config", "show", word]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("adv_estimator:"))
+        assert line.split("#")[0].split(":")[1].strip() == want == resolve([], word).algorithm.adv_estimator

@@ -41,6 +41,8 @@ from .trainer_config import RLTrainerConfig, TrainerConfig
 
 ROLES = ("actor", "ref", "critic")
 PRESET_DIR = Path(__file__).parent / "presets"
+COMMAND_PRESETS = {"ppo": [], "grpo": ["grpo"]}
+"""Presets each RL command puts under the user's ``--config`` presets (``posttrain grpo``: ``grpo``)."""
 
 
 @dataclass(kw_only=True)

@@ -16,11 +16,9 @@ from typing import Any
 from . import preflight, threads
 from .algorithms import adv_estimator_traits
 from .command import exit_code
-from .config import PostTrainConfig, load_config
+from .config import COMMAND_PRESETS, PostTrainConfig, load_config
 from .rl.trainer import RLTrainer
 
-COMMAND_PRESETS = {"ppo": [], "grpo": ["grpo"]}
-"""Presets each command puts under the user's ``--config`` presets."""
 
 
 def parser(prog: str) -> argparse.ArgumentParser:

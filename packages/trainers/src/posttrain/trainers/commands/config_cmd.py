@@ -2,7 +2,8 @@
 will use, as YAML, each node named by its config class and each field by the package that owns it.
 
 ``sft`` is the tree of ``posttrain sft``; ``rl`` (the default, also ``ppo`` / ``grpo``) the tree of the RL
-trainers. The output loads back with ``--config``: the annotations are YAML comments.
+trainers; ``grpo`` adds the preset ``posttrain grpo`` puts under yours. The output loads back with ``--config``: the
+annotations are YAML comments.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def main(argv: Sequence[str]) -> int:
         )
     overrides = words[1:] if words and words[0] == tree else words
     root = getattr(config, TREES[tree])
-    cfg = config.load_config(overrides, args.config, root=root)
+    presets = [*config.COMMAND_PRESETS.get(tree, []), *args.config]  # the command's own presets first
+    cfg = config.load_config(overrides, presets, root=root)
     print(f"# the tree of posttrain {tree} ({root.__name__})")
     print("\n".join(render(cfg)))
     return 0
