@@ -20,7 +20,6 @@ from .config import COMMAND_PRESETS, PostTrainConfig, load_config
 from .rl.trainer import RLTrainer
 
 
-
 def parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description="RL post-training (PPO / GRPO) with a colocated rollout."
