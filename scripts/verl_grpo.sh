@@ -13,8 +13,12 @@
 # log-prob passes 32,768), chunked prefill, vLLM CUDA graphs (enforce_eager=False), free_cache_engine (vLLM sleeps
 # while the actor trains), no parameter or optimizer offload (the model fits), vLLM at 0.6 of the memory and
 # max_num_seqs 1024 (every sequence of a step at once; verl's default is 256), gradient checkpointing off (what
-# posttrain's policy chooses for this shape on an H200). Per-step metrics land in $OUT/verl.log (verl's console
-# logger prints timing_s/gen, timing_s/step and perf/throughput each step).
+# posttrain's policy chooses for this shape on an H200). One departure: verl's default attention for the actor
+# and reference is HF's flash_attention_2, which needs the flash-attn package, and flash-attn has no wheel for
+# torch 2.11 + CUDA 13 (the image), so they run HF's sdpa (VERL_ATTN), which transformers 5.10 masks per packed
+# document from the position ids. posttrain's FSDP engine uses torch's own varlen flash attention.
+# Per-step metrics land in $OUT/verl.log (verl's console logger prints timing_s/gen, timing_s/step and
+# perf/throughput each step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -40,6 +44,7 @@ timeout "${VERL_TIMEOUT:-570}" python3 -m verl.trainer.main_ppo \
   data.max_prompt_length=512 data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation=error \
   actor_rollout_ref.model.path="$model" actor_rollout_ref.model.use_remove_padding=True \
   actor_rollout_ref.model.enable_gradient_checkpointing=False \
+  +actor_rollout_ref.model.override_config.attn_implementation="${VERL_ATTN:-sdpa}" \
   actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.actor.optim.lr=1e-6 \
   actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.use_dynamic_bsz=True \
   actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 actor_rollout_ref.actor.use_kl_loss=True \

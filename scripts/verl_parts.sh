@@ -10,6 +10,14 @@
 # and what verl imports that the image lacks or holds at a version verl refuses: ray (the single-node runtime),
 # tensordict 0.10 (verl: <= 0.10), torchdata, hydra-core with omegaconf 2.3 and antlr4, codetiming, pylatexenc,
 # datasets 4.8 (+ dill, multiprocess), transformers 5.10 (verl: < 5.11; the image has 5.17), jsonschema (ray).
+# A second, small layer (EXTRA, a gzip tarball in the last part, first on PYTHONPATH) holds what a check of the
+# bundle's imports with only the image's packages beside it found missing or refused: the tokenizers (<= 0.23.0)
+# and huggingface-hub (< 2) transformers 5.10 checks at import (the image's are newer), what verl's vLLM server
+# rollout imports that the offline path does not (uvicorn, watchfiles, httpx2 for openai 3,
+# model-hosting-container-standards), TransferQueue (verl 0.9.1's default V1 trainer), and xgrammar 0.2.5.post1, the newest that takes the apache-tvm-ffi 0.1.9
+# vLLM 0.24 pins (0.2.9 needs 0.1.11). Check both layers here before a GPU run:
+#   uv run python tools/verl_import_check.py
+# EXTRA_ONLY=1 rebuilds only that layer, keeping the base parts in OUT_DIR (xz of the base takes long on 2 cores).
 # Packed with xz and split into 47 MiB parts: OUT_DIR/p0/part.0 ... pN/part.N, each with the same unpack.sh,
 # which reassembles them into /tmp/verlsite (sha256-checked) and prints the PYTHONPATH export.
 #
@@ -34,6 +42,37 @@ VLLM_DEPS=(annotated-types==0.8.0 apache-tvm-ffi==0.1.9 cachetools==8.0.2 cbor2=
 VERL_DEPS=(verl==0.9.1 ray==2.55.0 tensordict==0.10.0 pyvers==0.1.0 orjson==3.11.5 torchdata==0.11.0
       hydra-core==1.3.2 omegaconf==2.3.0 codetiming==1.4.0 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 transformers==5.10.2 jsonschema==4.25.1
       jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==0.30.0)
+EXTRA_DEPS=(tokenizers==0.22.2 huggingface-hub==1.33.0 uvicorn==0.55.0 watchfiles==1.3.0 httpx2==2.16.2
+      httpcore2==2.16.2 truststore==0.10.5 model-hosting-container-standards==0.1.16 jmespath==1.1.0
+      xgrammar==0.2.5.post1 transferqueue==0.1.11)
+extra_layer() {  # SHA: the EXTRA layer as a part of its own, OUT/p<N>/extra.tgz (N after the base's parts)
+  "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$WORK/xwhl" "${EXTRA_DEPS[@]}"
+  mkdir -p "$WORK/xsite" && for w in "$WORK"/xwhl/*.whl; do unzip -q -o "$w" -d "$WORK/xsite"; done
+  last="$OUT/p$(ls -d "$OUT"/p* | grep -c "/p[0-9]*$")"
+  [ ! -f "$OUT/p$(( $(ls -d "$OUT"/p* | wc -l) - 1 ))/extra.tgz" ] || last="$OUT/p$(( $(ls -d "$OUT"/p* | wc -l) - 1 ))"
+  mkdir -p "$last" && tar -C "$WORK/xsite" -czf "$last/extra.tgz" . && write_unpack "$last" "$1"
+}
+write_unpack() {  # DIR SHA: the unpack.sh every part carries (the last one copied wins; they are equal)
+  cat > "$1/unpack.sh" <<UNPACK
+#!/usr/bin/env bash
+# Reassemble /tmp/vstash/part.* into /tmp/verlsite (once) and print the exports that make verl and vLLM 0.24 importable.
+set -euo pipefail
+if [ ! -d /tmp/verlsite/verl ]; then
+cat /tmp/vstash/part.* > /tmp/verlsite.tar.xz
+got=\$(sha256sum /tmp/verlsite.tar.xz | cut -c1-64)
+[ "\$got" = "$2" ] || { echo "verl bundle: sha256 \$got, expected $2 (a part is missing?)" >&2; exit 1; }
+mkdir -p /tmp/verlsite && tar -xJf /tmp/verlsite.tar.xz -C /tmp/verlsite
+fi
+[ -f /tmp/vstash/extra.tgz ] || { echo "verl bundle: /tmp/vstash/extra.tgz missing (the last part)" >&2; exit 1; }
+[ -d /tmp/verlsite-extra ] || { mkdir -p /tmp/verlsite-extra && tar -xzf /tmp/vstash/extra.tgz -C /tmp/verlsite-extra; }
+echo "export PYTHONPATH=/tmp/verlsite-extra:/tmp/verlsite:\${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0"
+UNPACK
+}
+if [ "${EXTRA_ONLY:-0}" = 1 ]; then
+  sha=$(grep -o "[0-9a-f]\{64\}" "$OUT/p0/unpack.sh" | head -1)
+  for d in "$OUT"/p*; do write_unpack "$d" "$sha"; done
+  extra_layer "$sha"; echo "verl bundle: extra layer in $last"; du -sh "$last"; exit 0
+fi
 "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$WORK/whl" vllm==${VLLM_VERSION:-0.24.0} "${VLLM_DEPS[@]}" \
   "${VERL_DEPS[@]}"
 # hydra-core's antlr4 runtime (4.9.*) and pylatexenc are source-only: pure Python, built into wheels here
@@ -49,18 +88,8 @@ sha=$(sha256sum "$WORK/site.tar.xz" | cut -c1-64)
 i=0
 for p in "$WORK"/part.*; do
   mkdir -p "$OUT/p$i"; mv "$p" "$OUT/p$i/"
-  cat > "$OUT/p$i/unpack.sh" <<UNPACK
-#!/usr/bin/env bash
-# Reassemble /tmp/vstash/part.* into /tmp/verlsite (once) and print the exports that make verl and vLLM 0.24 importable.
-set -euo pipefail
-if [ ! -d /tmp/verlsite/verl ]; then
-  cat /tmp/vstash/part.* > /tmp/verlsite.tar.xz
-  got=\$(sha256sum /tmp/verlsite.tar.xz | cut -c1-64)
-  [ "\$got" = "$sha" ] || { echo "verl bundle: sha256 \$got, expected $sha (a part is missing?)" >&2; exit 1; }
-  mkdir -p /tmp/verlsite && tar -xJf /tmp/verlsite.tar.xz -C /tmp/verlsite
-fi
-echo "export PYTHONPATH=/tmp/verlsite:\${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0"
-UNPACK
+  write_unpack "$OUT/p$i" "$sha"
   i=$((i+1))
 done
+extra_layer "$sha"
 echo "verl bundle: $i parts in $OUT (sha256 $sha)"; du -sh "$OUT"/p*
