@@ -10,12 +10,12 @@
 # and what verl imports that the image lacks or holds at a version verl refuses: ray (the single-node runtime),
 # tensordict 0.10 (verl: <= 0.10), torchdata, hydra-core with omegaconf 2.3 and antlr4, codetiming, pylatexenc,
 # datasets 4.8 (+ dill, multiprocess), transformers 5.10 (verl: < 5.11; the image has 5.17), jsonschema (ray).
-# A second, small layer (EXTRA, a gzip tarball in the last part, first on PYTHONPATH) holds what a check of the
-# bundle's imports with only the image's packages beside it found missing or refused: the tokenizers (<= 0.23.0)
-# and huggingface-hub (< 2) transformers 5.10 checks at import (the image's are newer), what verl's vLLM server
-# rollout imports that the offline path does not (uvicorn, watchfiles, httpx2 for openai 3,
-# model-hosting-container-standards), TransferQueue (verl 0.9.1's default V1 trainer), and xgrammar 0.2.5.post1, the newest that takes the apache-tvm-ffi 0.1.9
-# vLLM 0.24 pins (0.2.9 needs 0.1.11). Check both layers here before a GPU run:
+# A second, small layer (EXTRA: a gzip tarball as a part of its own, first on PYTHONPATH) holds what the bundle
+# lacked on the GPU image: the tokenizers (<= 0.23.0) and huggingface-hub (< 2) transformers 5.10 checks at import
+# (the image's are newer); what verl's vLLM server rollout imports and the offline path does not (uvicorn,
+# watchfiles, httpx2 for openai 3, model-hosting-container-standards, prometheus-fastapi-instrumentator);
+# TransferQueue (verl 0.9.1's default V1 trainer); and xgrammar 0.2.5.post1, the newest that takes the
+# apache-tvm-ffi 0.1.9 vLLM 0.24 pins (0.2.9 needs 0.1.11). Check both layers here before a GPU run:
 #   uv run python tools/verl_import_check.py
 # EXTRA_ONLY=1 rebuilds only that layer, keeping the base parts in OUT_DIR (xz of the base takes long on 2 cores).
 # Packed with xz and split into 47 MiB parts: OUT_DIR/p0/part.0 ... pN/part.N, each with the same unpack.sh,
@@ -44,7 +44,7 @@ VERL_DEPS=(verl==0.9.1 ray==2.55.0 tensordict==0.10.0 pyvers==0.1.0 orjson==3.11
       jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==0.30.0)
 EXTRA_DEPS=(tokenizers==0.22.2 huggingface-hub==1.33.0 uvicorn==0.55.0 watchfiles==1.3.0 httpx2==2.16.2
       httpcore2==2.16.2 truststore==0.10.5 model-hosting-container-standards==0.1.16 jmespath==1.1.0
-      xgrammar==0.2.5.post1 transferqueue==0.1.11)
+      xgrammar==0.2.5.post1 transferqueue==0.1.11 prometheus-fastapi-instrumentator==8.1.0)
 extra_layer() {  # SHA: the EXTRA layer as a part of its own, OUT/p<N>/extra.tgz (N after the base's parts)
   "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$WORK/xwhl" "${EXTRA_DEPS[@]}"
   mkdir -p "$WORK/xsite" && for w in "$WORK"/xwhl/*.whl; do unzip -q -o "$w" -d "$WORK/xsite"; done

@@ -30,6 +30,7 @@ MODULES = [
     "verl.workers.engine_workers",
     "verl.experimental.agent_loop",
     "verl.workers.rollout.vllm_rollout.vllm_async_server",
+    "vllm.entrypoints.serve.instrumentator.metrics",  # imported when verl launches the vLLM HTTP server
     "verl.utils.reward_score",
 ]
 # on the image, absent from the workspace venv, imported by ray or verl at start
