@@ -48,6 +48,7 @@ from posttrain.core.weight_sync import BucketSender, WeightSyncError
 from .config import VLLMRolloutConfig
 from .engines import AsyncFront, LLMFront, enable_batch_invariance
 from .extension import jsonable
+from .outputs import samples_of
 from .transport import RpcBucketTransport
 
 EXTENSION = "posttrain.rollout_vllm.extension.WeightSyncWorkerExtension"
@@ -86,16 +87,6 @@ def routed_experts_supported() -> bool:
             "upgrade vLLM, use rollout.name=hf, or use actor.engine.router_replay.mode=R2"
         )
     return True
-
-
-def align_routing(routed: Any, length: int) -> torch.Tensor:
-    """vLLM's (tokens fed, layers, k) expert ids -> (prompt + response, layers, k) int32 aligned with the tokens;
-    the rows of tokens never fed to the model (the last sampled one) are -1."""
-    routed = torch.as_tensor(routed, dtype=torch.int32)
-    out = torch.full((length, *routed.shape[1:]), -1, dtype=torch.int32)
-    fed = min(routed.shape[0], length - 1)
-    out[:fed] = routed[:fed]
-    return out
 
 
 def eos_token_ids(model_path: str) -> list[int]:
@@ -294,7 +285,7 @@ class VLLMRollout(BaseRollout):
         self._check_ready()
         with self._filling_prefix_cache():
             outputs = self.engine.generate(prompts, self.sampling_params(sampling), self._lora_request)
-        return [s for i, out in enumerate(outputs) for s in self._samples(i, out)]
+        return [s for i, out in enumerate(outputs) for s in samples_of(i, out)]
 
     async def agenerate(
         self, prompt_ids: Sequence[int], sampling: SamplingConfig, prompt_index: int = 0
@@ -305,7 +296,7 @@ class VLLMRollout(BaseRollout):
         self._check_ready()
         with self._filling_prefix_cache():
             out = await self.engine.submit(prompt_ids, self.sampling_params(sampling), self._lora_request)
-        return self._samples(prompt_index, out)
+        return samples_of(prompt_index, out)
 
     @contextlib.contextmanager
     def _filling_prefix_cache(self):
@@ -316,26 +307,6 @@ class VLLMRollout(BaseRollout):
             yield
         finally:
             self._prefix_filled = True
-
-    @staticmethod
-    def _samples(index: int, out: Any) -> list[RolloutSample]:
-        samples = []
-        prompt = list(out.prompt_token_ids)
-        for comp in sorted(out.outputs, key=lambda c: c.index):
-            ids = list(comp.token_ids)
-            lps = torch.tensor(_sampled_logprobs(comp.logprobs, ids), dtype=torch.float32)
-            routed = getattr(comp, "routed_experts", None)
-            samples.append(
-                RolloutSample(
-                    prompt_index=index,
-                    prompt_ids=prompt,
-                    response_ids=ids,
-                    log_probs=lps,
-                    finish_reason=str(comp.finish_reason or "length"),
-                    routed_experts=None if routed is None else align_routing(routed, len(prompt) + len(ids)),
-                )
-            )
-        return samples
 
     # ------------------------------------------------------------------ weight sync
     def update_weights(
@@ -401,7 +372,7 @@ class VLLMRollout(BaseRollout):
             raise WeightSyncError(f"sent {report.num_tensors} tensors but workers loaded {bad}")
         loaded = time.perf_counter()
         if self.prefix_cache_filled:
-            self._reset_prefix_cache()
+            self._reset_after_sync()
             report.timings["prefix_reset_s"] = time.perf_counter() - loaded
         if kind == "lora":
             from vllm.lora.request import LoRARequest
@@ -425,22 +396,26 @@ class VLLMRollout(BaseRollout):
         since a sync's reset or a sleep. Only then does a sync reset the cache."""
         return self.config.enable_prefix_caching and self._prefix_filled
 
-    def _reset_prefix_cache(self) -> None:
-        """Drop vLLM's prefix-cache entries after new weights are in. A sync calls it only when entries can exist
-        (:attr:`prefix_cache_filled`): vLLM's reset walks
-        every KV block in Python (22 ms of a profiled 1.5B sync: 83,688 blocks in 0.3 of an H200). Entries come only from
-        scheduled requests, so with the cache off, or when nothing was submitted since the last reset, no block
-        carries a hash that could serve keys and values of the old weights. vLLM's ``sleep`` (levels 1 and 2)
-        resets the cache itself (``EngineCore.sleep`` -> ``pause_scheduler(clear_cache=True)`` in vLLM 0.26 and
-        0.33), so in the trainer's cycle (generate, sleep, train, wake the weights, sync) the sync has none to
-        reset."""
-        if not self.engine.reset_prefix_cache():
+    def _reset_after_sync(self) -> None:
+        if not self.reset_prefix_cache():
             self._weights_error = "the prefix cache could not be reset after the sync"
             raise WeightSyncError(
                 "vLLM refused to reset its prefix cache after the sync (requests still running?): "
                 "cached KV blocks would be served from the old weights"
             )
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop vLLM's prefix-cache entries now; False if vLLM refuses (requests running). A sync calls it after
+        new weights are in, only when entries can exist (:attr:`prefix_cache_filled`): vLLM's reset walks every KV block in Python (22 ms of a profiled 1.5B sync: 83,688 blocks in 0.3 of an H200).
+        Entries come only from scheduled requests, so with the cache off, or when nothing was submitted since
+        the last reset, no block carries a hash that could serve keys and values of the old weights. vLLM's
+        ``sleep`` (levels 1 and 2) resets the cache itself (``EngineCore.sleep`` ->
+        ``pause_scheduler(clear_cache=True)`` in vLLM 0.26 and 0.33), so in the trainer's cycle (generate, sleep,
+        train, wake the weights, sync) the sync has nothing to reset."""
+        if not self.engine.reset_prefix_cache():
+            return False
         self._prefix_filled = False
+        return True
 
     @property
     def transport(self) -> RpcBucketTransport:
@@ -467,7 +442,7 @@ class VLLMRollout(BaseRollout):
                 torch.cuda.mem_get_info(self.device)[0] - free_before
             ) / 2**30
             self.memory_stats["sleep_level"] = level
-            self._prefix_filled = False  # vLLM's sleep reset the prefix cache (see _reset_prefix_cache)
+            self._prefix_filled = False  # vLLM's sleep reset the prefix cache (see reset_prefix_cache)
         self._asleep = {"weights", "kv_cache"}
         if level == 2:
             self._weights_error = "sleep(level=2) discarded the weights"
@@ -493,13 +468,3 @@ class VLLMRollout(BaseRollout):
                 engine.collective_rpc("ws_close")  # the workers' LoRA adapter directories (in /dev/shm)
             finally:
                 engine.shutdown()
-
-
-def _sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
-    """The sampled tokens' log-probs from vLLM's per-sample record: with ``flat_logprobs`` and ``logprobs=0``
-    each position holds exactly the sampled token, so the flat list is the answer; otherwise (a dict per
-    position) each position's entry for its token."""
-    flat = getattr(logprobs, "logprobs", None)
-    if isinstance(flat, list) and len(flat) == len(ids) and list(logprobs.token_ids) == ids:
-        return flat
-    return [logprobs[i][t].logprob for i, t in enumerate(ids)]
