@@ -146,6 +146,7 @@ class VLLMRollout(BaseRollout):
         else:
             self.engine = LLMFront(kwargs, multiprocess=self.executor == "multiprocess")
         self._transport: RpcBucketTransport | None = None
+        self._sender: BucketSender | None = None
         self._asleep: set[str] = set()
         self._weights_error: str | None = None
         self._base_synced = config.load_format != "dummy"
@@ -348,10 +349,7 @@ class VLLMRollout(BaseRollout):
         version: int | None,
     ) -> SyncReport:
         start = time.perf_counter()
-        transport = self.transport
-        sender = BucketSender(
-            transport, transport.buffer.numel(), dtype=DTYPES[self.dtype], buffer=transport.buffer
-        )
+        sender = self.sender
         lora = (self.config.lora_name, self.config.lora_int_id) if kind == "lora" else None
         try:
             self.engine.collective_rpc("ws_begin", kind, jsonable(peft_config), lora)
@@ -431,6 +429,17 @@ class VLLMRollout(BaseRollout):
             )
         return self._transport
 
+    @property
+    def sender(self) -> BucketSender:
+        """The bucket sender over :attr:`transport`, kept with it: a sync packs the layout of the last one into the
+        buffer views it already holds."""
+        if self._sender is None:
+            transport = self.transport
+            self._sender = BucketSender(
+                transport, transport.buffer.numel(), dtype=DTYPES[self.dtype], buffer=transport.buffer
+            )
+        return self._sender
+
     # ------------------------------------------------------------------ memory
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):
@@ -459,6 +468,7 @@ class VLLMRollout(BaseRollout):
 
     def release(self) -> None:
         """Free the bucket buffer, remove the workers' LoRA adapter directories and shut vLLM down."""
+        self._sender = None
         if self._transport is not None:
             self._transport.close()
             self._transport = None
