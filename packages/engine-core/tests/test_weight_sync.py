@@ -148,6 +148,24 @@ def test_sender_zeroes_the_row_tail_and_casts_in_the_copy():
         assert out.dtype == want.dtype and torch.equal(out, want), name
 
 
+def test_a_sender_reused_across_syncs_packs_each_layout():
+    """A sender keeps its buffer views between syncs: tensors that change shape or dtype at the same offsets,
+    then the first layout again, each arrive exactly."""
+    g = torch.Generator().manual_seed(3)
+    first = [("x", torch.randn(4, 64, generator=g)), ("y", torch.randn(8, generator=g))]
+    other = [("x", torch.randn(64, 4, generator=g)), ("y", torch.arange(8, dtype=torch.int32))]
+    again = [("x", torch.randn(4, 64, generator=g)), ("y", torch.randn(8, generator=g))]
+    got = []
+    receiver = BucketReceiver(lambda ts: got.extend((n, t.clone()) for n, t in ts))
+    sender = BucketSender(InProcessTransport(receiver), 4096)
+    for stream in (first, other, again):
+        got.clear()
+        sender.send(stream)
+        assert receiver.finish() == 2
+        for (name, ref), (got_name, out) in zip(stream, got):
+            assert got_name == name and out.dtype == ref.dtype and torch.equal(out, ref), name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_checksums_on_cuda_equal_the_cpu_ones():

@@ -149,7 +149,7 @@ def test_executor_choices_are_checked_before_vllm_starts(tmp_path):
 
 
 def test_routed_experts_are_aligned_with_the_tokens():
-    from posttrain.rollout_vllm.rollout import align_routing
+    from posttrain.rollout_vllm.outputs import align_routing
 
     fed = torch.arange(2 * 3 * 2, dtype=torch.int64).reshape(3, 2, 2).numpy()  # 3 tokens fed, 2 layers, top-2
     out = align_routing(fed, length=4)

@@ -59,13 +59,18 @@ def engine(model_dir: str):
 
 def sync_engine(rollout, engine):
     """Sync the engine's current weights and return the matching HF reference model."""
+    return sync_reporting(rollout, engine)[1]
+
+
+def sync_reporting(rollout, engine):
+    """:func:`sync_engine`, returning the sync's report too."""
     stream, peft = engine.get_per_tensor_param()
     version = (rollout.weight_version() or 0) + 1
     report = rollout.update_weights(stream, peft_config=peft, version=version)
     weights, _ = engine_weights(engine)
     assert report.num_tensors == len(weights) and report.num_buckets >= 2
     assert rollout.weight_version() == version
-    return hf_model(rollout.model_config.path, weights)
+    return report, hf_model(rollout.model_config.path, weights)
 
 
 def test_generation_matches_hf_before_any_sync(rollout, model_dir):
@@ -161,6 +166,27 @@ def test_prefix_cache_is_reset_after_every_sync(rollout, engine, model_dir):
     # The real path resets by itself: the cache now holds blocks of the current weights.
     train_step(engine, seed=4)
     check_greedy(rollout, sync_engine(rollout, engine), prompts, max_new_tokens=8)
+
+
+def test_a_sync_resets_the_prefix_cache_only_after_requests_filled_it(rollout, engine):
+    """vLLM's reset walks every KV block, so a sync resets the prefix cache only when a request ran since the last
+    reset; vLLM's sleep resets it too (on a GPU; on a CPU there is no sleep mode). The trap's prompts, generated
+    before each update and again after, give the new weights' tokens whether the sync reset or skipped."""
+    prompts = random_prompts(3, 66, seed=5)
+    check_greedy(rollout, sync_engine(rollout, engine), prompts, max_new_tokens=8)
+    assert rollout.prefix_cache_filled, "the prompts' blocks are cached"
+    train_step(engine, seed=6)
+    report, _ = sync_reporting(rollout, engine)
+    assert "prefix_reset_s" in report.timings and not rollout.prefix_cache_filled
+    train_step(engine, seed=7)
+    report, model = sync_reporting(rollout, engine)
+    assert "prefix_reset_s" not in report.timings, "no request ran since the last reset"
+    check_greedy(rollout, model, prompts, max_new_tokens=8)
+    rollout.sleep(level=2)  # as the trainer does between generating and syncing
+    train_step(engine, seed=8)
+    report, model = sync_reporting(rollout, engine)
+    assert ("prefix_reset_s" in report.timings) is not rollout.sleep_enabled, "vLLM's sleep resets the cache"
+    check_greedy(rollout, model, prompts, max_new_tokens=8)
 
 
 def test_sleep_and_wake_levels(rollout, engine):

@@ -16,6 +16,7 @@ multiple, so a tensor's rows inside the bucket are the ones :func:`tensor_checks
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -80,6 +81,10 @@ class InProcessTransport:
         self.receive(bucket)
 
 
+_MAX_TARGETS = 1 << 16
+"""The most buffer views a :class:`BucketSender` keeps (a model's tensors, base and adapter, are far fewer)."""
+
+
 def _pack(buffer: torch.Tensor, offset: int, tensor: torch.Tensor, dtype: torch.dtype) -> int:
     """Copy ``tensor`` into ``buffer`` at ``offset`` as ``dtype`` (cast and copy in one kernel, from any device, no
     host sync into a CUDA buffer) and zero the bytes up to the next checksum row; returns the bytes written."""
@@ -118,6 +123,9 @@ class BucketSender:
         self.buffer = (
             buffer if buffer is not None else torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
         )
+        self._targets: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        """Views of :attr:`buffer` by (offset, dtype, shape): a sender kept across syncs packs the same layout
+        again without building three views per tensor each time (a 1.5B model is 338 tensors)."""
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
         """Send every tensor; the last bucket is flagged ``is_last``. Returns counts and timings. Tensors are
@@ -139,7 +147,9 @@ class BucketSender:
             if offset + padded(nbytes) > self.bucket_bytes:
                 self._flush(pending, report, is_last=False)
                 pending, offset = [], 0
-            _pack(self.buffer, offset, tensor, dtype)
+            self._target(offset, dtype, tuple(tensor.shape)).copy_(tensor, non_blocking=self.buffer.is_cuda)
+            if nbytes % ROW:
+                self.buffer[offset + nbytes : offset + padded(nbytes)].zero_()
             pending.append((name, tuple(tensor.shape), dtype, offset, nbytes))
             offset += padded(nbytes)
             report.num_tensors += 1
@@ -147,6 +157,17 @@ class BucketSender:
         self._flush(pending, report, is_last=True)
         report.seconds = time.perf_counter() - start
         return report
+
+    def _target(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The view of the buffer a tensor of ``shape`` and ``dtype`` is packed into at ``offset`` (cached)."""
+        key = (offset, dtype, shape)
+        view = self._targets.get(key)
+        if view is None:
+            if len(self._targets) >= _MAX_TARGETS:  # layouts keep changing: do not hold views without bound
+                self._targets.clear()
+            nbytes = math.prod(shape) * dtype.itemsize
+            view = self._targets[key] = self.buffer[offset : offset + nbytes].view(dtype).view(shape)
+        return view
 
     def _flush(self, pending: list[tuple], report: SyncReport, is_last: bool) -> None:
         sums = bucket_checksums(self.buffer, [(off, nbytes) for _, _, _, off, nbytes in pending])

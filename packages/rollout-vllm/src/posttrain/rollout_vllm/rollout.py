@@ -16,7 +16,8 @@ through POSIX shared memory (CPU) or a CUDA IPC buffer (GPU), see :mod:`posttrai
 
 A sync (:meth:`VLLMRollout.update_weights`) packs the stream into checksummed buckets; each worker verifies and
 loads every bucket in place (:mod:`posttrain.rollout_vllm.extension`), checks that every parameter was written,
-and only then is the prefix cache reset and generation allowed again. A failed sync leaves the rollout refusing
+and only then is the prefix cache reset (when a request may have filled it since the last reset, see
+:meth:`VLLMRollout.prefix_cache_filled`) and generation allowed again. A failed sync leaves the rollout refusing
 to generate until a sync succeeds. LoRA: the first sync carries the base weights, later syncs with
 ``base_sync_done=True`` and a ``peft_config`` carry only the adapter, served as a LoRA request.
 
@@ -47,6 +48,7 @@ from posttrain.core.weight_sync import BucketSender, WeightSyncError
 from .config import VLLMRolloutConfig
 from .engines import AsyncFront, LLMFront, enable_batch_invariance
 from .extension import jsonable
+from .outputs import samples_of
 from .transport import RpcBucketTransport
 
 EXTENSION = "posttrain.rollout_vllm.extension.WeightSyncWorkerExtension"
@@ -85,16 +87,6 @@ def routed_experts_supported() -> bool:
             "upgrade vLLM, use rollout.name=hf, or use actor.engine.router_replay.mode=R2"
         )
     return True
-
-
-def align_routing(routed: Any, length: int) -> torch.Tensor:
-    """vLLM's (tokens fed, layers, k) expert ids -> (prompt + response, layers, k) int32 aligned with the tokens;
-    the rows of tokens never fed to the model (the last sampled one) are -1."""
-    routed = torch.as_tensor(routed, dtype=torch.int32)
-    out = torch.full((length, *routed.shape[1:]), -1, dtype=torch.int32)
-    fed = min(routed.shape[0], length - 1)
-    out[:fed] = routed[:fed]
-    return out
 
 
 def eos_token_ids(model_path: str) -> list[int]:
@@ -154,12 +146,14 @@ class VLLMRollout(BaseRollout):
         else:
             self.engine = LLMFront(kwargs, multiprocess=self.executor == "multiprocess")
         self._transport: RpcBucketTransport | None = None
+        self._sender: BucketSender | None = None
         self._asleep: set[str] = set()
         self._weights_error: str | None = None
         self._base_synced = config.load_format != "dummy"
         if not self._base_synced:
             self._weights_error = "the engine started from dummy weights (load_format=dummy)"
         self._lora_request: Any = None
+        self._prefix_filled = False
         self.memory_stats: dict[str, float] = {}
         """GiB the last :meth:`sleep` gave back to the device (``sleep_freed_gib``) and its level."""
 
@@ -290,8 +284,9 @@ class VLLMRollout(BaseRollout):
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
         self._check_ready()
-        outputs = self.engine.generate(prompts, self.sampling_params(sampling), self._lora_request)
-        return [s for i, out in enumerate(outputs) for s in self._samples(i, out)]
+        with self._filling_prefix_cache():
+            outputs = self.engine.generate(prompts, self.sampling_params(sampling), self._lora_request)
+        return [s for i, out in enumerate(outputs) for s in samples_of(i, out)]
 
     async def agenerate(
         self, prompt_ids: Sequence[int], sampling: SamplingConfig, prompt_index: int = 0
@@ -300,28 +295,19 @@ class VLLMRollout(BaseRollout):
         if not isinstance(self.engine, AsyncFront):
             raise ValueError(f"agenerate needs rollout.executor=server, not {self.executor!r}")
         self._check_ready()
-        out = await self.engine.submit(prompt_ids, self.sampling_params(sampling), self._lora_request)
-        return self._samples(prompt_index, out)
+        with self._filling_prefix_cache():
+            out = await self.engine.submit(prompt_ids, self.sampling_params(sampling), self._lora_request)
+        return samples_of(prompt_index, out)
 
-    @staticmethod
-    def _samples(index: int, out: Any) -> list[RolloutSample]:
-        samples = []
-        prompt = list(out.prompt_token_ids)
-        for comp in sorted(out.outputs, key=lambda c: c.index):
-            ids = list(comp.token_ids)
-            lps = torch.tensor(_sampled_logprobs(comp.logprobs, ids), dtype=torch.float32)
-            routed = getattr(comp, "routed_experts", None)
-            samples.append(
-                RolloutSample(
-                    prompt_index=index,
-                    prompt_ids=prompt,
-                    response_ids=ids,
-                    log_probs=lps,
-                    finish_reason=str(comp.finish_reason or "length"),
-                    routed_experts=None if routed is None else align_routing(routed, len(prompt) + len(ids)),
-                )
-            )
-        return samples
+    @contextlib.contextmanager
+    def _filling_prefix_cache(self):
+        """Marks the prefix cache filled when requests go in and again when they are done: a request held back
+        while a server-executor sync ran (:meth:`AsyncFront.paused`) fills the cache after that sync's reset."""
+        self._prefix_filled = True
+        try:
+            yield
+        finally:
+            self._prefix_filled = True
 
     # ------------------------------------------------------------------ weight sync
     def update_weights(
@@ -363,10 +349,7 @@ class VLLMRollout(BaseRollout):
         version: int | None,
     ) -> SyncReport:
         start = time.perf_counter()
-        transport = self.transport
-        sender = BucketSender(
-            transport, transport.buffer.numel(), dtype=DTYPES[self.dtype], buffer=transport.buffer
-        )
+        sender = self.sender
         lora = (self.config.lora_name, self.config.lora_int_id) if kind == "lora" else None
         try:
             self.engine.collective_rpc("ws_begin", kind, jsonable(peft_config), lora)
@@ -385,14 +368,10 @@ class VLLMRollout(BaseRollout):
         if bad:
             self._weights_error = "a worker loaded a different number of tensors than were sent"
             raise WeightSyncError(f"sent {report.num_tensors} tensors but workers loaded {bad}")
-        # vLLM's reset walks every KV block in Python (22 ms of a 1.5B sync on an H200); with the prefix cache
-        # off no block carries a hash that could serve KV computed with the old weights, so it is skipped.
-        if self.config.enable_prefix_caching and not self.engine.reset_prefix_cache():
-            self._weights_error = "the prefix cache could not be reset after the sync"
-            raise WeightSyncError(
-                "vLLM refused to reset its prefix cache after the sync (requests still running?): "
-                "cached KV blocks would be served from the old weights"
-            )
+        loaded = time.perf_counter()
+        if self.prefix_cache_filled:
+            self._reset_after_sync()
+            report.timings["prefix_reset_s"] = time.perf_counter() - loaded
         if kind == "lora":
             from vllm.lora.request import LoRARequest
 
@@ -401,9 +380,40 @@ class VLLMRollout(BaseRollout):
             self._base_synced, self._lora_request = True, None
         self.engine.collective_rpc("ws_commit", version)
         self._weights_error = None
-        report.timings.update(send_s=report.seconds, worker_load_s=max(r["load_s"] for r in results))
+        report.timings.update(
+            send_s=report.seconds,
+            worker_load_s=max(r["load_s"] for r in results),
+            finish_s=loaded - start - report.seconds,
+        )
         report.seconds = time.perf_counter() - start
         return report
+
+    @property
+    def prefix_cache_filled(self) -> bool:
+        """True when vLLM's prefix cache may hold blocks computed since its last reset: a request was submitted
+        since a sync's reset or a sleep. Only then does a sync reset the cache."""
+        return self.config.enable_prefix_caching and self._prefix_filled
+
+    def _reset_after_sync(self) -> None:
+        if not self.reset_prefix_cache():
+            self._weights_error = "the prefix cache could not be reset after the sync"
+            raise WeightSyncError(
+                "vLLM refused to reset its prefix cache after the sync (requests still running?): "
+                "cached KV blocks would be served from the old weights"
+            )
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop vLLM's prefix-cache entries now; False if vLLM refuses (requests running). A sync calls it after
+        new weights are in, only when entries can exist (:attr:`prefix_cache_filled`): vLLM's reset walks every KV block in Python (22 ms of a profiled 1.5B sync: 83,688 blocks in 0.3 of an H200).
+        Entries come only from scheduled requests, so with the cache off, or when nothing was submitted since
+        the last reset, no block carries a hash that could serve keys and values of the old weights. vLLM's
+        ``sleep`` (levels 1 and 2) resets the cache itself (``EngineCore.sleep`` ->
+        ``pause_scheduler(clear_cache=True)`` in vLLM 0.26 and 0.33), so in the trainer's cycle (generate, sleep,
+        train, wake the weights, sync) the sync has nothing to reset."""
+        if not self.engine.reset_prefix_cache():
+            return False
+        self._prefix_filled = False
+        return True
 
     @property
     def transport(self) -> RpcBucketTransport:
@@ -419,6 +429,17 @@ class VLLMRollout(BaseRollout):
             )
         return self._transport
 
+    @property
+    def sender(self) -> BucketSender:
+        """The bucket sender over :attr:`transport`, kept with it: a sync packs the layout of the last one into the
+        buffer views it already holds."""
+        if self._sender is None:
+            transport = self.transport
+            self._sender = BucketSender(
+                transport, transport.buffer.numel(), dtype=DTYPES[self.dtype], buffer=transport.buffer
+            )
+        return self._sender
+
     # ------------------------------------------------------------------ memory
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):
@@ -430,6 +451,7 @@ class VLLMRollout(BaseRollout):
                 torch.cuda.mem_get_info(self.device)[0] - free_before
             ) / 2**30
             self.memory_stats["sleep_level"] = level
+            self._prefix_filled = False  # vLLM's sleep reset the prefix cache (see reset_prefix_cache)
         self._asleep = {"weights", "kv_cache"}
         if level == 2:
             self._weights_error = "sleep(level=2) discarded the weights"
@@ -446,6 +468,7 @@ class VLLMRollout(BaseRollout):
 
     def release(self) -> None:
         """Free the bucket buffer, remove the workers' LoRA adapter directories and shut vLLM down."""
+        self._sender = None
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -455,13 +478,3 @@ class VLLMRollout(BaseRollout):
                 engine.collective_rpc("ws_close")  # the workers' LoRA adapter directories (in /dev/shm)
             finally:
                 engine.shutdown()
-
-
-def _sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
-    """The sampled tokens' log-probs from vLLM's per-sample record: with ``flat_logprobs`` and ``logprobs=0``
-    each position holds exactly the sampled token, so the flat list is the answer; otherwise (a dict per
-    position) each position's entry for its token."""
-    flat = getattr(logprobs, "logprobs", None)
-    if isinstance(flat, list) and len(flat) == len(ids) and list(logprobs.token_ids) == ids:
-        return flat
-    return [logprobs[i][t].logprob for i, t in enumerate(ids)]
