@@ -27,6 +27,9 @@ from .lora import adapter_state, is_lora_state, merge_lora
 from .tied import fill_aliases
 from .verify import CheckpointCorruptError, non_finite_names, raise_if, verify_role
 
+HF_LAYOUT = "dcp-hf-names"
+"""The ``layout`` of a role manifest whose DCP keys are HF names (``model.<hf name>``), the one export-hf reads."""
+
 MODEL_PREFIX = "model."
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -158,6 +161,14 @@ def export_hf(
         )
     if not (role_dir / ROLE_MANIFEST).is_file():
         dcp_tensor_metadata(role_dir / DIST_CKPT)  # not a checkpoint role at all: say that first
+    layout = (read_json(role_dir / ROLE_MANIFEST) or {}).get("layout", HF_LAYOUT)
+    if layout != HF_LAYOUT:
+        raise ValueError(
+            f"{role_dir} holds layout {layout!r} (keyed by the training backend's own names), not the HF-keyed "
+            f"{HF_LAYOUT!r} export-hf reads: for a native Megatron checkpoint run `posttrain convert "
+            f"megatron-to-hf --input {role_dir} --output {out_dir}`, or save with "
+            "<role>.engine.portable_checkpoint=true"
+        )
     raise_if(verify_role(role_dir), f"export-hf: checkpoint {role_dir}")
     state = load_full_model_state(role_dir / DIST_CKPT)
     bad = non_finite_names(state)

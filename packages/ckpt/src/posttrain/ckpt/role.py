@@ -35,7 +35,7 @@ from posttrain.core.config.checkpoint import check_contents
 
 from . import dist as ckpt_dist
 from .extra import capture_extra, load_extra, save_extra
-from .hf import write_hf_metadata, write_safetensors
+from .hf import HF_LAYOUT, write_hf_metadata, write_safetensors
 from .layout import DIST_CKPT, EXTRA_DIR, FORMAT, FORMAT_VERSION, HF_DIR, ROLE_MANIFEST, read_json, write_json
 from .lora import is_lora_state, merge_lora, peft_config_of
 from .snapshot import snapshot_to_host
@@ -256,7 +256,7 @@ def _manifest(
         "global_step": global_step,
         "contents": list(contents),
         "backend": info.backend,
-        "layout": "dcp-hf-names",
+        "layout": HF_LAYOUT,
         "optimizer": type(state.optimizer).__name__ if state.optimizer is not None else None,
         "world_size": world,
         "parallel_sizes": dict(info.parallel_sizes),

@@ -151,7 +151,18 @@ def check_loaded(
 ) -> None:
     """After a load: every loaded chunk recorded with the same dtype and shape must have its recorded checksum,
     and every floating tensor must be finite (collective; raises on every rank)."""
-    mine = tensor_records(local_chunks(state))
+    check_records(tensor_records(local_chunks(state)), saved, where, group)
+
+
+def check_records(
+    mine: dict[str, list[Any]],
+    saved: dict[str, list[Any]] | None,
+    where: str,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """:func:`check_loaded` of records already taken (:func:`tensor_records` of the loaded tensors, keyed as
+    at save): a record with the saved dtype and shape must have the saved checksum, every one must be finite
+    (collective; raises on every rank)."""
     problems = []
     for key, (dtype, shape, checksum, finite) in sorted(mine.items()):
         rec = (saved or {}).get(key)
