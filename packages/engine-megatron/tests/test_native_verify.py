@@ -74,7 +74,9 @@ def test_native_save_records_checksums_and_verifies(saved):
     weight = build.unwrap(eng.chunks[0]).state_dict()["decoder.layers.0.mlp.linear_fc1.weight"]
     assert tensors["model0.decoder.layers.0.mlp.linear_fc1.weight@0"][2] == tensor_checksum(weight)
     assert any(k.endswith(".exp_avg_sq@0") for k in tensors)
-    assert {"dist_ckpt/.metadata", "dist_ckpt/common.pt", "transformer_config.json"} <= set(files)
+    assert {"dist_ckpt/.metadata", "dist_ckpt/metadata.json", "transformer_config.json"} <= set(files), (
+        sorted(files)
+    )
     assert verify_step(root / "global_step_2") == []
     assert ckpt_cli(["verify", str(root)]) == 0
 
@@ -142,7 +144,7 @@ def test_non_finite_state_is_never_saved(saved, tmp_path):
     finally:
         with torch.no_grad():
             weight.copy_(kept)
-    assert not (tmp_path / "global_step_3" / "actor" / "dist_ckpt" / "common.pt").exists()
+    assert not (tmp_path / "global_step_3" / "actor" / "dist_ckpt" / ".metadata").exists()
 
 
 def test_unknown_hf_save_kwargs_refused_at_engine_start(megatron_env, tiny_qwen2):

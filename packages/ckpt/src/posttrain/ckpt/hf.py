@@ -153,14 +153,6 @@ def export_hf(
     weights, or with ``adapter_only`` as a peft adapter directory (``adapter_config.json``,
     ``adapter_model.safetensors``) for ``PeftModel.from_pretrained`` on the base model.
     """
-    hf_src = role_dir / HF_DIR
-    if not (hf_src / "config.json").is_file():
-        raise ValueError(
-            f"{hf_src}/config.json is missing: export-hf needs the role directory of a posttrain "
-            "checkpoint (global_step_N/<role>), which holds huggingface/config.json"
-        )
-    if not (role_dir / ROLE_MANIFEST).is_file():
-        dcp_tensor_metadata(role_dir / DIST_CKPT)  # not a checkpoint role at all: say that first
     layout = (read_json(role_dir / ROLE_MANIFEST) or {}).get("layout", HF_LAYOUT)
     if layout != HF_LAYOUT:
         raise ValueError(
@@ -169,6 +161,14 @@ def export_hf(
             f"megatron-to-hf --input {role_dir} --output {out_dir}`, or save with "
             "<role>.engine.portable_checkpoint=true"
         )
+    hf_src = role_dir / HF_DIR
+    if not (hf_src / "config.json").is_file():
+        raise ValueError(
+            f"{hf_src}/config.json is missing: export-hf needs the role directory of a posttrain "
+            "checkpoint (global_step_N/<role>), which holds huggingface/config.json"
+        )
+    if not (role_dir / ROLE_MANIFEST).is_file():
+        dcp_tensor_metadata(role_dir / DIST_CKPT)  # not a checkpoint role at all: say that first
     raise_if(verify_role(role_dir), f"export-hf: checkpoint {role_dir}")
     state = load_full_model_state(role_dir / DIST_CKPT)
     bad = non_finite_names(state)
