@@ -256,10 +256,10 @@ def save(
     root = Path(local_path)
     _check_async(engine, writer)
     _warn_max_connections(engine)
+    # checksums on the tensors' own device before anything is written or removed; nothing non-finite is saved
+    record = verified.manifest(engine, contents, global_step, verified.record_tensors(engine, contents, root))
     ckpt_dir = root / "dist_ckpt"
     _fresh_dir(ckpt_dir)
-    # checksums on the tensors' own device before any byte is written; nothing non-finite is saved
-    record = verified.manifest(engine, contents, global_step, verified.record_tensors(engine, contents, root))
     sharded = None if engine.engine_config.use_megatron_fsdp else _sharded(engine, contents, is_loading=False)
     background = writer if engine.checkpoint_config.async_save else None
     if sharded is None:
