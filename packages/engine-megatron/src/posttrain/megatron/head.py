@@ -140,5 +140,5 @@ def vocab_parallel_argmax_hits(
         best = _all_reduce(values.clone(), dist.ReduceOp.MAX, group=tp_group)
         first = torch.where(values == best, index + vocab_start, torch.iinfo(torch.long).max)
         first = _all_reduce(first, dist.ReduceOp.MIN, group=tp_group)
-        hits.append(values.ge(best).float())
+        hits.append(first.eq(targets[start : start + chunk_size]).float())
     return torch.cat(hits) if hits else logits.new_zeros(0, dtype=torch.float32)
