@@ -90,10 +90,12 @@ def test_token_accuracy_is_shown_and_equals_an_hf_reference(assets, reference, t
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     cfg = load_config(sft_args(assets, tmp_path / "unused")[2:], ["sft_tiny"], root=SFTConfig)
     val = SFTDataset(cfg.data.val_files, load_tokenizer(cfg.model), cfg.data, key="data.val_files")
-    hits = sum(
-        float((argmax_hits(hf, [ids]) * mask).sum()) for ids, mask in zip(val.input_ids, val.loss_mask)
-    )
-    count = sum(float(mask.sum()) for mask in val.loss_mask)
+    pairs = [
+        (torch.as_tensor(ids), torch.as_tensor(mask, dtype=torch.float64))
+        for ids, mask in zip(val.input_ids, val.loss_mask)
+    ]
+    hits = sum(float((argmax_hits(hf, [ids]) * mask).sum()) for ids, mask in pairs)
+    count = sum(float(mask.sum()) for _, mask in pairs)
     # the engine's fp32 logits and HF's may order a near-tie differently: at most one token
     assert abs(rows[-1]["val/token_acc"] - hits / count) <= 1 / count + 1e-12, (
         rows[-1]["val/token_acc"],
