@@ -155,3 +155,15 @@ def test_unknown_hf_save_kwargs_refused_at_engine_start(megatron_env, tiny_qwen2
         pytest.raises(ValueError, match=r"\['not_a_bridge_kwarg'\].*distributed_save"),
     ):
         make_engine(tiny_qwen2, hf_save_kwargs={"distributed_save": False, "not_a_bridge_kwarg": 1})
+    with pytest.raises(
+        ValueError, match=r"engine.hf_save_kwargs.weight_dtype='bf17' is not a supported dtype"
+    ):
+        make_engine(tiny_qwen2, hf_save_kwargs={"weight_dtype": "bf17"})
+
+
+def test_hf_save_kwargs_weight_dtype_name_becomes_a_dtype():
+    from posttrain.megatron.checkpoint import hf_save_kwargs
+    from posttrain.megatron.config import McoreEngineConfig
+
+    cfg = McoreEngineConfig(hf_save_kwargs={"weight_dtype": "bfloat16", "distributed_save": True})
+    assert hf_save_kwargs(cfg) == {"weight_dtype": torch.bfloat16, "distributed_save": True}

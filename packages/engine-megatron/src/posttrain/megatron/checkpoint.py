@@ -33,6 +33,7 @@ import torch
 
 from posttrain.ckpt import read_role_manifest, retain_role_saves
 from posttrain.ckpt.layout import ROLE_MANIFEST
+from posttrain.core.dtypes import parse_dtype
 
 from . import _deps, async_save, build, fsdp_dtensor, lora, portable, verified
 
@@ -156,8 +157,16 @@ def _write_hf(engine: Any, hf_dir: Path, with_weights: bool) -> None:
             if src.is_file():
                 shutil.copy2(src, hf_dir / name)
     if with_weights:
-        kwargs = dict(engine.engine_config.hf_save_kwargs)  # checked at engine start (check_hf_save_kwargs)
+        kwargs = hf_save_kwargs(engine.engine_config)  # checked at engine start (check_hf_save_kwargs)
         engine.bridge.save_hf_weights(engine.chunks, hf_dir, show_progress=False, **kwargs)
+
+
+def hf_save_kwargs(cfg: Any) -> dict[str, Any]:
+    """``engine.hf_save_kwargs`` as ``save_hf_weights`` takes them: a ``weight_dtype`` name becomes its torch dtype."""
+    kwargs = dict(cfg.hf_save_kwargs)
+    if isinstance(kwargs.get("weight_dtype"), str):
+        kwargs["weight_dtype"] = parse_dtype(kwargs["weight_dtype"], "engine.hf_save_kwargs.weight_dtype")
+    return kwargs
 
 
 def check_hf_save_kwargs(cfg: Any) -> None:
@@ -181,6 +190,7 @@ def check_hf_save_kwargs(cfg: Any) -> None:
             f"{'mbridge' if cfg.vanilla_mbridge else 'Megatron-Bridge'} does not take (it takes {accepted}): "
             f"remove {bad} from engine.hf_save_kwargs or use one of those keys"
         )
+    hf_save_kwargs(cfg)  # a weight_dtype that names no dtype is refused here too
 
 
 def _finished(role_dir: Path) -> bool:
