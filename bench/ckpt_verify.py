@@ -8,7 +8,12 @@ unverified save (``CheckpointManager.stage`` + ``save_role`` + ``commit``) and a
 load, the page cache of the files dropped before each load; the medians over ``--rounds`` and the overhead are
 printed (and written with ``--json``).
 
+With ``--baseline COMMIT`` each round runs twice more, as a subprocess of this script with ``--rounds 1``: once
+with the baseline's ``packages/*/src`` (``git archive``) first on ``PYTHONPATH`` and once with this tree's, the
+two alternating; the medians of both are printed side by side (same venv, same machine, same run).
+
     python bench/ckpt_verify.py --shape small --rounds 3            # CPU, ~100 MB of state
+    python bench/ckpt_verify.py --shape small --rounds 3 --baseline 1b3d3c9   # against an earlier verification
     python bench/ckpt_verify.py --shape 1.5b --rounds 3 --dir /tmp/ckpt_bench   # one GPU, ~18.5 GB
 """
 
@@ -16,8 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,13 +68,46 @@ def load(role: Path, state: RoleState, verify: bool) -> float:
     return time.perf_counter() - t0
 
 
+def against_baseline(args: argparse.Namespace) -> None:
+    """Rounds of this script (``--rounds 1``) with the baseline's sources and with this tree's, alternating."""
+    from config_show import _export
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    runs: dict[str, list[dict]] = {"baseline": [], "this tree": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        envs = {"baseline": env | {"PYTHONPATH": _export(args.baseline, Path(tmp))}, "this tree": env}
+        for _ in range(args.rounds):
+            for arm, arm_env in envs.items():
+                out = Path(tmp) / "round.json"
+                cmd = [sys.executable, __file__, "--shape", args.shape, "--rounds", "1"]
+                subprocess.run([*cmd, "--dir", str(args.dir), "--json", str(out)], env=arm_env, check=True)
+                runs[arm].append(json.loads(out.read_text())["median_s"])
+    keys = ("save", "save_verified", "load", "load_verified")
+    print(f"{'arm':<10} " + " ".join(f"{k:>14}" for k in keys) + f" {'overhead':>9}")
+    summary = {}
+    for arm, rows in runs.items():
+        med = {k: statistics.median(r[k] for r in rows) for k in keys}
+        over = (med["save_verified"] + med["load_verified"]) / (med["save"] + med["load"]) - 1
+        summary[arm] = {"median_s": med, "save_load_overhead": over, "rounds": rows}
+        print(f"{arm:<10} " + " ".join(f"{med[k]:>14.3f}" for k in keys) + f" {over:>+9.1%}")
+    if args.json:
+        args.json.write_text(
+            json.dumps({"baseline": args.baseline, "shape": args.shape, **summary}, indent=1)
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=["tiny", "small", "1.5b"], default="small")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/ckpt_verify_bench"))
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--baseline", default=None, help="commit whose verification runs alternately with this tree's"
+    )
     args = ap.parse_args()
+    if args.baseline:
+        return against_baseline(args)
     SHAPES["small"] = SMALL
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, opt, sched = build(args.shape, device)

@@ -157,3 +157,15 @@ def test_intact_checkpoint_loads_without_warnings(two_steps: Path) -> None:
         assert find_intact(two_steps)[0] == 2
     load_role(two_steps / "global_step_2" / "actor", RoleState(model=model, optimizer=opt), CONTENTS)
     assert ckpt_cli(["verify", str(two_steps / "global_step_2" / "actor")]) == 0
+
+
+def test_export_hf_names_the_convert_command_for_another_layout(two_steps: Path, tmp_path: Path) -> None:
+    """A role whose manifest names a layout keyed by the backend's own names (the Megatron native one) is not
+    exported under wrong names: export-hf says which command converts it, before reading or writing anything."""
+    role = two_steps / "global_step_2" / "actor"
+    manifest = json.loads((role / "manifest.json").read_text())
+    manifest["layout"] = "megatron-dist-ckpt"
+    (role / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"'megatron-dist-ckpt'.*posttrain convert megatron-to-hf --input"):
+        export_hf(role, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -59,6 +59,36 @@ def test_log_probs_and_entropy_match_hf(lm_dir: str) -> None:
     assert bool((got["log_probs"][starts] == 0).all())
 
 
+def test_token_accuracy_matches_hf_argmax(lm_dir: str) -> None:
+    """``correct`` (batch.meta['calculate_accuracy']) is HF's float64 argmax == token, token by token, over
+    several logits chunks and micro-batches, with gradients on (the training path) and off."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.core.batch import PackedBatch
+    from posttrain.core.testing import argmax_hits, half_greedy_sequences
+
+    hf = AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32).eval()
+    seqs = half_greedy_sequences(hf, LENGTHS[:4] + [20, 16])
+    want = argmax_hits(hf, seqs)
+    assert 0.3 < float(want.sum()) / (want.numel() - len(seqs)) < 0.8  # neither all hits nor none
+    masks = [torch.ones(len(s)) for s in seqs]
+    batch = PackedBatch.from_sequences(seqs, masks, meta={"calculate_accuracy": True})
+    eng = make_engine(lm_dir, entropy_from_logits_chunk_size=7, micro_batch_size_per_gpu=2)
+    assert eng.computes_token_accuracy
+    with eng.eval_mode():
+        inferred = eng.infer_batch(batch)["model_output"]
+    with eng.train_mode():
+        eng.optimizer_zero_grad()
+        trained = eng.forward_backward_batch(batch, pg_loss_without_advantages)["model_output"]
+    for got in (inferred, trained):
+        assert "entropy" not in got
+        torch.testing.assert_close(got["correct"].double(), want, atol=0, rtol=0)
+
+
+def pg_loss_without_advantages(out, mb, ctx):
+    return -(out["log_probs"] * mb.loss_mask).sum() / ctx.global_num_tokens * ctx.dp_size, {}
+
+
 def test_values_match_hf(value_dir: str) -> None:
     batch = make_batch(LENGTHS)
     eng = make_engine(value_dir, value_model=True)

@@ -14,7 +14,7 @@ def _hf(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def test_log_probs_and_entropy_equal_hf_on_packed_data(megatron_env, tiny_qwen2, packed_batch):
+def test_log_probs_entropy_and_token_accuracy_equal_hf_on_packed_data(megatron_env, tiny_qwen2, packed_batch):
     from megatron_cpu import make_engine
 
     eng = make_engine(  # 3-token head chunks: every micro-batch spans several
@@ -38,6 +38,20 @@ def test_log_probs_and_entropy_equal_hf_on_packed_data(megatron_env, tiny_qwen2,
             ref_ent.append(torch.cat([torch.zeros(1).double(), -(logp.exp() * logp).sum(-1)]))
     torch.testing.assert_close(out["log_probs"].double(), torch.cat(ref_lp), atol=2e-5, rtol=0)
     torch.testing.assert_close(out["entropy"].double(), torch.cat(ref_ent), atol=2e-5, rtol=0)
+
+    from posttrain.core.batch import PackedBatch
+    from posttrain.core.testing import argmax_hits, half_greedy_sequences
+
+    seqs = half_greedy_sequences(hf, [7, 12, 5, 9])  # token accuracy: HF's float64 argmax, token by token
+    want = argmax_hits(hf, seqs)
+    assert 0 < float(want.sum()) < want.numel() - len(seqs)
+    batch = PackedBatch.from_sequences(
+        seqs, [torch.ones(len(s)) for s in seqs], meta={"calculate_accuracy": True}
+    )
+    with eng.eval_mode():
+        got = eng.infer_batch(batch)["model_output"]
+    assert eng.computes_token_accuracy and "entropy" not in got
+    torch.testing.assert_close(got["correct"].double(), want, atol=0, rtol=0)
 
 
 def test_export_is_exact_hf_state_dict(megatron_env, tiny_qwen2):
@@ -164,7 +178,7 @@ def test_hf_model_export_and_retention(megatron_env, tiny_qwen2, packed_batch, t
     from posttrain.core.config import CheckpointConfig
 
     ckpt = CheckpointConfig(save_contents=["model", "hf_model"])
-    hf_save_kwargs = {"distributed_save": False, "not_a_bridge_kwarg": 1}
+    hf_save_kwargs = {"distributed_save": False}
     eng = make_engine(tiny_qwen2, ckpt=ckpt, hf_save_kwargs=hf_save_kwargs)
     with eng.train_mode():
         eng.train_batch(packed_batch, nll_loss)

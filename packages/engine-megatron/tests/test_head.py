@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.megatron.head import vocab_parallel_logprobs
+from posttrain.megatron.head import vocab_parallel_argmax_hits, vocab_parallel_logprobs
 
 
 def _reference(logits, targets, temp):
@@ -63,3 +63,19 @@ def test_a_shard_owns_only_its_columns():
 def test_bad_chunk_size_names_the_setting():
     with pytest.raises(ValueError, match="entropy_from_logits_chunk_size"):
         vocab_parallel_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), 0, None, False, None, 0)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_argmax_hits_equal_torch_argmax(chunk):
+    """First index of the maximum, as torch.argmax (a tie is a hit only for the first column), in bf16 too."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(9, 13, generator=g)
+    logits[3, [2, 7]] = 50.0  # a tie: argmax is column 2
+    want = logits.argmax(-1)
+    targets = torch.where(torch.rand(9, generator=g) < 0.5, want, torch.randint(0, 13, (9,), generator=g))
+    targets[3] = 7
+    for dtype in (torch.float32, torch.bfloat16):
+        hits = vocab_parallel_argmax_hits(logits.to(dtype), targets, 0, None, chunk)
+        assert hits.dtype == torch.float32
+        ref = (logits.to(dtype).argmax(-1) == targets).float()
+        assert torch.equal(hits, ref) and 0 < float(hits.sum()) < 9 and hits[3] == 0

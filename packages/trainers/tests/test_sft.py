@@ -72,6 +72,39 @@ def test_sft_loss_falls_and_writes_metrics_checkpoints_and_curves(reference):
 
 
 @pytest.mark.slow
+def test_token_accuracy_is_shown_and_equals_an_hf_reference(assets, reference, tmp_path):
+    """train/token_acc on every step (rising as the loss falls); val/token_acc at step 8 against the float64
+    argmax of the exported step-8 model over the validation set's loss-masked tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.ckpt import export_hf
+    from posttrain.core.testing import argmax_hits
+    from posttrain.trainers.config import SFTConfig, load_config
+    from posttrain.trainers.data.sft_dataset import SFTDataset
+    from posttrain.trainers.model_files import load_tokenizer
+
+    rows = read_metrics(reference / "metrics.jsonl")
+    accs = [r["train/token_acc"] for r in rows]
+    assert all(0 <= a <= 1 for a in accs) and accs[-1] > accs[0], accs
+    export_hf(reference / "global_step_8" / "actor", tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    cfg = load_config(sft_args(assets, tmp_path / "unused")[2:], ["sft_tiny"], root=SFTConfig)
+    val = SFTDataset(cfg.data.val_files, load_tokenizer(cfg.model), cfg.data, key="data.val_files")
+    pairs = [
+        (torch.as_tensor(ids), torch.as_tensor(mask, dtype=torch.float64))
+        for ids, mask in zip(val.input_ids, val.loss_mask)
+    ]
+    hits = sum(float((argmax_hits(hf, [ids]) * mask).sum()) for ids, mask in pairs)
+    count = sum(float(mask.sum()) for _, mask in pairs)
+    # the engine's fp32 logits and HF's may order a near-tie differently: at most one token
+    assert abs(rows[-1]["val/token_acc"] - hits / count) <= 1 / count + 1e-12, (
+        rows[-1]["val/token_acc"],
+        hits,
+    )
+    assert 0 < hits < count
+
+
+@pytest.mark.slow
 def test_resume_mid_epoch_is_bitwise_identical(assets, reference):
     resumed = assets["root"] / "resumed"
     run(

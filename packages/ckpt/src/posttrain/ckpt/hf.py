@@ -27,6 +27,9 @@ from .lora import adapter_state, is_lora_state, merge_lora
 from .tied import fill_aliases
 from .verify import CheckpointCorruptError, non_finite_names, raise_if, verify_role
 
+HF_LAYOUT = "dcp-hf-names"
+"""The ``layout`` of a role manifest whose DCP keys are HF names (``model.<hf name>``), the one export-hf reads."""
+
 MODEL_PREFIX = "model."
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -150,6 +153,14 @@ def export_hf(
     weights, or with ``adapter_only`` as a peft adapter directory (``adapter_config.json``,
     ``adapter_model.safetensors``) for ``PeftModel.from_pretrained`` on the base model.
     """
+    layout = (read_json(role_dir / ROLE_MANIFEST) or {}).get("layout", HF_LAYOUT)
+    if layout != HF_LAYOUT:
+        raise ValueError(
+            f"{role_dir} holds layout {layout!r} (keyed by the training backend's own names), not the HF-keyed "
+            f"{HF_LAYOUT!r} export-hf reads: for a native Megatron checkpoint run `posttrain convert "
+            f"megatron-to-hf --input {role_dir} --output {out_dir}`, or save with "
+            "<role>.engine.portable_checkpoint=true"
+        )
     hf_src = role_dir / HF_DIR
     if not (hf_src / "config.json").is_file():
         raise ValueError(

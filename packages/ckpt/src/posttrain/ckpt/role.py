@@ -12,6 +12,7 @@ first of its names; the manifest's ``tied_aliases`` maps the other names to it a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.metadata
 import time
@@ -35,7 +36,7 @@ from posttrain.core.config.checkpoint import check_contents
 
 from . import dist as ckpt_dist
 from .extra import capture_extra, load_extra, save_extra
-from .hf import write_hf_metadata, write_safetensors
+from .hf import HF_LAYOUT, write_hf_metadata, write_safetensors
 from .layout import DIST_CKPT, EXTRA_DIR, FORMAT, FORMAT_VERSION, HF_DIR, ROLE_MANIFEST, read_json, write_json
 from .lora import is_lora_state, merge_lora, peft_config_of
 from .snapshot import snapshot_to_host
@@ -47,6 +48,7 @@ from .verify import (
     raise_if,
     refuse_non_finite,
     role_file_records,
+    verified_read,
     verify_role,
 )
 from .writer import AsyncWriter
@@ -256,7 +258,7 @@ def _manifest(
         "global_step": global_step,
         "contents": list(contents),
         "backend": info.backend,
-        "layout": "dcp-hf-names",
+        "layout": HF_LAYOUT,
         "optimizer": type(state.optimizer).__name__ if state.optimizer is not None else None,
         "world_size": world,
         "parallel_sizes": dict(info.parallel_sizes),
@@ -285,18 +287,19 @@ def load_role(
 ) -> dict[str, Any]:
     """Restore ``contents`` of one role into ``state`` on every rank (collective); return the saved counters.
 
-    With ``verify`` (the default) every file is checked against the manifest's checksums first, then the loaded
-    tensors against their recorded checksums and for NaN/inf: a :class:`~posttrain.ckpt.verify.
-    CheckpointCorruptError` names the file and tensor. ``verify=False`` only for measuring its cost."""
+    With ``verify`` (the default) every file is checked against the manifest's checksums (on a background thread
+    while DCP reads them, and before anything loaded is set or the extra state read), then the loaded tensors
+    against their recorded checksums and for NaN/inf: a :class:`~posttrain.ckpt.verify.CheckpointCorruptError`
+    names the file and tensor. ``verify=False`` only for measuring its cost."""
     role_dir = Path(role_dir)
     check_contents(contents, "checkpoint.load_contents")
     manifest = read_role_manifest(role_dir)
     _check_load(role_dir, state, contents, manifest["contents"])
-    if verify:
-        raise_if(verify_role(role_dir), f"checkpoint {role_dir}")
     if "model" in contents:
         saved = (manifest.get("checksums") or {}).get("tensors") if verify else None
         _load_sharded(role_dir, state, contents, manifest.get("tied_aliases", {}), saved, verify)
+    elif verify:
+        raise_if(verify_role(role_dir), f"checkpoint {role_dir}")
     if "extra" in contents:
         return load_extra(role_dir / DIST_CKPT / EXTRA_DIR, ckpt_dist.get_rank(), state.lr_scheduler)
     return {}
@@ -324,14 +327,18 @@ def _load_sharded(
     saved: dict[str, list[Any]] | None,
     verify: bool,
 ) -> None:
-    """DCP-load model (+ optimizer) in place, checked against ``saved`` checksums and for NaN/inf (``verify``);
-    names stored as tied aliases are filled from their kept name."""
+    """DCP-load model (+ optimizer) in place; with ``verify`` the role's files are checked while DCP reads them
+    (:func:`~posttrain.ckpt.verify.verified_read`), then the loaded tensors against ``saved`` checksums and for
+    NaN/inf, before any of it is set; names stored as tied aliases are filled from their kept name."""
     sharded = _sharded_state(state, contents)
     model_sd = sharded["model"]
     stored = {k: v for k, v in model_sd.items() if not (k in aliases and aliases[k] in model_sd)}
     to_read = {**sharded, "model": stored}
-    with ckpt_dist.single_process_dcp() as no_dist:
-        dcp.load(to_read, storage_reader=dcp.FileSystemReader(str(role_dir / DIST_CKPT)), no_dist=no_dist)
+    reader = dcp.FileSystemReader(str(role_dir / DIST_CKPT))
+    # with verify: every file of the role against its checksums while DCP reads them (one pass over the disk)
+    checking = verified_read(role_dir, f"checkpoint {role_dir}") if verify else contextlib.nullcontext()
+    with checking, ckpt_dist.single_process_dcp() as no_dist:
+        dcp.load(to_read, storage_reader=reader, no_dist=no_dist)
     if verify:
         check_loaded(to_read, saved, f"checkpoint {role_dir}")
     model_sd = fill_aliases(to_read["model"], {a: k for a, k in aliases.items() if a in model_sd})

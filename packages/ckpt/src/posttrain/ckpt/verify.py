@@ -21,9 +21,11 @@ finding.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -151,7 +153,18 @@ def check_loaded(
 ) -> None:
     """After a load: every loaded chunk recorded with the same dtype and shape must have its recorded checksum,
     and every floating tensor must be finite (collective; raises on every rank)."""
-    mine = tensor_records(local_chunks(state))
+    check_records(tensor_records(local_chunks(state)), saved, where, group)
+
+
+def check_records(
+    mine: dict[str, list[Any]],
+    saved: dict[str, list[Any]] | None,
+    where: str,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """:func:`check_loaded` of records already taken (:func:`tensor_records` of the loaded tensors, keyed as
+    at save): a record with the saved dtype and shape must have the saved checksum, every one must be finite
+    (collective; raises on every rank)."""
     problems = []
     for key, (dtype, shape, checksum, finite) in sorted(mine.items()):
         rec = (saved or {}).get(key)
@@ -281,6 +294,29 @@ def verify_role(role_dir: str | Path, group: dist.ProcessGroup | None = None) ->
     if not checksums:
         return []  # saved before checksums were recorded: nothing to compare
     return verify_files(role_dir, checksums["files"], group)
+
+
+@contextlib.contextmanager
+def verified_read(role_dir: str | Path, what: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Check this rank's share of a role's recorded files on a background thread while the body reads them (the
+    disk is read once, the CRCs overlap the load), then gather every rank's findings (collective) and raise
+    :class:`CheckpointCorruptError` naming them. When the body fails, the findings are raised from its error (a
+    damaged file is the cause); with none, its error goes on. A role without its manifest is refused first."""
+    role_dir = Path(role_dir)
+    manifest = read_json(role_dir / ROLE_MANIFEST)
+    if manifest is None:
+        raise_if(verify_role(role_dir, group), what)
+    records = (manifest.get("checksums") or {}).get("files", {})
+    rank, world = ckpt_dist.get_rank(group), ckpt_dist.get_world_size(group)
+    mine = sorted(records)[rank::world]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-ckpt-verify") as pool:
+        future = pool.submit(lambda: [p for n in mine for p in check_file(role_dir, n, records[n])])
+        try:
+            yield
+        except BaseException:
+            raise_if(sorted(p for part in gather(future.result(), group) for p in part), what)
+            raise
+        raise_if(sorted(p for part in gather(future.result(), group) for p in part), what)
 
 
 def verify_step(step_dir: str | Path, group: dist.ProcessGroup | None = None) -> list[str]:

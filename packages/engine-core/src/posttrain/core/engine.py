@@ -65,6 +65,11 @@ class BaseEngine(ABC):
     """Whether the engine replays recorded MoE routing (``engine.router_replay.mode`` R2 or R3); the trainers
     read it from the class, before building anything."""
 
+    computes_token_accuracy: bool = False
+    """Whether a forward with ``batch.meta['calculate_accuracy']`` returns ``correct`` per token (1.0 where the
+    token is the argmax of the logits that predict it, 0.0 elsewhere and at each sequence's first token); SFT
+    reads it from the class to show ``train/token_accuracy``."""
+
     def __init__(
         self,
         model_config: ModelConfig,

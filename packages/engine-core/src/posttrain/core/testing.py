@@ -101,3 +101,34 @@ def torchrun(
             f"--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def half_greedy_sequences(model: Any, lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
+    """Token sequences for ``model`` (an HF causal LM) in which each next token is, by a seeded coin flip, the
+    model's argmax at the previous position or a random token: token accuracy is then well inside (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    seqs = []
+    with torch.no_grad():
+        for n in lengths:
+            ids = torch.randint(0, vocab, (1,), generator=gen)
+            while ids.numel() < n:
+                if float(torch.rand((), generator=gen)) < 0.5:
+                    nxt = model(ids[None]).logits[0, -1].double().argmax().reshape(1)
+                else:
+                    nxt = torch.randint(0, vocab, (1,), generator=gen)
+                ids = torch.cat([ids, nxt])
+            seqs.append(ids)
+    return seqs
+
+
+def argmax_hits(model: Any, seqs: list[torch.Tensor]) -> torch.Tensor:
+    """Reference token accuracy per token of the packed ``seqs``: 1.0 where the token is the argmax of ``model``'s
+    float64 logits at the previous position, 0.0 elsewhere and at each sequence's first token."""
+    out = []
+    with torch.no_grad():
+        for ids in seqs:
+            hits = torch.zeros(ids.numel(), dtype=torch.float64)
+            hits[1:] = (model(ids[None]).logits[0, :-1].double().argmax(-1) == ids[1:]).double()
+            out.append(hits)
+    return torch.cat(out)

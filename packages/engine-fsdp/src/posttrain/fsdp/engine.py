@@ -368,9 +368,11 @@ def _floats(values: list[Any]) -> list[float]:
 
 
 class FSDPLanguageModelEngine(FSDPEngine):
-    """Causal LM: ``log_probs`` (and ``entropy`` when ``batch.meta['calculate_entropy']``) per token."""
+    """Causal LM: ``log_probs`` per token, ``entropy`` when ``batch.meta['calculate_entropy']`` and ``correct``
+    (1.0 where the token is the argmax of the logits that predict it) when ``batch.meta['calculate_accuracy']``."""
 
     value_model = False
+    computes_token_accuracy = True
 
     def _head(self) -> PackedLogProbHead:
         return self._hf_model.lm_head
@@ -383,6 +385,7 @@ class FSDPLanguageModelEngine(FSDPEngine):
             temp = torch.cat([temp, temp.new_ones(filler)])
         targets, inv_temp = shifted_targets(inputs.stream_ids, temp)
         with_entropy = bool(mb.meta.get("calculate_entropy", False))
+        with_accuracy = bool(mb.meta.get("calculate_accuracy", False))
         head = self._head()
         head.request = HeadRequest(
             targets,
@@ -391,6 +394,7 @@ class FSDPLanguageModelEngine(FSDPEngine):
             self.engine_config.logits_chunk_size(targets.numel()),
             inputs.valid_index,
             checkpoint=self.engine_config.entropy_checkpointing,
+            with_accuracy=with_accuracy,
         )
         try:
             with self._autocast():
@@ -401,6 +405,8 @@ class FSDPLanguageModelEngine(FSDPEngine):
         out = {"log_probs": align_to_tokens(stats[:, 0], mb.cu_seqlens)}
         if with_entropy:
             out["entropy"] = align_to_tokens(stats[:, 1], mb.cu_seqlens)
+        if with_accuracy:
+            out["correct"] = align_to_tokens(stats[:, -1], mb.cu_seqlens)
         return out
 
 

@@ -11,6 +11,7 @@ For packed hidden states ``h`` (T, H), targets ``y[t] = input_ids[t+1]`` and inv
     z = (h W^T + b) / tau            # fp32, one chunk only
     log_prob[t] = z[y[t]] - logsumexp(z)
     entropy[t]  = logsumexp(z) - sum(softmax(z) * z)
+    correct[t]  = argmax(h W^T + b) == y[t]      # only with ``with_accuracy``: 1.0 or 0.0, no gradient
 
 When gradients are on and the request asks for it (``engine.entropy_checkpointing``), each chunk's fp32 part
 runs under activation checkpointing: autograd keeps only the chunk's logits in the compute dtype (bf16 on GPU)
@@ -45,6 +46,8 @@ class HeadRequest:
     """For padded (B, S) inputs: flat indices of the real tokens, in packed order; None for packed inputs."""
     checkpoint: bool = True
     """With gradients on, recompute each chunk's fp32 part in backward instead of keeping it."""
+    with_accuracy: bool = False
+    """Also return whether each target is the argmax of its logits (1.0 / 0.0, last column)."""
 
 
 def _chunk_stats(
@@ -66,9 +69,10 @@ def next_token_stats(
     request: HeadRequest,
     fn: Any = _chunk_stats,
 ) -> torch.Tensor:
-    """(T, H) hidden -> (T, 1 or 2) [log_prob, entropy] of ``request.targets``, chunked over tokens.
+    """(T, H) hidden -> (T, 1 to 3) [log_prob, entropy?, correct?] of ``request.targets``, chunked over tokens.
 
-    ``fn`` is the per-chunk function (:func:`_chunk_stats` or a compiled copy of it)."""
+    ``fn`` is the per-chunk function (:func:`_chunk_stats` or a compiled copy of it). ``correct`` is the argmax
+    of the chunk's logits (the ones the log-probs come from) compared with the target, outside autograd."""
     outs = []
     for start in range(0, hidden.shape[0], request.chunk_size):
         end = start + request.chunk_size
@@ -78,7 +82,11 @@ def next_token_stats(
             log_prob, entropy = checkpoint(fn, *args, use_reentrant=False)
         else:
             log_prob, entropy = fn(*args)
-        outs.append(torch.stack([log_prob, entropy], -1) if entropy is not None else log_prob.unsqueeze(-1))
+        cols = [log_prob] if entropy is None else [log_prob, entropy]
+        if request.with_accuracy:
+            with torch.no_grad():
+                cols.append(logits.argmax(-1).eq(request.targets[start:end]).to(log_prob.dtype))
+        outs.append(torch.stack(cols, -1))
     return torch.cat(outs, dim=0)
 
 

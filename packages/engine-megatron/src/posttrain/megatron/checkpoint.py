@@ -6,6 +6,7 @@ Layout of one role directory::
     <role dir>/huggingface/   config + tokenizer files; safetensors too when ``hf_model`` is saved
     <role dir>/extra/rng_rank<r>.pt   torch / Megatron RNG-tracker state of rank r
     <role dir>/transformer_config.json
+    <role dir>/manifest.json  checksums of every tensor and file, written last (:mod:`.verified`)
 
 The model and optimizer go through ``megatron.core.dist_checkpointing`` with the sharded state dicts of the
 model chunks and of Megatron's optimizer, so a checkpoint written at one TP/PP/DP layout loads at another; with
@@ -14,7 +15,8 @@ model chunks and of Megatron's optimizer, so a checkpoint written at one TP/PP/D
 Megatron-FSDP ``dist_ckpt/`` holds the fsdp_dtensor format instead (torch DCP over DTensors, reshardable over
 DP: :mod:`.fsdp_dtensor`).
 The HF weights go through Megatron-Bridge's ``save_hf_weights`` with ``engine.hf_save_kwargs`` keyword
-arguments (only those its signature accepts).
+arguments (a key its signature does not take is refused at engine start). Every save records checksums and
+writes ``manifest.json`` last; every load verifies them first (:mod:`.verified`, :mod:`.portable`).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import torch
 
 from posttrain.ckpt import read_role_manifest, retain_role_saves
 from posttrain.ckpt.layout import ROLE_MANIFEST
+from posttrain.core.dtypes import parse_dtype
 
-from . import async_save, build, fsdp_dtensor, lora, portable
+from . import _deps, async_save, build, fsdp_dtensor, lora, portable, verified
 
 STEP_FILE = "step.json"
 """``<role>/extra/step.json``: the ``global_step`` the role was saved at (rank 0 writes it with ``extra``)."""
@@ -154,16 +157,45 @@ def _write_hf(engine: Any, hf_dir: Path, with_weights: bool) -> None:
             if src.is_file():
                 shutil.copy2(src, hf_dir / name)
     if with_weights:
-        kwargs = dict(engine.engine_config.hf_save_kwargs)
-        accepted = inspect.signature(engine.bridge.save_hf_weights).parameters
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        kwargs = hf_save_kwargs(engine.engine_config)  # checked at engine start (check_hf_save_kwargs)
         engine.bridge.save_hf_weights(engine.chunks, hf_dir, show_progress=False, **kwargs)
 
 
+def hf_save_kwargs(cfg: Any) -> dict[str, Any]:
+    """``engine.hf_save_kwargs`` as ``save_hf_weights`` takes them: a ``weight_dtype`` name becomes its torch dtype."""
+    kwargs = dict(cfg.hf_save_kwargs)
+    if isinstance(kwargs.get("weight_dtype"), str):
+        kwargs["weight_dtype"] = parse_dtype(kwargs["weight_dtype"], "engine.hf_save_kwargs.weight_dtype")
+    return kwargs
+
+
+def check_hf_save_kwargs(cfg: Any) -> None:
+    """Refuse ``engine.hf_save_kwargs`` keys that the installed bridge's ``save_hf_weights`` does not take
+    (the model, the path and ``show_progress`` are the engine's); run at engine start."""
+    if not cfg.hf_save_kwargs:
+        return
+    if cfg.vanilla_mbridge:
+        from .vanilla import VanillaBridge as bridge_cls
+    else:
+        bridge_cls = _deps.import_bridge().AutoBridge
+    params = list(inspect.signature(bridge_cls.save_hf_weights).parameters.values())[3:]  # self, model, path
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = sorted(p.name for p in params if p.kind in keyword and p.name != "show_progress")
+    bad = sorted(k for k in cfg.hf_save_kwargs if k not in accepted)
+    if bad:
+        raise ValueError(
+            f"engine.hf_save_kwargs has {bad}, which {bridge_cls.__name__}.save_hf_weights of the installed "
+            f"{'mbridge' if cfg.vanilla_mbridge else 'Megatron-Bridge'} does not take (it takes {accepted}): "
+            f"remove {bad} from engine.hf_save_kwargs or use one of those keys"
+        )
+    hf_save_kwargs(cfg)  # a weight_dtype that names no dtype is refused here too
+
+
 def _finished(role_dir: Path) -> bool:
-    """A role directory whose save got to its last file: ``transformer_config.json`` (native layout, written after
-    the dist_ckpt files) or ``manifest.json`` (portable layout, written last)."""
-    return (role_dir / "transformer_config.json").is_file() or (role_dir / ROLE_MANIFEST).is_file()
+    """A role directory whose save got to its last file, ``manifest.json`` (both layouts write it last)."""
+    return (role_dir / ROLE_MANIFEST).is_file()
 
 
 def _retain(role_dir: Path, keep: int | None, writer: Any = None) -> None:
@@ -172,10 +204,12 @@ def _retain(role_dir: Path, keep: int | None, writer: Any = None) -> None:
 
 
 def _fresh_dir(path: Path) -> None:
+    """An empty ``path`` (``<role>/dist_ckpt``), and no role manifest until this save has written it."""
     if _rank() == 0:
         if path.exists():
             shutil.rmtree(path)
         path.mkdir(parents=True)
+        (path.parent / ROLE_MANIFEST).unlink(missing_ok=True)
     _barrier()
 
 
@@ -232,18 +266,27 @@ def save(
     root = Path(local_path)
     _check_async(engine, writer)
     _warn_max_connections(engine)
+    # checksums on the tensors' own device before anything is written or removed; nothing non-finite is saved
+    record = verified.manifest(engine, contents, global_step, verified.record_tensors(engine, contents, root))
     ckpt_dir = root / "dist_ckpt"
     _fresh_dir(ckpt_dir)
     sharded = None if engine.engine_config.use_megatron_fsdp else _sharded(engine, contents, is_loading=False)
+    background = writer if engine.checkpoint_config.async_save else None
     if sharded is None:
         fsdp_dtensor.save(engine, contents, ckpt_dir)
-    elif engine.checkpoint_config.async_save:
+    elif background is not None:
         engine._pending_save = async_save.save(sharded, ckpt_dir, {"global_step": global_step}, writer)
     else:
         dist_checkpointing.save(sharded, str(ckpt_dir), content_metadata={"global_step": global_step})
     _write_side_files(engine, root, contents, global_step)
     _barrier()
-    _retain(root, keep, writer if engine.checkpoint_config.async_save else None)
+    if background is None:
+        verified.write_manifest(root, record)
+    else:  # behind the dist_ckpt write on the writer's thread; the engine's next save or load waits for it
+        engine._pending_save = background.submit(
+            verified.write_manifest, root, record, background.process_group
+        )
+    _retain(root, keep, background)
 
 
 def _load_state(engine: Any, ckpt_dir: Path, contents: list[str]) -> dict[str, Any]:
@@ -285,7 +328,9 @@ def load(engine: Any, local_path: str) -> dict[str, int]:
             "the megatron engine's save_checkpoint"
         )
     contents = engine.checkpoint_config.load_contents
+    record = verified.verify_before_load(Path(local_path))  # every file against its checksums, first
     extra = _load_state(engine, ckpt_dir, contents)
+    verified.check_after_load(engine, contents, Path(local_path), record)
     rng_file = Path(local_path) / "extra" / f"rng_rank{_rank()}.pt"
     if "extra" in contents and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -70,8 +70,8 @@ class McoreEngineConfig(EngineConfig):
     (actor, critic)."""
     hf_save_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for Megatron-Bridge's ``save_hf_weights`` when ``checkpoint.save_contents`` lists
-    hf_model (e.g. distributed_save, memory_efficient); keys that the installed bridge's
-    ``save_hf_weights`` does not take are dropped."""
+    hf_model (e.g. distributed_save, strict, weight_dtype: bfloat16); a key that the installed bridge's
+    ``save_hf_weights`` does not take is refused when the engine starts."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

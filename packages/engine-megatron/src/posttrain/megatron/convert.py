@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from posttrain.ckpt.layout import ROLE_MANIFEST
+from posttrain.ckpt.verify import raise_if, verify_role
 from posttrain.core.dtypes import DTYPES
 
 from . import build, checkpoint
@@ -116,6 +118,8 @@ def megatron_to_hf(input_dir: str, output: str, tp: int = 1, pp: int = 1, ep: in
             "by `posttrain convert hf-to-megatron` or an engine save)"
         )
     ensure_process_group(tp * pp * ep)
+    if (src / ROLE_MANIFEST).is_file():  # an engine save: its files against their checksums before any read
+        raise_if(verify_role(src), f"posttrain convert megatron-to-hf: checkpoint {src}")
     bridge, chunks = _build(hf_dir, _layout(tp, pp, ep, _dtype_of(hf_dir)), config_only=True)
     checkpoint.load_model_dist(chunks, src / "dist_ckpt")
     if torch.distributed.get_rank() == 0:

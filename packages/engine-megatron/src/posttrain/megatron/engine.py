@@ -66,6 +66,7 @@ class MegatronEngine(BaseEngine):
             )
         on_cuda = torch.cuda.is_available()
         rules.check_engine(cfg, self.checkpoint_config, self.model_config, on_cuda=on_cuda)
+        checkpoint.check_hf_save_kwargs(cfg)
         self._device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         if cfg.full_determinism:
             enable_full_determinism(cfg.seed)
@@ -288,7 +289,8 @@ class MegatronEngine(BaseEngine):
         vocab_start = tp_rank * logits.size(-1)
         group = mpu.get_tensor_model_parallel_group()
         chunk = self.engine_config.logits_chunk_size(logits.shape[0])
-        return token_outputs(logits, mb, vocab_start, group, calc_entropy, cp, chunk)
+        accuracy = bool(mb.meta.get("calculate_accuracy", False))
+        return token_outputs(logits, mb, vocab_start, group, calc_entropy, cp, chunk, accuracy)
 
     def _pad_multiple(self) -> int:
         cfg = self.engine_config
@@ -422,7 +424,10 @@ class MegatronEngine(BaseEngine):
 
 
 class MegatronLanguageModelEngine(MegatronEngine):
-    """Causal LM: outputs ``log_probs`` (and ``entropy`` when ``batch.meta['calculate_entropy']``)."""
+    """Causal LM: outputs ``log_probs``, ``entropy`` when ``batch.meta['calculate_entropy']`` and ``correct``
+    (1.0 where the token is the argmax of the logits that predict it) when ``batch.meta['calculate_accuracy']``."""
+
+    computes_token_accuracy = True
 
 
 class MegatronValueModelEngine(MegatronEngine):

@@ -123,3 +123,22 @@ def vocab_parallel_logprobs(
         logits, targets.to(logits.device), temp, vocab_start, tp_group, with_entropy, chunk_size
     )
     return lp, ent if with_entropy else None
+
+
+@torch.no_grad()
+def vocab_parallel_argmax_hits(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, tp_group: Any, chunk_size: int = 2048
+) -> torch.Tensor:
+    """1.0 where ``targets`` is the argmax (the first index of the maximum, as ``torch.argmax``) of its row of
+    the vocab-parallel ``(N, V/tp)`` logits, else 0.0, in float32; ``chunk_size`` rows at a time in the logits'
+    own dtype (a temperature would not move the argmax). Collective over ``tp_group`` like
+    :func:`vocab_parallel_logprobs`: two all-reduces of one value per row."""
+    hits = []
+    targets = targets.to(logits.device)
+    for start in range(0, logits.size(0), chunk_size):
+        values, index = logits[start : start + chunk_size].max(dim=-1)
+        best = _all_reduce(values.clone(), dist.ReduceOp.MAX, group=tp_group)
+        first = torch.where(values == best, index + vocab_start, torch.iinfo(torch.long).max)
+        first = _all_reduce(first, dist.ReduceOp.MIN, group=tp_group)
+        hits.append(first.eq(targets[start : start + chunk_size]).float())
+    return torch.cat(hits) if hits else logits.new_zeros(0, dtype=torch.float32)

@@ -20,7 +20,7 @@ import torch
 from posttrain.core.batch import PackedBatch
 
 from .context_parallel import CpLayout, split_micro_batch
-from .head import vocab_parallel_logprobs
+from .head import vocab_parallel_argmax_hits, vocab_parallel_logprobs
 
 
 @dataclass
@@ -79,9 +79,12 @@ def token_outputs(
     with_entropy: bool,
     cp: CpLayout | None = None,
     chunk_size: int = 2048,
+    with_accuracy: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Per-token ``log_probs`` (and ``entropy``) aligned with the tokens they describe, from (T, V/tp) logits,
-    computed ``chunk_size`` rows at a time (:func:`.head.vocab_parallel_logprobs`).
+    """Per-token ``log_probs`` (and ``entropy``, and with ``with_accuracy`` ``correct``: 1.0 where the token is
+    the argmax of the logits that predict it) aligned with the tokens they describe, from (T, V/tp) logits,
+    computed ``chunk_size`` rows at a time (:func:`.head.vocab_parallel_logprobs`,
+    :func:`.head.vocab_parallel_argmax_hits`).
 
     Row ``t`` of ``logits`` predicts token ``t+1``, so it is divided by ``temperature[t+1]``, scored against
     ``input_ids[t+1]`` and the results shift one place right; each sequence's first token gets 0. Under CP the
@@ -96,11 +99,13 @@ def token_outputs(
         targets = cp.to_rows(targets)
         temp = None if temp is None else cp.to_rows(temp, fill=1.0)
     lp, ent = vocab_parallel_logprobs(logits, targets, vocab_start, tp_group, with_entropy, temp, chunk_size)
-    if cp is not None:
-        lp = cp.to_packed(lp)
-        ent = None if ent is None else cp.to_packed(ent)
+    per_row = {"log_probs": lp, "entropy": ent}
+    if with_accuracy:
+        per_row["correct"] = vocab_parallel_argmax_hits(logits, targets, vocab_start, tp_group, chunk_size)
     starts = mb.cu_seqlens[:-1].long().to(logits.device)
-    out = {"log_probs": torch.roll(lp, 1).index_fill(0, starts, 0.0)}
-    if ent is not None:
-        out["entropy"] = torch.roll(ent, 1).index_fill(0, starts, 0.0)
+    out = {}
+    for name, rows in per_row.items():
+        if rows is not None:
+            packed = rows if cp is None else cp.to_packed(rows)
+            out[name] = torch.roll(packed, 1).index_fill(0, starts, 0.0)
     return out

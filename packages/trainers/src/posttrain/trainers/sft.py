@@ -6,8 +6,11 @@ takes the next global batch of ``data.train_batch_size`` conversations from a se
 each data-parallel rank a contiguous share as one packed batch, and runs ``engine.train_batch`` with the loss
 ``sum(-log p * mask) / global_num_tokens * dp_size`` per micro-batch: after the engine averages gradients over
 data-parallel ranks this is the mean over every assistant token of the global batch, whatever the layout, so
-one process and N processes see the same loss and gradient. The learning rate follows ``actor.optim``'s schedule
-over the run's total steps. Validation loss (the same token mean over the whole validation set) runs every
+one process and N processes see the same loss and gradient. Token accuracy (``train/token_acc``,
+``val/token_acc``) is the fraction of those tokens that are the argmax of the logits predicting them, computed by
+the engine inside its forward (``batch.meta['calculate_accuracy']``); an engine that does not compute it is named
+in a warning at start and the metric is absent. The learning rate follows ``actor.optim``'s schedule
+over the run's total steps. Validation loss and token accuracy (over the whole validation set) run every
 ``trainer.test_freq`` steps and at the end; checkpoints (engine state under ``actor/``, the sampler position in
 ``data.pt``) are committed every ``trainer.save_freq`` steps and at the end, and a resumed run continues with
 the next unseen batch.
@@ -23,6 +26,7 @@ import dataclasses
 import math
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,6 +90,15 @@ class SFTTrainer(StepLoop):
         self.engine = cfg.actor.engine.build(model=cfg.model, optim=optim, ckpt=cfg.checkpoint)
         self.dp_size = self.engine.get_data_parallel_size()
         self.dp_rank = self.engine.get_data_parallel_rank()
+        self.meta = {"calculate_entropy": False, "calculate_accuracy": self.engine.computes_token_accuracy}
+        if not self.engine.computes_token_accuracy:
+            warnings.warn(
+                f"{type(self.engine).__name__} (actor.engine.strategy={cfg.actor.engine.strategy}) does not "
+                "compute token accuracy: SFT logs loss and validation loss without train/token_acc and "
+                "val/token_acc",
+                UserWarning,
+                stacklevel=2,
+            )
         if cfg.data.train_batch_size % self.dp_size:
             raise ValueError(
                 f"data.train_batch_size={cfg.data.train_batch_size} does not split over "
@@ -124,7 +137,7 @@ class SFTTrainer(StepLoop):
     def train_step(self) -> dict[str, float]:
         epoch, indices = self.sampler.next_batch()
         local = rank_slice(indices, self.dp_rank, self.dp_size)
-        batch = self.train_set.batch(local, meta={"calculate_entropy": False})
+        batch = self.train_set.batch(local, meta=dict(self.meta))
         lr = self.optim.lr * self.optim.lr_multiplier(self.global_step, self.optim.total_training_steps)
         start = time.perf_counter()
         with self.engine.train_mode():
@@ -136,8 +149,9 @@ class SFTTrainer(StepLoop):
         grad_norm = float(out.get("metrics", {}).get("grad_norm", float("-inf"))) if src else float("-inf")
         tokens = batch.num_tokens if src else 0
         flops = step_flops(*self.model_shape, batch.seqlens) if src else 0.0
-        loss_sum, tokens, flops, targets = pdist.all_reduce(
-            [loss_part, tokens, flops, float(batch.loss_mask.sum()) if src else 0.0]
+        hits = _hits(out, batch) if src else 0.0
+        loss_sum, tokens, flops, targets, hits = pdist.all_reduce(
+            [loss_part, tokens, flops, float(batch.loss_mask.sum()) if src else 0.0, hits]
         )
         (grad_norm,) = pdist.all_reduce([grad_norm], op="max")
         metrics = {
@@ -155,6 +169,8 @@ class SFTTrainer(StepLoop):
             "perf/tokens_per_s": tokens / step_s,
             "perf/tflops_per_s": flops / step_s / 1e12,
         }
+        if self.meta["calculate_accuracy"]:
+            metrics["train/token_acc"] = hits / max(targets, 1.0)
         if self.peak_flops:
             metrics["perf/mfu"] = flops / step_s / (self.peak_flops * pdist.world_size())
         return metrics
@@ -165,17 +181,17 @@ class SFTTrainer(StepLoop):
         ) * self.sampler.batch_size
 
     def validate(self) -> dict[str, float]:
-        """Token-mean NLL over the whole validation set (empty without ``data.val_files``)."""
+        """Token-mean NLL and token accuracy over the whole validation set (empty without ``data.val_files``)."""
         if self.val_set is None:
             return {}
         mine = list(range(len(self.val_set)))[self.dp_rank :: self.dp_size]
         per_batch = max(1, (self.cfg.data.val_batch_size or self.cfg.data.train_batch_size) // self.dp_size)
         (num_batches,) = pdist.all_reduce([-(-len(mine) // per_batch)], op="max")
-        nll, count = 0.0, 0.0
+        nll, count, hits = 0.0, 0.0, 0.0
         with self.engine.eval_mode():
             for b in range(int(num_batches)):
                 idx = mine[b * per_batch : (b + 1) * per_batch]
-                batch = self.val_set.batch(idx or [0], meta={"calculate_entropy": False})
+                batch = self.val_set.batch(idx or [0], meta=dict(self.meta))
                 if not idx:  # this rank ran out: a masked stand-in keeps the collectives in step
                     batch.loss_mask.zero_()
                 out = self.engine.infer_batch(batch)
@@ -183,8 +199,18 @@ class SFTTrainer(StepLoop):
                     lp = out["model_output"]["log_probs"].float().cpu()
                     nll -= float((lp * batch.loss_mask).sum())
                     count += float(batch.loss_mask.sum())
-        nll, count = pdist.all_reduce([nll, count])
-        return {"val/loss": nll / max(count, 1.0)}
+                    hits += _hits(out, batch)
+        nll, count, hits = pdist.all_reduce([nll, count, hits])
+        metrics = {"val/loss": nll / max(count, 1.0)}
+        if self.meta["calculate_accuracy"]:
+            metrics["val/token_acc"] = hits / max(count, 1.0)
+        return metrics
+
+
+def _hits(out: dict[str, Any], batch: PackedBatch) -> float:
+    """Loss-masked tokens that the engine found to be the argmax of their logits (0 without ``correct``)."""
+    correct = out.get("model_output", {}).get("correct")
+    return 0.0 if correct is None else float((correct.float().cpu() * batch.loss_mask).sum())
 
 
 def _model_shape(path: str) -> tuple[int, int, int]:
