@@ -26,6 +26,7 @@ class TorchTitanEngineConfig(EngineConfig):
 
     engines: ClassVar[dict[str, str]] = {
         "language_model": "posttrain.torchtitan.engine:TorchTitanLanguageModelEngine",
+        "value_model": "posttrain.torchtitan.engine:TorchTitanValueModelEngine",
     }
 
     strategy: str | None = "torchtitan"

@@ -100,6 +100,9 @@ def read_hf_weights(model_dir: str) -> dict[str, torch.Tensor]:
 class TorchTitanLanguageModelEngine(BaseEngine):
     """Causal LM: ``log_probs`` (and ``entropy`` when ``batch.meta['calculate_entropy']``) per token."""
 
+    value_model = False
+    """A value model (:class:`TorchTitanValueModelEngine`) has a ``hidden -> 1`` head instead of the LM head."""
+
     def __init__(
         self,
         model_config: ModelConfig,
@@ -113,6 +116,11 @@ class TorchTitanLanguageModelEngine(BaseEngine):
                 "set model_engine=torchtitan"
             )
         check_model_config(model_config, engine_config)
+        if self.value_model and engine_config.tp_size > 1:
+            raise ValueError(
+                f"engine.tp_size={engine_config.tp_size} for the critic: the torchtitan value model runs "
+                "without tensor parallelism; set critic.engine.tp_size=1"
+            )
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
         self.engine_config: TorchTitanEngineConfig = engine_config
         self.module: torch.nn.Module | None = None
@@ -147,10 +155,13 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         if self.distributed:
             self.parallel_dims = parallel.build_parallel_dims(self._device.type, cfg)
             self.device_mesh = parallel.dp_mesh(self.parallel_dims)
-        model = modeling.build_model(self.hf_config, inner_attention_config(self._device), cfg.tp_size)
+        model = modeling.build_model(
+            self.hf_config, inner_attention_config(self._device), cfg.tp_size, self.value_model
+        )
         self.hf_module = modeling.hf_view(model, self.hf_config.model_type)
         self._tied = {"lm_head.weight"} if model.enable_weight_tying else set()
-        model.lm_head.use_compile = cfg.use_torch_compile
+        if not self.value_model:
+            model.lm_head.use_compile = cfg.use_torch_compile
         if self.distributed:
             parallel.apply_tensor_parallel(model, self.parallel_dims)
         parallel.apply_activation_checkpointing(
@@ -173,6 +184,11 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         weights = read_hf_weights(self.model_config.path)
         expected = set(self.hf_module.state_dict())
         missing = expected - set(weights) - self._tied
+        head = {k for k in missing if k.startswith(f"{modeling.VALUE_HEAD}.")} if self.value_model else set()
+        if head:
+            logger.info("torchtitan value model: %s not in %s, initialised (seed %d)", sorted(head),
+                        self.model_config.path, self.engine_config.seed)  # fmt: skip
+            missing -= head
         if missing:
             raise ValueError(
                 f"{self.model_config.path} lacks {sorted(missing)[:4]} ({len(missing)} tensors) that the "
@@ -430,3 +446,16 @@ def _temperatures(mb: PackedBatch) -> torch.Tensor:
     if "temperature" in mb.fields:
         return mb.fields["temperature"].float()
     return torch.full((mb.num_tokens,), float(mb.meta.get("temperature", 1.0)), device=mb.input_ids.device)
+
+
+class TorchTitanValueModelEngine(TorchTitanLanguageModelEngine):
+    """Value model (PPO critic): ``values[t]`` is the ``score`` head's output at token t, as HF's
+    ``*ForTokenClassification`` with one label gives it. The head loads from ``score.*`` in the checkpoint, or
+    starts from the seeded init (normal weight, zero bias) when a causal LM has none."""
+
+    value_model = True
+
+    def _forward_micro(self, mb: PackedBatch, cu_host: list[int]) -> dict[str, torch.Tensor]:
+        with self._autocast():
+            out = self.module(mb.input_ids[None], mb.position_ids[None], packed_metadata(cu_host, self._device))
+        return {"values": out.reshape(-1).float()}

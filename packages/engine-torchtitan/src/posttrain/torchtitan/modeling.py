@@ -127,12 +127,17 @@ def _rope_config(hf_config: Any, head_dim: int) -> Any:
     )
 
 
-def titan_model_config(hf_config: Any, inner_attention: Any, tp_size: int = 1) -> Any:
+def titan_model_config(
+    hf_config: Any, inner_attention: Any, tp_size: int = 1, value_head: bool = False
+) -> Any:
     """torchtitan model config equal to the HF model of ``hf_config`` (checked by :func:`check_supported`);
     with ``tp_size > 1`` every module carries torchtitan's TP placements (no sequence parallelism: the packed
-    attention needs whole rows), the output layer :func:`~posttrain.torchtitan.head.tp_sharding_config`."""
+    attention needs whole rows), the output layer :func:`~posttrain.torchtitan.head.tp_sharding_config`. With
+    ``value_head`` the output layer is a ``hidden -> 1`` linear with a bias (HF's token-classification
+    ``score``), untied."""
     from torchtitan.models.common import Embedding
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.nn_modules import RMSNorm
 
     from .head import StatsHead
@@ -176,13 +181,18 @@ def titan_model_config(hf_config: Any, inner_attention: Any, tp_size: int = 1) -
         for _ in range(hf_config.num_hidden_layers)
     ]
     vocab = hf_config.vocab_size
+    if value_head:
+        zeros = {"weight": partial(nn.init.normal_, std=std), "bias": nn.init.zeros_}
+        head = Linear.Config(in_features=dim, out_features=1, bias=True, param_init=zeros)
+    else:
+        head = StatsHead.Config(in_features=dim, out_features=vocab, param_init=linear)
     config = fam.model_cls.Config(
         vocab_size=vocab,
         dim=dim,
         norm=norm(dim),
-        enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=linear),
-        lm_head=StatsHead.Config(in_features=dim, out_features=vocab, param_init=linear),
+        lm_head=head,
         layers=layers,
     )
     if tp_size > 1:
@@ -194,10 +204,12 @@ def titan_model_config(hf_config: Any, inner_attention: Any, tp_size: int = 1) -
     return config
 
 
-def build_model(hf_config: Any, inner_attention: Any, tp_size: int = 1) -> nn.Module:
+def build_model(
+    hf_config: Any, inner_attention: Any, tp_size: int = 1, value_head: bool = False
+) -> nn.Module:
     """The torchtitan model on the meta device (materialize with :func:`materialize`)."""
     with torch.device("meta"):
-        return titan_model_config(hf_config, inner_attention, tp_size).build()
+        return titan_model_config(hf_config, inner_attention, tp_size, value_head).build()
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
@@ -210,14 +222,22 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
             model.init_states(buffer_device=device)
 
 
+VALUE_HEAD = "score"
+"""HF name of the value head (``*ForTokenClassification.score``), torchtitan's ``lm_head`` in a value model."""
+
+
 def hf_name_map(model: nn.Module, model_type: str) -> dict[str, str]:
     """torchtitan module path -> HF module path, for every leaf module with parameters, from torchtitan's
-    state-dict adapter (``from_hf_map``)."""
+    state-dict adapter (``from_hf_map``); a value head (``lm_head`` of one output) is HF's ``score``."""
+    value_head = model.lm_head.out_features == 1
     adapter = _family(model_type).adapter_cls(model.config, None)
     to_hf = {v: k for k, v in adapter.from_hf_map.items() if v is not None}
     out = {}
     for name, _ in model.named_parameters(remove_duplicate=False):
         name = _clean(name)
+        if value_head and name.startswith("lm_head."):
+            out["lm_head"] = VALUE_HEAD
+            continue
         key = re.sub(r"\.(\d+)\.", ".{}.", name, count=1)
         layer = re.search(r"\.(\d+)\.", name)
         if key not in to_hf:
