@@ -457,5 +457,7 @@ class TorchTitanValueModelEngine(TorchTitanLanguageModelEngine):
 
     def _forward_micro(self, mb: PackedBatch, cu_host: list[int]) -> dict[str, torch.Tensor]:
         with self._autocast():
-            out = self.module(mb.input_ids[None], mb.position_ids[None], packed_metadata(cu_host, self._device))
+            out = self.module(
+                mb.input_ids[None], mb.position_ids[None], packed_metadata(cu_host, self._device)
+            )
         return {"values": out.reshape(-1).float()}
