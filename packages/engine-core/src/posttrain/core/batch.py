@@ -309,3 +309,32 @@ def loss_context(batch: PackedBatch, dp_group: Any = None) -> LossContext:
             counts = counts.to(_collective_device(dp_group))
             torch.distributed.all_reduce(counts, group=dp_group)
     return LossContext(int(counts[0].item()), int(counts[1].item()), dp_size)
+
+
+def check_temperatures(batch: PackedBatch) -> None:
+    """Raise unless every temperature of ``batch`` is > 0 (run on the host batch: no device sync)."""
+    if "temperature" in batch.fields:
+        low = float(batch.fields["temperature"].min()) if batch.num_tokens else 1.0
+    else:
+        low = float(batch.meta.get("temperature", 1.0))
+    if low <= 0:
+        raise ValueError(
+            f"temperature must be > 0 for log-probs, got min {low}: pass the sampling "
+            "temperature (use 1.0 for greedy rollouts)"
+        )
+
+
+def temperatures(mb: PackedBatch) -> torch.Tensor:
+    """(T,) temperature of each token: ``fields['temperature']``, else ``meta['temperature']``, else 1.
+    Values are checked by :func:`check_temperatures` on the host batch."""
+    if "temperature" in mb.fields:
+        return mb.fields["temperature"].float()
+    return torch.full((mb.num_tokens,), float(mb.meta.get("temperature", 1.0)), device=mb.input_ids.device)
+
+
+def as_floats(values: list[Any]) -> list[float]:
+    """Python floats of scalars and 0-d tensors (an engine's per-micro-batch losses and metrics), with one host
+    sync for all the tensors."""
+    tensors = [v.detach().float().reshape(()) for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]

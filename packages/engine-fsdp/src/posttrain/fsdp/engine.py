@@ -29,7 +29,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.core.batch import LossFn, PackedBatch, loss_context, make_micro_batches, restore_order
+from posttrain.core.batch import (
+    LossFn,
+    PackedBatch,
+    as_floats,
+    check_temperatures,
+    loss_context,
+    make_micro_batches,
+    restore_order,
+    temperatures,
+)
 from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
@@ -37,7 +46,7 @@ from posttrain.core.engine import BaseEngine, PerTensorParams
 from . import layout as layouts
 from . import sharding
 from .config import FSDPEngineConfig
-from .inputs import ModelInputs, check_temperatures, packed_inputs, padded_inputs, temperatures
+from .inputs import ModelInputs, packed_inputs, padded_inputs
 from .logprobs import HeadRequest, PackedLogProbHead, align_to_tokens, shifted_targets
 from .modeling import (
     build_model,
@@ -264,8 +273,8 @@ class FSDPEngine(BaseEngine):
             k: restore_order(parts, micro_batches, [o[k] for o in outputs]).to(target, non_blocking=True)
             for k in outputs[0]
         }
-        metrics_out = {k: _floats(v) for k, v in metrics.items()}
-        loss = _floats(losses)
+        metrics_out = {k: as_floats(v) for k, v in metrics.items()}
+        loss = as_floats(losses)
         if target.type == "cpu" and self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()  # the output copies (done by now if read)
         return {"model_output": model_output, "loss": loss, "metrics": metrics_out}
@@ -358,13 +367,6 @@ class FSDPEngine(BaseEngine):
         from .checkpoint import load_fsdp_checkpoint
 
         return load_fsdp_checkpoint(self, local_path)
-
-
-def _floats(values: list[Any]) -> list[float]:
-    """Python floats of scalars and 0-d tensors, with one host sync for all the tensors."""
-    tensors = [v.detach().float().reshape(()) for v in values if isinstance(v, torch.Tensor)]
-    read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
-    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 class FSDPLanguageModelEngine(FSDPEngine):

@@ -34,7 +34,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from posttrain.core.batch import LossFn, PackedBatch, loss_context, make_micro_batches, restore_order
+from posttrain.core.batch import (
+    LossFn,
+    PackedBatch,
+    as_floats,
+    check_temperatures,
+    loss_context,
+    make_micro_batches,
+    restore_order,
+    temperatures,
+)
 from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
@@ -275,7 +284,7 @@ class TorchTitanLanguageModelEngine(BaseEngine):
     def _forward_micro(self, mb: PackedBatch, cu_host: list[int]) -> dict[str, torch.Tensor]:
         """Per-token outputs of one micro-batch (on the device; ``cu_host`` its boundaries on the host)."""
         ids = mb.input_ids
-        temp = _temperatures(mb)
+        temp = temperatures(mb)
         targets, inv_temp = torch.roll(ids, -1), torch.roll(temp.float(), -1).reciprocal()
         with_entropy = bool(mb.meta.get("calculate_entropy", False))
         head = self.module.lm_head
@@ -314,7 +323,7 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         )
         steps = self._lockstep_count(len(parts))
         ctx = loss_context(batch, self.get_data_parallel_group())
-        _check_temperatures(batch)
+        check_temperatures(batch)
         micro_batches = [batch.select(p) for p in parts]
         outputs: list[dict[str, torch.Tensor]] = []
         losses: list[torch.Tensor] = []
@@ -340,8 +349,8 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         }
         return {
             "model_output": model_output,
-            "loss": _floats(losses),
-            "metrics": {k: _floats(v) for k, v in metrics.items()},
+            "loss": as_floats(losses),
+            "metrics": {k: as_floats(v) for k, v in metrics.items()},
         }
 
     def _lockstep_count(self, count: int) -> int:
@@ -422,30 +431,6 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         from .checkpoint import load_checkpoint
 
         return load_checkpoint(self, local_path)
-
-
-def _floats(values: list[Any]) -> list[float]:
-    """Python floats of scalars and 0-d tensors."""
-    return [float(v.detach().float()) if isinstance(v, torch.Tensor) else float(v) for v in values]
-
-
-def _check_temperatures(batch: PackedBatch) -> None:
-    if "temperature" in batch.fields:
-        low = float(batch.fields["temperature"].min()) if batch.num_tokens else 1.0
-    else:
-        low = float(batch.meta.get("temperature", 1.0))
-    if low <= 0:
-        raise ValueError(
-            f"temperature must be > 0 for log-probs, got min {low}: pass the sampling temperature "
-            "(use 1.0 for greedy rollouts)"
-        )
-
-
-def _temperatures(mb: PackedBatch) -> torch.Tensor:
-    """(T,) temperature of each token: ``fields['temperature']``, else ``meta['temperature']``, else 1."""
-    if "temperature" in mb.fields:
-        return mb.fields["temperature"].float()
-    return torch.full((mb.num_tokens,), float(mb.meta.get("temperature", 1.0)), device=mb.input_ids.device)
 
 
 class TorchTitanValueModelEngine(TorchTitanLanguageModelEngine):
