@@ -34,9 +34,11 @@ from posttrain.core.batch import (
     PackedBatch,
     as_floats,
     check_temperatures,
+    lockstep_count,
     loss_context,
     make_micro_batches,
     restore_order,
+    run_micro_batches,
     temperatures,
 )
 from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
@@ -251,19 +253,9 @@ class FSDPEngine(BaseEngine):
         micro_batches = [batch.select(p) for p in parts]
         # every copy queued up front (pinned, asynchronous): nothing in the loop waits for the device
         on_device = [mb.to(self._device, non_blocking=True) for mb in micro_batches]
-        outputs: list[dict[str, torch.Tensor]] = []
-        losses: list[torch.Tensor] = []
-        metrics: dict[str, list[Any]] = {}
-        for mb in on_device:
-            out = self._forward_micro(mb)
-            if loss_fn is not None:
-                loss, mb_metrics = loss_fn(out, mb, ctx)
-                if not forward_only:
-                    loss.backward()
-                losses.append(loss.detach())  # read once after the loop: no host sync per micro-batch
-                for key, value in (mb_metrics or {}).items():
-                    metrics.setdefault(key, []).append(value)
-            outputs.append({k: v.detach() for k, v in out.items()})
+        # the losses are read once after the loop: no host sync per micro-batch
+        forward = lambda i: (on_device[i], self._forward_micro(on_device[i]))  # noqa: E731
+        outputs, losses, metrics = run_micro_batches(len(on_device), forward, loss_fn, ctx, forward_only)
         for _ in range(steps - len(micro_batches)):
             self._filler_pass(forward_only)
         if forward_only:
@@ -281,11 +273,7 @@ class FSDPEngine(BaseEngine):
 
     def _lockstep_count(self, count: int) -> int:
         """The largest micro-batch count over the data-parallel ranks (FSDP needs equal counts)."""
-        if self.get_data_parallel_size() == 1:
-            return count
-        n = torch.tensor([count], device=self._device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        return int(n.item())
+        return lockstep_count(count, self.get_data_parallel_size(), self._device)
 
     def _filler_pass(self, forward_only: bool) -> None:
         """A 2-token pass with zero weight, so this rank joins the collectives of a micro-batch it lacks."""

@@ -39,9 +39,11 @@ from posttrain.core.batch import (
     PackedBatch,
     as_floats,
     check_temperatures,
+    lockstep_count,
     loss_context,
     make_micro_batches,
     restore_order,
+    run_micro_batches,
     temperatures,
 )
 from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
@@ -325,20 +327,12 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         ctx = loss_context(batch, self.get_data_parallel_group())
         check_temperatures(batch)
         micro_batches = [batch.select(p) for p in parts]
-        outputs: list[dict[str, torch.Tensor]] = []
-        losses: list[torch.Tensor] = []
-        metrics: dict[str, list[Any]] = {}
-        for host_mb in micro_batches:
-            mb = host_mb.to(self._device)
-            out = self._forward_micro(mb, host_mb.cu_seqlens.tolist())
-            if loss_fn is not None:
-                loss, mb_metrics = loss_fn(out, mb, ctx)
-                if not forward_only:
-                    loss.backward()
-                losses.append(loss.detach())
-                for key, value in (mb_metrics or {}).items():
-                    metrics.setdefault(key, []).append(value)
-            outputs.append({k: v.detach() for k, v in out.items()})
+
+        def forward(i: int) -> tuple[PackedBatch, dict[str, torch.Tensor]]:
+            mb = micro_batches[i].to(self._device)
+            return mb, self._forward_micro(mb, micro_batches[i].cu_seqlens.tolist())
+
+        outputs, losses, metrics = run_micro_batches(len(micro_batches), forward, loss_fn, ctx, forward_only)
         for _ in range(steps - len(micro_batches)):
             self._filler_pass(forward_only)
         if forward_only:
@@ -355,11 +349,7 @@ class TorchTitanLanguageModelEngine(BaseEngine):
 
     def _lockstep_count(self, count: int) -> int:
         """The largest micro-batch count over the data-parallel ranks (FSDP needs equal counts)."""
-        if self.get_data_parallel_size() == 1:
-            return count
-        n = torch.tensor([count], device=self._device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)  # over all ranks: a TP group's ranks share their count
-        return int(n.item())
+        return lockstep_count(count, self.get_data_parallel_size(), self._device)  # TP ranks share theirs
 
     def _filler_pass(self, forward_only: bool) -> None:
         """A 2-token pass with zero weight, so this rank joins the collectives of a micro-batch it lacks."""
