@@ -1,5 +1,6 @@
-"""Run by test_dist.py under torchrun (2 gloo ranks): one FSDP2 step, each rank on part of the batch; rank 0
-writes the streamed weights and the grad norm, and the engine saves a checkpoint."""
+"""Run by test_dist.py under torchrun (2 gloo ranks). ``fsdp2``: one FSDP2 step, each rank on part of the batch;
+the engine saves a checkpoint. ``tp``: tensor parallelism over both ranks (one data-parallel rank), the whole batch
+on each; rank 0 also writes the log-probs before the step. Rank 0 writes the streamed weights, grad norm and loss."""
 
 from __future__ import annotations
 
@@ -20,19 +21,47 @@ def halves(batch: PackedBatch, rank: int) -> PackedBatch:
     return batch.select([0, 1, 2, 3] if rank == 0 else [4, 5])
 
 
+def full_grads(eng) -> dict[str, torch.Tensor]:
+    """Every gradient, whole, by HF name (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = {}
+    for name, p in eng.hf_module.named_parameters():
+        g = p.grad
+        grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+    return grads
+
+
+def _step_with_grads(eng, batch: PackedBatch, result: dict) -> dict:
+    """``train_batch`` with the gradients recorded between backward and the update."""
+    eng.optimizer_zero_grad()
+    out = eng.forward_backward_batch(batch, pg_loss)
+    result["grads"] = full_grads(eng)
+    out["metrics"]["grad_norm"] = eng.optimizer_step()
+    return out
+
+
 def main() -> None:
     work = Path(sys.argv[1])
-    for case in ("fsdp2",):
-        eng = make_engine(str(work / "model"), max_token_len_per_gpu=16)
-        mine = halves(make_batch(LENGTHS), eng.get_data_parallel_rank())
+    for case in sys.argv[2:]:
+        tp = 2 if case == "tp" else 1
+        eng = make_engine(str(work / "model"), max_token_len_per_gpu=16, tp_size=tp)
+        batch = make_batch(LENGTHS)
+        mine = halves(batch, eng.get_data_parallel_rank()) if case == "fsdp2" else batch
+        result = {"dp": eng.get_data_parallel_size(), "src": eng.is_mp_src_rank_with_outputs()}
+        if case == "tp":
+            with eng.eval_mode():
+                result["log_probs"] = eng.infer_batch(batch)["model_output"]["log_probs"]
         with eng.train_mode():
-            out = eng.train_batch(mine, pg_loss)
+            out = eng.train_batch(mine, pg_loss) if case == "fsdp2" else _step_with_grads(eng, mine, result)
         stream, _ = eng.get_per_tensor_param()
-        params = {k: v.clone() for k, v in stream}
+        result["params"] = {k: v.clone() for k, v in stream}
+        if dist.get_rank() == 0:
+            result |= {"norm": out["metrics"]["grad_norm"], "loss": out["metrics"]["pg_loss"]}
         if case == "fsdp2":
             eng.save_checkpoint(str(work / "ckpt" / "global_step_1" / "actor"), global_step=1)
         if dist.get_rank() == 0:
-            torch.save({"params": params, "norm": out["metrics"]["grad_norm"]}, work / f"{case}.pt")
+            torch.save(result, work / f"{case}.pt")
         del eng
         dist.barrier()
 

@@ -58,6 +58,22 @@ def test_grpo_on_torchtitan(assets, tmp_path):
     assert _steps(run) == [1]
 
 
+def test_ppo_with_a_torchtitan_critic(assets, tmp_path):
+    """GAE: the critic is the torchtitan value model; its checkpoint is the FSDP critic's layout."""
+    run = tmp_path / "ppo"
+    argv = [
+        "ppo", "--config", "grpo_tiny", "algorithm.adv_estimator=gae", f"model.path={assets / 'q3'}",
+        "model_engine=torchtitan", f"data.train_files=[{assets / 'arith' / 'train.parquet'}]",
+        "data.train_batch_size=8", "trainer.total_training_steps=1", "trainer.save_freq=1",
+        f"trainer.default_local_dir={run}",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("critic/vf_loss" in r or "vf_loss" in json.dumps(r) for r in rows)
+    manifest = json.loads((run / "global_step_1" / "critic" / "manifest.json").read_text())
+    assert manifest["backend"] == "torchtitan"
+
+
 def test_model_torchtitan_lacks_is_refused(assets, tmp_path):
     assert main(["model", "init", "--arch", "qwen2", "--size", "tiny", "--out", str(tmp_path / "q2")]) == 0
     with pytest.raises(ValueError, match="no Qwen2 model.*model_engine=fsdp2"):

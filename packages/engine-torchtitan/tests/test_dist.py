@@ -1,6 +1,8 @@
 """Two gloo ranks (one torchrun launch) equal one process: an FSDP2 step, each rank on part of the batch (unequal
-micro-batch counts), gives the single-process step's weights and grad norm; the 2-rank checkpoint resumes in one process
-on the FSDP engine (N -> M ranks, across backends)."""
+micro-batch counts), gives the single-process step's weights and grad norm; so does a TP=2 step (tensor parallelism
+over both ranks, the whole batch on each), with the same loss and log-probs. The 2-rank FSDP2 checkpoint resumes in
+one process on the FSDP engine (N -> M ranks, across backends). fp32 throughout: rtol 1e-5 (atol 1e-6 on weights,
+1e-5 on log-probs), the summation-order noise of gloo's all-reduce and the TP matmul split."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_worker import LENGTHS
-from titan_testing import make_batch, make_engine, pg_loss, save_tiny_model
+from dist_worker import LENGTHS, _step_with_grads
+from titan_testing import make_batch, make_engine, save_tiny_model
 
 from posttrain.core.testing import torchrun
 
@@ -23,16 +25,28 @@ pytestmark = [
 def test_two_ranks_equal_one_process(tmp_path: Path) -> None:
     save_tiny_model(tmp_path / "model")
     ref = make_engine(str(tmp_path / "model"), max_token_len_per_gpu=16)
+    with ref.eval_mode():
+        log_probs = ref.infer_batch(make_batch(LENGTHS))["model_output"]["log_probs"]
+    ref_grads: dict = {}
     with ref.train_mode():
-        norm = ref.train_batch(make_batch(LENGTHS), pg_loss)["metrics"]["grad_norm"]
+        metrics = _step_with_grads(ref, make_batch(LENGTHS), ref_grads)["metrics"]
     want = dict(ref.get_per_tensor_param()[0])
-    torchrun(Path(__file__).with_name("dist_worker.py"), tmp_path, timeout=600)
-    for case in ("fsdp2",):
+    torchrun(Path(__file__).with_name("dist_worker.py"), tmp_path, "fsdp2", "tp", timeout=600)
+    tp = torch.load(tmp_path / "tp.pt")
+    assert (tp["dp"], tp["src"]) == (1, True)
+    torch.testing.assert_close(tp["log_probs"], log_probs, rtol=1e-5, atol=1e-5)
+    assert tp["loss"] == pytest.approx(metrics["pg_loss"], rel=1e-5)
+    assert set(tp["grads"]) == set(ref_grads["grads"])
+    for name, value in ref_grads["grads"].items():
+        torch.testing.assert_close(tp["grads"][name], value, rtol=1e-5, atol=1e-6, msg=f"tp grad {name}")
+    # AdamW's first step moves each weight by about lr * sign(grad): gradients at the noise floor flip it, so
+    # the TP weights get atol 1e-5 (lr 1e-3).
+    for case, atol in (("fsdp2", 1e-6), ("tp", 1e-5)):
         got = torch.load(tmp_path / f"{case}.pt")
-        assert got["norm"] == pytest.approx(norm, rel=1e-5)
+        assert got["norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
         assert set(got["params"]) == set(want)
         for name, value in want.items():
-            torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"{case} {name}")
+            torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=atol, msg=f"{case} {name}")
 
     from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
     from posttrain.fsdp.config import FSDP2EngineConfig

@@ -27,11 +27,22 @@ def model_dir(tmp_path_factory) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("qwen3"), "qwen3")
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,  # head_dim 16: low, medium and high frequencies all occur
+}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama", "llama3.1"])
 def test_logits_and_log_probs_equal_hf(model_type, tmp_path):
     """A packed row of four documents gives each document's HF logits, and the log-probs/entropy they imply
-    (Qwen3 with tied embeddings, Llama-3 without)."""
-    model_dir = save_tiny_model(tmp_path, model_type, tie_word_embeddings=model_type == "qwen3")
+    (Qwen3 with tied embeddings, Llama-3 without, Llama-3.1 with its RoPE scaling)."""
+    extra = {"rope_scaling": LLAMA31_ROPE} if model_type == "llama3.1" else {}
+    model_type = model_type.replace("3.1", "")
+    model_dir = save_tiny_model(tmp_path, model_type, tie_word_embeddings=model_type == "qwen3", **extra)
     eng = make_engine(model_dir, forward_only=True)
     batch = make_batch(LENGTHS)
     cu = batch.cu_seqlens.tolist()
@@ -129,10 +140,23 @@ def test_bad_settings_refused_with_the_fix(tmp_path):
         ValueError, match="MoE \\(expert parallelism\\) is not implemented.*model_engine=fsdp2"
     ):
         _engine(moe)
-    with pytest.raises(ValueError, match="fsdp_size=3 does not divide the world size 4"):
+    yarn = save_tiny_model(tmp_path / "yarn", "llama", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="rope_type='yarn'.*model_engine=fsdp2"):
+        _engine(yarn)
+    with pytest.raises(ValueError, match="fsdp_size=3 does not divide the data-parallel size 4"):
         TorchTitanEngineConfig(fsdp_size=3).check_world_size(4)
-    with pytest.raises(ValueError, match="fsdp_size=1 on 2 ranks.*at least 2"):
+    with pytest.raises(ValueError, match="fsdp_size=1 on 2 data-parallel ranks.*at least 2"):
         TorchTitanEngineConfig(fsdp_size=1).check_world_size(2)
+    assert TorchTitanEngineConfig(tp_size=2, fsdp_size=2).check_world_size(8) == 4
+    with pytest.raises(ValueError, match="tp_size=2 does not divide the world size 3"):
+        TorchTitanEngineConfig(tp_size=2).check_world_size(3)
+    # 4 query heads, 2 key/value heads: TP=4 would leave a rank without a key/value head
+    with pytest.raises(
+        ValueError, match=r"tp_size=4 does not divide .* 2 key/value heads: use a tp_size in \[1, 2\]"
+    ):
+        _engine(qwen3, tp_size=4)
+    with pytest.raises(ValueError, match="tp_size=2 in a single process: launch 2 or more ranks"):
+        _engine(qwen3, tp_size=2).initialize()
 
 
 def test_fsdp2_checkpoint_resumes_on_torchtitan_and_exports_hf(tmp_path):

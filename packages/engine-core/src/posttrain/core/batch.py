@@ -309,3 +309,70 @@ def loss_context(batch: PackedBatch, dp_group: Any = None) -> LossContext:
             counts = counts.to(_collective_device(dp_group))
             torch.distributed.all_reduce(counts, group=dp_group)
     return LossContext(int(counts[0].item()), int(counts[1].item()), dp_size)
+
+
+def check_temperatures(batch: PackedBatch) -> None:
+    """Raise unless every temperature of ``batch`` is > 0 (run on the host batch: no device sync)."""
+    if "temperature" in batch.fields:
+        low = float(batch.fields["temperature"].min()) if batch.num_tokens else 1.0
+    else:
+        low = float(batch.meta.get("temperature", 1.0))
+    if low <= 0:
+        raise ValueError(
+            f"temperature must be > 0 for log-probs, got min {low}: pass the sampling "
+            "temperature (use 1.0 for greedy rollouts)"
+        )
+
+
+def temperatures(mb: PackedBatch) -> torch.Tensor:
+    """(T,) temperature of each token: ``fields['temperature']``, else ``meta['temperature']``, else 1.
+    Values are checked by :func:`check_temperatures` on the host batch."""
+    if "temperature" in mb.fields:
+        return mb.fields["temperature"].float()
+    return torch.full((mb.num_tokens,), float(mb.meta.get("temperature", 1.0)), device=mb.input_ids.device)
+
+
+def as_floats(values: list[Any]) -> list[float]:
+    """Python floats of scalars and 0-d tensors (an engine's per-micro-batch losses and metrics), with one host
+    sync for all the tensors."""
+    tensors = [v.detach().float().reshape(()) for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
+def lockstep_count(count: int, dp_size: int, device: torch.device) -> int:
+    """The largest micro-batch ``count`` over all ranks (FSDP needs every rank in the same number of passes);
+    ``count`` itself when ``dp_size`` is 1. The all-reduce runs on ``device`` under NCCL, else on the CPU."""
+    import torch.distributed as dist
+
+    if dp_size == 1:
+        return count
+    n = torch.tensor([count], device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return int(n.item())
+
+
+def run_micro_batches(
+    count: int,
+    forward: Callable[[int], tuple[PackedBatch, dict[str, torch.Tensor]]],
+    loss_fn: LossFn | None,
+    ctx: LossContext,
+    forward_only: bool,
+) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor], dict[str, list[Any]]]:
+    """An engine's micro-batch loop: ``forward(i)`` gives micro-batch ``i`` on the device and its per-token
+    outputs; the loss (when ``loss_fn``) is backpropagated unless ``forward_only``. Returns the detached outputs,
+    the detached losses (read them once, after the loop) and each metric's per-micro-batch values."""
+    outputs: list[dict[str, torch.Tensor]] = []
+    losses: list[torch.Tensor] = []
+    metrics: dict[str, list[Any]] = {}
+    for i in range(count):
+        mb, out = forward(i)
+        if loss_fn is not None:
+            loss, mb_metrics = loss_fn(out, mb, ctx)
+            if not forward_only:
+                loss.backward()
+            losses.append(loss.detach())
+            for key, value in (mb_metrics or {}).items():
+                metrics.setdefault(key, []).append(value)
+        outputs.append({k: v.detach() for k, v in out.items()})
+    return outputs, losses, metrics

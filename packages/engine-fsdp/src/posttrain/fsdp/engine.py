@@ -29,7 +29,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.core.batch import LossFn, PackedBatch, loss_context, make_micro_batches, restore_order
+from posttrain.core.batch import (
+    LossFn,
+    PackedBatch,
+    as_floats,
+    check_temperatures,
+    lockstep_count,
+    loss_context,
+    make_micro_batches,
+    restore_order,
+    run_micro_batches,
+    temperatures,
+)
 from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
@@ -37,7 +48,7 @@ from posttrain.core.engine import BaseEngine, PerTensorParams
 from . import layout as layouts
 from . import sharding
 from .config import FSDPEngineConfig
-from .inputs import ModelInputs, check_temperatures, packed_inputs, padded_inputs, temperatures
+from .inputs import ModelInputs, packed_inputs, padded_inputs
 from .logprobs import HeadRequest, PackedLogProbHead, align_to_tokens, shifted_targets
 from .modeling import (
     build_model,
@@ -242,19 +253,9 @@ class FSDPEngine(BaseEngine):
         micro_batches = [batch.select(p) for p in parts]
         # every copy queued up front (pinned, asynchronous): nothing in the loop waits for the device
         on_device = [mb.to(self._device, non_blocking=True) for mb in micro_batches]
-        outputs: list[dict[str, torch.Tensor]] = []
-        losses: list[torch.Tensor] = []
-        metrics: dict[str, list[Any]] = {}
-        for mb in on_device:
-            out = self._forward_micro(mb)
-            if loss_fn is not None:
-                loss, mb_metrics = loss_fn(out, mb, ctx)
-                if not forward_only:
-                    loss.backward()
-                losses.append(loss.detach())  # read once after the loop: no host sync per micro-batch
-                for key, value in (mb_metrics or {}).items():
-                    metrics.setdefault(key, []).append(value)
-            outputs.append({k: v.detach() for k, v in out.items()})
+        # the losses are read once after the loop: no host sync per micro-batch
+        forward = lambda i: (on_device[i], self._forward_micro(on_device[i]))  # noqa: E731
+        outputs, losses, metrics = run_micro_batches(len(on_device), forward, loss_fn, ctx, forward_only)
         for _ in range(steps - len(micro_batches)):
             self._filler_pass(forward_only)
         if forward_only:
@@ -264,19 +265,15 @@ class FSDPEngine(BaseEngine):
             k: restore_order(parts, micro_batches, [o[k] for o in outputs]).to(target, non_blocking=True)
             for k in outputs[0]
         }
-        metrics_out = {k: _floats(v) for k, v in metrics.items()}
-        loss = _floats(losses)
+        metrics_out = {k: as_floats(v) for k, v in metrics.items()}
+        loss = as_floats(losses)
         if target.type == "cpu" and self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()  # the output copies (done by now if read)
         return {"model_output": model_output, "loss": loss, "metrics": metrics_out}
 
     def _lockstep_count(self, count: int) -> int:
         """The largest micro-batch count over the data-parallel ranks (FSDP needs equal counts)."""
-        if self.get_data_parallel_size() == 1:
-            return count
-        n = torch.tensor([count], device=self._device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        return int(n.item())
+        return lockstep_count(count, self.get_data_parallel_size(), self._device)
 
     def _filler_pass(self, forward_only: bool) -> None:
         """A 2-token pass with zero weight, so this rank joins the collectives of a micro-batch it lacks."""
@@ -358,13 +355,6 @@ class FSDPEngine(BaseEngine):
         from .checkpoint import load_fsdp_checkpoint
 
         return load_fsdp_checkpoint(self, local_path)
-
-
-def _floats(values: list[Any]) -> list[float]:
-    """Python floats of scalars and 0-d tensors, with one host sync for all the tensors."""
-    tensors = [v.detach().float().reshape(()) for v in values if isinstance(v, torch.Tensor)]
-    read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
-    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 class FSDPLanguageModelEngine(FSDPEngine):

@@ -79,24 +79,3 @@ def padded_inputs(mb: PackedBatch) -> ModelInputs:
         "attention_mask": mask.unsqueeze(1),
     }
     return ModelInputs(kwargs, mb.num_tokens, mb.input_ids, valid_index=flat)
-
-
-def check_temperatures(batch: PackedBatch) -> None:
-    """Raise unless every temperature of ``batch`` is > 0 (run on the host batch: no device sync)."""
-    if "temperature" in batch.fields:
-        low = float(batch.fields["temperature"].min()) if batch.num_tokens else 1.0
-    else:
-        low = float(batch.meta.get("temperature", 1.0))
-    if low <= 0:
-        raise ValueError(
-            f"temperature must be > 0 for log-probs, got min {low}: pass the sampling "
-            "temperature (use 1.0 for greedy rollouts)"
-        )
-
-
-def temperatures(mb: PackedBatch) -> torch.Tensor:
-    """(T,) temperature of each token: ``fields['temperature']``, else ``meta['temperature']``, else 1.
-    Values are checked by :func:`check_temperatures` on the host batch."""
-    if "temperature" in mb.fields:
-        return mb.fields["temperature"].float()
-    return torch.full((mb.num_tokens,), float(mb.meta.get("temperature", 1.0)), device=mb.input_ids.device)

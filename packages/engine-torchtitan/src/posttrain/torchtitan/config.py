@@ -1,9 +1,13 @@
 """``TorchTitanEngineConfig``: the torchtitan engine's knobs on top of the shared :class:`EngineConfig`.
 
 Registered as backend ``torchtitan`` (entry-point group ``posttrain.engines``); :meth:`build` returns the
-engine, initialised. This module imports only engine-core's config (no torchtitan). Parallelisms torchtitan 0.3.0 has but this engine does not
-drive yet (tensor, pipeline, context and expert parallelism) are fields that accept 1 and refuse anything else by
-name, so a run asking for them stops before any work.
+engine, initialised. This module imports only engine-core's config (no torchtitan).
+
+Parallelisms of torchtitan 0.3.0 this engine does not have, and why (no field, so a key for them is refused by the
+config loader): pipeline parallelism (torchtitan's schedules call one loss on the last stage over equal-shape
+micro-batches; posttrain's losses take per-token log-probs of variable-length packed micro-batches), context
+parallelism (torchtitan's CP runs SDPA / flex attention only and refuses its varlen attention, which packed
+documents need), sequence parallelism (the packed attention needs whole rows on every rank).
 """
 
 from __future__ import annotations
@@ -22,13 +26,18 @@ class TorchTitanEngineConfig(EngineConfig):
 
     engines: ClassVar[dict[str, str]] = {
         "language_model": "posttrain.torchtitan.engine:TorchTitanLanguageModelEngine",
+        "value_model": "posttrain.torchtitan.engine:TorchTitanValueModelEngine",
     }
 
     strategy: str | None = "torchtitan"
     """Always ``torchtitan`` (the backend name)."""
     fsdp_size: int = -1
-    """Shard group size; -1 shards over all ranks, a smaller divisor of the world size gives HSDP (replicate x
-    shard), as torchtitan's ``data_parallel_shard_degree``."""
+    """Shard group size; -1 shards over all data-parallel ranks, a smaller divisor of their number gives HSDP
+    (replicate x shard), as torchtitan's ``data_parallel_shard_degree``."""
+    tp_size: int = 1
+    """Tensor-parallel degree (torchtitan's ``tensor_parallel_degree``): attention heads, MLP columns and the
+    vocabulary are split over groups of ``tp_size`` consecutive ranks by torchtitan's own sharding plan; it
+    must divide the query and key/value heads and the world size. Data parallelism is world / tp_size."""
     model_dtype: str = "fp32"
     """Dtype of the master parameters (the optimizer's copy); FSDP2 computes in ``dtype``."""
     reshard_after_forward: str = "default"
@@ -53,6 +62,8 @@ class TorchTitanEngineConfig(EngineConfig):
                 "has its own engine config class)"
             )
         self.model_dtype = normalize_dtype(self.model_dtype, "engine.model_dtype")
+        if self.tp_size < 1:
+            raise ValueError(f"engine.tp_size={self.tp_size}: use 1 (no tensor parallelism) or more")
         if self.fsdp_size == 0 or self.fsdp_size < -1:
             raise ValueError(f"engine.fsdp_size={self.fsdp_size}: use -1 (all ranks) or a positive divisor")
         if self.reshard_after_forward not in ("default", "always", "never"):
@@ -66,18 +77,28 @@ class TorchTitanEngineConfig(EngineConfig):
             )
 
     def check_world_size(self, world_size: int) -> int:
-        """Check ``fsdp_size`` divides ``world_size``; every rank is a data-parallel rank."""
-        if 0 < self.fsdp_size < world_size and world_size % self.fsdp_size:
+        """Check ``tp_size`` divides ``world_size`` and ``fsdp_size`` the data-parallel size; returns that."""
+        if world_size % self.tp_size:
             raise ValueError(
-                f"engine.fsdp_size={self.fsdp_size} does not divide the world size {world_size}: use a "
-                f"divisor of {world_size} or -1"
+                f"engine.tp_size={self.tp_size} does not divide the world size {world_size}: use a divisor "
+                f"of {world_size}"
             )
-        if self.fsdp_size == 1 and world_size > 1:
+        dp = world_size // self.tp_size
+        if 0 < self.fsdp_size < dp and dp % self.fsdp_size:
             raise ValueError(
-                f"engine.fsdp_size=1 on {world_size} ranks is pure replication, where FSDP2 (torch 2.14) "
+                f"engine.fsdp_size={self.fsdp_size} does not divide the data-parallel size {dp} (world "
+                f"{world_size} / tp_size {self.tp_size}): use a divisor of {dp} or -1"
+            )
+        if self.fsdp_size == 1 and dp > 1:
+            raise ValueError(
+                f"engine.fsdp_size=1 on {dp} data-parallel ranks is pure replication, where FSDP2 (torch 2.14) "
                 "divides the gradients twice: use a shard group of at least 2 ranks (or -1)"
             )
-        return world_size
+        if self.fsdp_size > dp:
+            raise ValueError(
+                f"engine.fsdp_size={self.fsdp_size} exceeds the data-parallel size {dp}: use -1 or a divisor"
+            )
+        return dp
 
     def ac_mode(self, enable_gradient_checkpointing: bool) -> str:
         """The activation checkpointing mode in force (see :attr:`activation_checkpointing`)."""

@@ -1,9 +1,11 @@
 """The torchtitan engine: torchtitan's Qwen3 / Llama-3 model for an HF checkpoint behind posttrain's BaseEngine.
 
 Layout. Under ``torchrun`` (``WORLD_SIZE`` set) the engine initialises the default process group if the caller
-has not (NCCL on CUDA, gloo on CPU) and shards with torchtitan's FSDP2 function over all ranks, or HSDP when
-``0 < fsdp_size < world``; every rank is a data-parallel rank. In a plain process it runs the unsharded model
-(autocast to ``dtype`` when that differs from ``model_dtype``).
+has not (NCCL on CUDA, gloo on CPU), splits the model over groups of ``tp_size`` consecutive ranks with
+torchtitan's tensor parallelism, and shards with torchtitan's FSDP2 function over the data-parallel ranks (world /
+tp_size), or HSDP when ``0 < fsdp_size <`` that. The ranks of one TP group take the same data; TP rank 0 returns
+the outputs. In a plain process it runs the unsharded model (autocast to ``dtype`` when that differs from
+``model_dtype``).
 
 A step. ``forward_backward_batch`` splits the packed batch into micro-batches (by token budget with
 ``use_dynamic_bsz``, else by count), runs every rank through the same number of them (zero-weighted 2-token
@@ -30,8 +32,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from posttrain.core.batch import LossFn, PackedBatch, loss_context, make_micro_batches, restore_order
+from posttrain.core.batch import (
+    LossFn,
+    PackedBatch,
+    as_floats,
+    check_temperatures,
+    lockstep_count,
+    loss_context,
+    make_micro_batches,
+    restore_order,
+    run_micro_batches,
+    temperatures,
+)
 from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
@@ -69,14 +83,16 @@ def read_hf_config(model_config: ModelConfig) -> HFConfig:
     return HFConfig(**(json.loads(path.read_text()) | dict(model_config.override_config)))
 
 
-def check_model_config(model_config: ModelConfig) -> None:
+def check_model_config(model_config: ModelConfig, engine_config: TorchTitanEngineConfig) -> None:
     """Refuse what this engine cannot do with the model, before any work."""
     if model_config.lora_rank > 0:
         raise ValueError(
             f"model.lora_rank={model_config.lora_rank}: the torchtitan engine has no LoRA (torchtitan 0.3.0's "
             "models have no adapters); set model.lora_rank=0, or use model_engine=fsdp2 for LoRA"
         )
-    modeling.check_supported(read_hf_config(model_config))
+    hf_config = read_hf_config(model_config)
+    modeling.check_supported(hf_config)
+    modeling.check_tensor_parallel(hf_config, engine_config.tp_size)
 
 
 def read_hf_weights(model_dir: str) -> dict[str, torch.Tensor]:
@@ -95,6 +111,9 @@ def read_hf_weights(model_dir: str) -> dict[str, torch.Tensor]:
 class TorchTitanLanguageModelEngine(BaseEngine):
     """Causal LM: ``log_probs`` (and ``entropy`` when ``batch.meta['calculate_entropy']``) per token."""
 
+    value_model = False
+    """A value model (:class:`TorchTitanValueModelEngine`) has a ``hidden -> 1`` head instead of the LM head."""
+
     def __init__(
         self,
         model_config: ModelConfig,
@@ -107,7 +126,12 @@ class TorchTitanLanguageModelEngine(BaseEngine):
                 f"the torchtitan engine needs a TorchTitanEngineConfig, got {type(engine_config).__name__}: "
                 "set model_engine=torchtitan"
             )
-        check_model_config(model_config)
+        check_model_config(model_config, engine_config)
+        if self.value_model and engine_config.tp_size > 1:
+            raise ValueError(
+                f"engine.tp_size={engine_config.tp_size} for the critic: the torchtitan value model runs "
+                "without tensor parallelism; set critic.engine.tp_size=1"
+            )
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
         self.engine_config: TorchTitanEngineConfig = engine_config
         self.module: torch.nn.Module | None = None
@@ -117,6 +141,9 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         self.lr_scheduler: Any = None
         self.hf_config: Any = None
         self.device_mesh: Any = None
+        """The data-parallel mesh FSDP2 shards over (None in one process)."""
+        self.parallel_dims: Any = None
+        """torchtitan's ``ParallelDims`` with its meshes (None in one process)."""
         self.distributed = False
         self._tied: set[str] = set()
         self._device = torch.device("cpu")
@@ -127,24 +154,34 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         if cfg.full_determinism:
             enable_full_determinism(cfg.seed)
         self.distributed = ensure_process_group()
-        if self.distributed:
-            cfg.check_world_size(dist.get_world_size())
         if torch.cuda.is_available():
             self._device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(self._device)
+        if not self.distributed and cfg.tp_size > 1:
+            raise ValueError(
+                f"engine.tp_size={cfg.tp_size} in a single process: launch {cfg.tp_size} or more ranks with "
+                "torchrun, or set engine.tp_size=1"
+            )
         self.hf_config = read_hf_config(self.model_config)
-        model = modeling.build_model(self.hf_config, inner_attention_config(self._device))
+        if self.distributed:
+            self.parallel_dims = parallel.build_parallel_dims(self._device.type, cfg)
+            self.device_mesh = parallel.dp_mesh(self.parallel_dims)
+        model = modeling.build_model(
+            self.hf_config, inner_attention_config(self._device), cfg.tp_size, self.value_model
+        )
         self.hf_module = modeling.hf_view(model, self.hf_config.model_type)
         self._tied = {"lm_head.weight"} if model.enable_weight_tying else set()
-        model.lm_head.use_compile = cfg.use_torch_compile
+        if not self.value_model:
+            model.lm_head.use_compile = cfg.use_torch_compile
+        if self.distributed:
+            parallel.apply_tensor_parallel(model, self.parallel_dims)
         parallel.apply_activation_checkpointing(
             model, cfg.ac_mode(self.model_config.enable_gradient_checkpointing)
         )
         if cfg.compile:
-            parallel.apply_compile(model, dist.get_world_size() if self.distributed else 1)
+            parallel.apply_compile(model, self.parallel_dims)
         if self.distributed:
-            self.device_mesh = parallel.build_mesh(self._device.type, cfg.fsdp_size)
-            parallel.apply_fsdp(model, self.device_mesh, cfg)
+            parallel.apply_fsdp(model, self.parallel_dims, cfg)
         modeling.materialize(model, self._device, cfg.seed)
         self.module = model
         self._load_hf_weights()
@@ -158,6 +195,11 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         weights = read_hf_weights(self.model_config.path)
         expected = set(self.hf_module.state_dict())
         missing = expected - set(weights) - self._tied
+        head = {k for k in missing if k.startswith(f"{modeling.VALUE_HEAD}.")} if self.value_model else set()
+        if head:
+            logger.info("torchtitan value model: %s not in %s, initialised (seed %d)", sorted(head),
+                        self.model_config.path, self.engine_config.seed)  # fmt: skip
+            missing -= head
         if missing:
             raise ValueError(
                 f"{self.model_config.path} lacks {sorted(missing)[:4]} ({len(missing)} tensors) that the "
@@ -189,16 +231,21 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         return self._device
 
     def get_data_parallel_size(self) -> int:
-        return dist.get_world_size() if self.distributed else 1
+        return self.parallel_dims.dp_replicate * self.parallel_dims.dp_shard if self.distributed else 1
 
     def get_data_parallel_rank(self) -> int:
-        return dist.get_rank() if self.distributed else 0
+        return dist.get_rank() // self.engine_config.tp_size if self.distributed else 0
 
     def get_data_parallel_group(self) -> Any:
-        return dist.group.WORLD if self.distributed else None
+        if not self.distributed or self.get_data_parallel_size() == 1:
+            return None
+        if self.parallel_dims.tp_enabled:
+            return self.parallel_dims.get_mesh("batch").get_group()
+        return dist.group.WORLD
 
     def is_mp_src_rank_with_outputs(self) -> bool:
-        return True
+        """TP rank 0 of each tensor-parallel group (every rank without TP)."""
+        return not self.distributed or dist.get_rank() % self.engine_config.tp_size == 0
 
     def on_mode_enter(self, mode: str) -> None:
         self.module.train(mode == "train")
@@ -239,7 +286,7 @@ class TorchTitanLanguageModelEngine(BaseEngine):
     def _forward_micro(self, mb: PackedBatch, cu_host: list[int]) -> dict[str, torch.Tensor]:
         """Per-token outputs of one micro-batch (on the device; ``cu_host`` its boundaries on the host)."""
         ids = mb.input_ids
-        temp = _temperatures(mb)
+        temp = temperatures(mb)
         targets, inv_temp = torch.roll(ids, -1), torch.roll(temp.float(), -1).reciprocal()
         with_entropy = bool(mb.meta.get("calculate_entropy", False))
         head = self.module.lm_head
@@ -255,6 +302,8 @@ class TorchTitanLanguageModelEngine(BaseEngine):
                 stats = self.module(ids[None], mb.position_ids[None], packed_metadata(cu_host, self._device))
         finally:
             head.request = None
+        if isinstance(stats, DTensor):  # the TP output layer's statistics, whole on every rank
+            stats = stats.to_local()
         stats = stats.float()
         out = {"log_probs": align_to_tokens(stats[:, 0], mb.cu_seqlens)}
         if with_entropy:
@@ -276,22 +325,14 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         )
         steps = self._lockstep_count(len(parts))
         ctx = loss_context(batch, self.get_data_parallel_group())
-        _check_temperatures(batch)
+        check_temperatures(batch)
         micro_batches = [batch.select(p) for p in parts]
-        outputs: list[dict[str, torch.Tensor]] = []
-        losses: list[torch.Tensor] = []
-        metrics: dict[str, list[Any]] = {}
-        for host_mb in micro_batches:
-            mb = host_mb.to(self._device)
-            out = self._forward_micro(mb, host_mb.cu_seqlens.tolist())
-            if loss_fn is not None:
-                loss, mb_metrics = loss_fn(out, mb, ctx)
-                if not forward_only:
-                    loss.backward()
-                losses.append(loss.detach())
-                for key, value in (mb_metrics or {}).items():
-                    metrics.setdefault(key, []).append(value)
-            outputs.append({k: v.detach() for k, v in out.items()})
+
+        def forward(i: int) -> tuple[PackedBatch, dict[str, torch.Tensor]]:
+            mb = micro_batches[i].to(self._device)
+            return mb, self._forward_micro(mb, micro_batches[i].cu_seqlens.tolist())
+
+        outputs, losses, metrics = run_micro_batches(len(micro_batches), forward, loss_fn, ctx, forward_only)
         for _ in range(steps - len(micro_batches)):
             self._filler_pass(forward_only)
         if forward_only:
@@ -302,17 +343,13 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         }
         return {
             "model_output": model_output,
-            "loss": _floats(losses),
-            "metrics": {k: _floats(v) for k, v in metrics.items()},
+            "loss": as_floats(losses),
+            "metrics": {k: as_floats(v) for k, v in metrics.items()},
         }
 
     def _lockstep_count(self, count: int) -> int:
         """The largest micro-batch count over the data-parallel ranks (FSDP needs equal counts)."""
-        if self.get_data_parallel_size() == 1:
-            return count
-        n = torch.tensor([count], device=self._device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        return int(n.item())
+        return lockstep_count(count, self.get_data_parallel_size(), self._device)  # TP ranks share theirs
 
     def _filler_pass(self, forward_only: bool) -> None:
         """A 2-token pass with zero weight, so this rank joins the collectives of a micro-batch it lacks."""
@@ -328,8 +365,10 @@ class TorchTitanLanguageModelEngine(BaseEngine):
             self.module.zero_grad(set_to_none=True)
 
     def clip_grad_norm(self) -> float:
-        group = self.device_mesh.get_group("fsdp") if self.device_mesh is not None else None
         params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.parallel_dims is not None and self.parallel_dims.tp_enabled:
+            return parallel.dtensor_grad_norm_and_clip(params, self.optimizer_config.clip_grad)
+        group = self.device_mesh.get_group("fsdp") if self.device_mesh is not None else None
         return parallel.grad_norm_and_clip(params, self.optimizer_config.clip_grad, group, self._device)
 
     def apply_optimizer_step(self) -> None:
@@ -384,25 +423,16 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         return load_checkpoint(self, local_path)
 
 
-def _floats(values: list[Any]) -> list[float]:
-    """Python floats of scalars and 0-d tensors."""
-    return [float(v.detach().float()) if isinstance(v, torch.Tensor) else float(v) for v in values]
+class TorchTitanValueModelEngine(TorchTitanLanguageModelEngine):
+    """Value model (PPO critic): ``values[t]`` is the ``score`` head's output at token t, as HF's
+    ``*ForTokenClassification`` with one label gives it. The head loads from ``score.*`` in the checkpoint, or
+    starts from the seeded init (normal weight, zero bias) when a causal LM has none."""
 
+    value_model = True
 
-def _check_temperatures(batch: PackedBatch) -> None:
-    if "temperature" in batch.fields:
-        low = float(batch.fields["temperature"].min()) if batch.num_tokens else 1.0
-    else:
-        low = float(batch.meta.get("temperature", 1.0))
-    if low <= 0:
-        raise ValueError(
-            f"temperature must be > 0 for log-probs, got min {low}: pass the sampling temperature "
-            "(use 1.0 for greedy rollouts)"
-        )
-
-
-def _temperatures(mb: PackedBatch) -> torch.Tensor:
-    """(T,) temperature of each token: ``fields['temperature']``, else ``meta['temperature']``, else 1."""
-    if "temperature" in mb.fields:
-        return mb.fields["temperature"].float()
-    return torch.full((mb.num_tokens,), float(mb.meta.get("temperature", 1.0)), device=mb.input_ids.device)
+    def _forward_micro(self, mb: PackedBatch, cu_host: list[int]) -> dict[str, torch.Tensor]:
+        with self._autocast():
+            out = self.module(
+                mb.input_ids[None], mb.position_ids[None], packed_metadata(cu_host, self._device)
+            )
+        return {"values": out.reshape(-1).float()}

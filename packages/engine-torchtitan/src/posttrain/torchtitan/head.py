@@ -8,7 +8,10 @@ names stay as they were). With a :class:`HeadRequest` set it returns, for hidden
     log_prob[t] = z[y[t]] - logsumexp(z)
     entropy[t]  = logsumexp(z) - sum(softmax(z) * z)
 
-With gradients on and ``checkpoint``, each chunk's fp32 part is recomputed in backward. :func:`align_to_tokens`
+With gradients on and ``checkpoint``, each chunk's fp32 part is recomputed in backward. Under tensor
+parallelism the weight is torchtitan's vocabulary shard (``Shard(0)``, tied with the embedding's) and each rank
+computes the statistics of its slice: the max, the sum of exponentials, the target's logit and ``sum(p * z)`` are
+summed over the TP group (:func:`tp_sharding_config`), so no rank holds a whole vocabulary row. :func:`align_to_tokens`
 moves the statistics onto the token they score (0 at each document's first token), the convention of the other
 engines.
 """
@@ -16,9 +19,11 @@ engines.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -52,6 +57,67 @@ def _chunk_stats(
     return log_prob, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce sum in forward; identity in backward. Right only where the sum feeds replicated computation
+    (the same on every rank of the group, up to the same loss), never a rank's own slice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _chunk_stats_tp(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    inv_temp: torch.Tensor,
+    with_entropy: bool,
+    *,
+    group: Any,
+    offset: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_chunk_stats` of logits whose last dim is the vocabulary slice ``[offset, offset + V_local)``."""
+    z = logits.float() * inv_temp.unsqueeze(-1)
+    top = z.detach().amax(-1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    exp = torch.exp(z - top.unsqueeze(-1))
+    sum_exp = _SumOverGroup.apply(exp.sum(-1), group)
+    lse = top + sum_exp.log()
+    local = targets - offset
+    mine = (local >= 0) & (local < z.shape[-1])
+    picked = z.gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * mine
+    log_prob = _SumOverGroup.apply(picked, group) - lse
+    if not with_entropy:
+        return log_prob, None
+    # Reduced values only feed replicated terms (that is what the identity backward assumes).
+    p_dot_z = _SumOverGroup.apply((exp * z).sum(-1), group) / sum_exp
+    return log_prob, lse - p_dot_z
+
+
+def tp_sharding_config() -> Any:
+    """The output layer under TP: torchtitan's vocabulary-sharded weight (as the tied embedding's), the
+    replicated hidden states as local tensors (their gradient a partial sum over the TP group), and the
+    statistics, whole on every rank, as output."""
+    import spmd_types as spmd
+
+    from torchtitan.models.common.decoder_sharding import dense_activation_placement, dense_param_placement
+    from torchtitan.protocols.sharding import LocalMapConfig, ShardingConfig
+
+    whole = dense_activation_placement(tp=spmd.R)
+    return ShardingConfig(
+        state_shardings={"weight": dense_param_placement(tp=spmd.S(0))},
+        in_src_shardings={"hidden": whole},
+        in_dst_shardings={"hidden": whole},
+        out_src_shardings=whole,
+        local_map=LocalMapConfig(in_grad_placements=(dense_activation_placement(tp=spmd.P),)),
+    )
+
+
 class StatsHead(Linear):
     """torchtitan ``Linear`` that returns (T, 1 or 2) [log_prob, entropy] while :attr:`request` is set."""
 
@@ -65,8 +131,19 @@ class StatsHead(Linear):
         self.use_compile = False
         """Compile the per-chunk function on first use on CUDA (``engine.use_torch_compile``)."""
         self._stats_fn: Any = None
+        self.tp_group: Any = None
+        """The tensor-parallel group once :meth:`parallelize` ran on a mesh with a ``tp`` axis."""
+
+    def parallelize(self, parallel_dims: Any) -> None:
+        tp_mesh = parallel_dims.get_optional_mesh("tp")
+        if tp_mesh is not None:
+            self.tp_group = tp_mesh.get_group("tp")
+        super().parallelize(parallel_dims)
 
     def _chunk_fn(self, device: torch.device) -> Any:
+        if self.tp_group is not None:
+            rows = -(-self.weight.shape[0] // dist.get_world_size(self.tp_group))
+            return partial(_chunk_stats_tp, group=self.tp_group, offset=dist.get_rank(self.tp_group) * rows)
         if self._stats_fn is None:
             use = self.use_compile and device.type == "cuda"
             self._stats_fn = torch.compile(_chunk_stats, dynamic=True) if use else _chunk_stats
@@ -74,14 +151,17 @@ class StatsHead(Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.request is None:
+            if self.tp_group is not None:
+                raise ValueError("the tensor-parallel output layer returns log-probs only: set a HeadRequest")
             return super().forward(hidden)
         req = self.request
         flat = hidden.reshape(-1, hidden.shape[-1])
         fn = self._chunk_fn(flat.device)
+        weight = self.weight.to_local() if self.tp_group is not None else self.weight
         outs = []
         for start in range(0, flat.shape[0], req.chunk_size):
             end = start + req.chunk_size
-            logits = F.linear(flat[start:end], self.weight, self.bias)
+            logits = F.linear(flat[start:end], weight, self.bias)
             args = (logits, req.targets[start:end], req.inv_temperature[start:end], req.with_entropy)
             if req.checkpoint and torch.is_grad_enabled():
                 log_prob, entropy = checkpoint(fn, *args, use_reentrant=False)

@@ -39,18 +39,25 @@ class Family:
     block_cls: type
     adapter_cls: type
     qk_norm: bool
+    set_sharding: Any
+    """torchtitan's ``set_<model>_sharding_config(config, enable_sp=...)`` (TP placements of every module)."""
 
 
 def _family(model_type: str) -> Family:
     if model_type == "qwen3":
         from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
         from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
-        return Family(Qwen3Model, Qwen3TransformerBlock, Qwen3StateDictAdapter, qk_norm=True)
+        sharding = partial(set_qwen3_sharding_config, enable_ep=False)
+        return Family(Qwen3Model, Qwen3TransformerBlock, Qwen3StateDictAdapter, True, sharding)
     from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
-    return Family(Llama3Model, Llama3TransformerBlock, Llama3StateDictAdapter, qk_norm=False)
+    return Family(
+        Llama3Model, Llama3TransformerBlock, Llama3StateDictAdapter, False, set_llama3_sharding_config
+    )
 
 
 def _rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -72,10 +79,10 @@ def check_supported(hf_config: Any) -> None:
             "(Qwen3, Llama-3 dense); use model_engine=fsdp2 for this model"
         )
     rope = _rope_parameters(hf_config)
-    if rope["rope_type"] != "default":
+    if rope["rope_type"] not in ("default", "llama3"):
         raise ValueError(
-            f"rope_type={rope['rope_type']!r}: the torchtitan engine builds RoPE without scaling only; use "
-            "model_engine=fsdp2 for this model"
+            f"rope_type={rope['rope_type']!r}: the torchtitan engine builds RoPE without scaling or with "
+            "Llama-3 scaling (rope_type llama3) only; use model_engine=fsdp2 for this model"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if getattr(hf_config, flag, False):
@@ -86,10 +93,51 @@ def check_supported(hf_config: Any) -> None:
         )
 
 
-def titan_model_config(hf_config: Any, inner_attention: Any) -> Any:
-    """torchtitan model config equal to the HF model of ``hf_config`` (checked by :func:`check_supported`)."""
-    from torchtitan.models.common import CosSinRoPE, Embedding
+def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
+    """Raise a ValueError naming the fix unless ``tp_size`` divides the query and key/value heads."""
+    heads, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if tp_size > 1 and (heads % tp_size or kv % tp_size):
+        fits = [d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0]
+        raise ValueError(
+            f"engine.tp_size={tp_size} does not divide the model's {heads} attention heads and {kv} key/value "
+            f"heads: use a tp_size in {fits}"
+        )
+
+
+def _rope_config(hf_config: Any, head_dim: int) -> Any:
+    """torchtitan's ``CosSinRoPE.Config`` (HF's rotate-half layout); with ``rope_type: llama3`` the Llama-3.1
+    scaling parameters go into its ``scaling_*`` fields and :class:`LlamaScaledCosSinRoPE` builds the cache."""
+    from torchtitan.models.common import CosSinRoPE
+
+    from .rope import LlamaScaledCosSinRoPE
+
+    params = _rope_parameters(hf_config)
+    common = dict(
+        dim=head_dim, max_seq_len=hf_config.max_position_embeddings, theta=float(params["rope_theta"])
+    )
+    if params["rope_type"] != "llama3":
+        return CosSinRoPE.Config(**common)
+    return LlamaScaledCosSinRoPE.Config(
+        **common,
+        scaling="llama",
+        scaling_factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def titan_model_config(
+    hf_config: Any, inner_attention: Any, tp_size: int = 1, value_head: bool = False
+) -> Any:
+    """torchtitan model config equal to the HF model of ``hf_config`` (checked by :func:`check_supported`);
+    with ``tp_size > 1`` every module carries torchtitan's TP placements (no sequence parallelism: the packed
+    attention needs whole rows), the output layer :func:`~posttrain.torchtitan.head.tp_sharding_config`. With
+    ``value_head`` the output layer is a ``hidden -> 1`` linear with a bias (HF's token-classification
+    ``score``), untied."""
+    from torchtitan.models.common import Embedding
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.nn_modules import RMSNorm
 
     from .head import StatsHead
@@ -106,11 +154,7 @@ def titan_model_config(hf_config: Any, inner_attention: Any) -> Any:
     def norm(width: int) -> Any:
         return RMSNorm.Config(normalized_shape=width, eps=eps, param_init=ones)
 
-    rope = CosSinRoPE.Config(
-        dim=head_dim,
-        max_seq_len=hf_config.max_position_embeddings,
-        theta=float(_rope_parameters(hf_config)["rope_theta"]),
-    )
+    rope = _rope_config(hf_config, head_dim)
     layers = [
         fam.block_cls.Config(
             attention_norm=norm(dim),
@@ -137,22 +181,35 @@ def titan_model_config(hf_config: Any, inner_attention: Any) -> Any:
         for _ in range(hf_config.num_hidden_layers)
     ]
     vocab = hf_config.vocab_size
+    if value_head:
+        zeros = {"weight": partial(nn.init.normal_, std=std), "bias": nn.init.zeros_}
+        head = Linear.Config(in_features=dim, out_features=1, bias=True, param_init=zeros)
+    else:
+        head = StatsHead.Config(in_features=dim, out_features=vocab, param_init=linear)
     config = fam.model_cls.Config(
         vocab_size=vocab,
         dim=dim,
         norm=norm(dim),
-        enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=linear),
-        lm_head=StatsHead.Config(in_features=dim, out_features=vocab, param_init=linear),
+        lm_head=head,
         layers=layers,
     )
+    if tp_size > 1:
+        from .head import tp_sharding_config
+
+        check_tensor_parallel(hf_config, tp_size)
+        fam.set_sharding(config, enable_sp=False)
+        config.lm_head.sharding_config = tp_sharding_config()
     return config
 
 
-def build_model(hf_config: Any, inner_attention: Any) -> nn.Module:
+def build_model(
+    hf_config: Any, inner_attention: Any, tp_size: int = 1, value_head: bool = False
+) -> nn.Module:
     """The torchtitan model on the meta device (materialize with :func:`materialize`)."""
     with torch.device("meta"):
-        return titan_model_config(hf_config, inner_attention).build()
+        return titan_model_config(hf_config, inner_attention, tp_size, value_head).build()
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
@@ -165,14 +222,22 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
             model.init_states(buffer_device=device)
 
 
+VALUE_HEAD = "score"
+"""HF name of the value head (``*ForTokenClassification.score``), torchtitan's ``lm_head`` in a value model."""
+
+
 def hf_name_map(model: nn.Module, model_type: str) -> dict[str, str]:
     """torchtitan module path -> HF module path, for every leaf module with parameters, from torchtitan's
-    state-dict adapter (``from_hf_map``)."""
+    state-dict adapter (``from_hf_map``); a value head (``lm_head`` of one output) is HF's ``score``."""
+    value_head = model.lm_head.out_features == 1
     adapter = _family(model_type).adapter_cls(model.config, None)
     to_hf = {v: k for k, v in adapter.from_hf_map.items() if v is not None}
     out = {}
     for name, _ in model.named_parameters(remove_duplicate=False):
         name = _clean(name)
+        if value_head and name.startswith("lm_head."):
+            out["lm_head"] = VALUE_HEAD
+            continue
         key = re.sub(r"\.(\d+)\.", ".{}.", name, count=1)
         layer = re.search(r"\.(\d+)\.", name)
         if key not in to_hf:

@@ -1,9 +1,11 @@
-"""torchtitan's parallelisms applied to the engine's model: activation checkpointing, torch.compile, FSDP2/HSDP.
+"""torchtitan's parallelisms applied to the engine's model: TP, activation checkpointing, torch.compile, FSDP2/HSDP.
 
-The order is torchtitan's own (``parallelize_qwen3``): activation checkpointing wraps each block, compile then
-compiles each block, FSDP2 shards last (``apply_fsdp_to_decoder``: a unit per block, embeddings + final norm +
-output layer as one unit when tied). The device mesh is built here on the compute device (torchtitan's
-``ParallelDims`` assumes CUDA for its mesh), 1-D for FSDP or (replicate, shard) for HSDP.
+The order is torchtitan's own (``parallelize_qwen3``): tensor parallelism (``model.parallelize`` with the
+placements the model config carries), then activation checkpointing wraps each block, compile then compiles each
+block, FSDP2 shards last (``apply_fsdp_to_decoder``: a unit per block, embeddings + final norm + output layer as
+one unit when tied). The meshes are torchtitan's ``ParallelDims`` (its DTensor backend, ``partial_dtensor``),
+built on the compute device: torchtitan picks its mesh device once at import (CUDA when no accelerator is
+found), so :func:`build_parallel_dims` names the device for the time of the build.
 """
 
 from __future__ import annotations
@@ -18,16 +20,43 @@ from torch import nn
 from .config import TorchTitanEngineConfig
 
 
-def build_mesh(device_type: str, fsdp_size: int) -> Any:
-    """1-D ``fsdp`` mesh over all ranks, or (``dp_replicate``, ``fsdp``) when ``0 < fsdp_size < world``."""
-    from torch.distributed.device_mesh import init_device_mesh
+def build_parallel_dims(device_type: str, cfg: TorchTitanEngineConfig) -> Any:
+    """torchtitan's ``ParallelDims`` over all ranks with its meshes built: ``tp`` groups of ``tp_size``
+    consecutive ranks, the rest data parallel (``fsdp``, or ``dp_replicate`` x ``fsdp`` when ``0 < fsdp_size <``
+    the data-parallel size)."""
+    import torchtitan.distributed.parallel_dims as titan_dims
 
     world = dist.get_world_size()
-    if 0 < fsdp_size < world:
-        return init_device_mesh(
-            device_type, (world // fsdp_size, fsdp_size), mesh_dim_names=("dp_replicate", "fsdp")
-        )
-    return init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
+    dp = cfg.check_world_size(world)
+    shard = cfg.fsdp_size if 0 < cfg.fsdp_size < dp else dp
+    dims = titan_dims.ParallelDims(
+        dp_replicate=dp // shard,
+        dp_shard=shard,
+        cp=1,
+        tp=cfg.tp_size,
+        pp=1,
+        ep=1,
+        world_size=world,
+        spmd_backend="partial_dtensor",
+    )
+    chosen, titan_dims.device_type = titan_dims.device_type, device_type
+    try:
+        dims.build_mesh()
+    finally:
+        titan_dims.device_type = chosen
+    return dims
+
+
+def dp_mesh(dims: Any) -> Any:
+    """The data-parallel mesh FSDP2 shards over: ``fsdp``, or (``dp_replicate``, ``fsdp``) for HSDP."""
+    return dims.get_mesh(["dp_replicate", "fsdp"] if dims.dp_replicate_enabled else ["fsdp"])
+
+
+def apply_tensor_parallel(model: nn.Module, dims: Any) -> None:
+    """torchtitan's TP: every module's parameters distributed and its forward wrapped by the placements its
+    config carries (``modeling.titan_model_config`` with ``tp_size``)."""
+    if dims.tp_enabled:
+        model.parallelize(dims)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -40,20 +69,24 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         SelectiveAC.Config().build().apply(model)
 
 
-def apply_compile(model: nn.Module, world_size: int) -> None:
-    """torchtitan's per-block ``torch.compile``."""
+def apply_compile(model: nn.Module, dims: Any) -> None:
+    """torchtitan's per-block ``torch.compile`` (``dims``: the engine's ``ParallelDims``, or None in one
+    process)."""
     from torchtitan.config import CompileConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.compile import apply_compile as titan_compile
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, world_size=world_size)
+    if dims is None:
+        dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, world_size=1)
     titan_compile(model, compile_config=CompileConfig(enable=True), parallel_dims=dims)
 
 
-def apply_fsdp(model: nn.Module, mesh: Any, cfg: TorchTitanEngineConfig) -> None:
-    """torchtitan's ``apply_fsdp_to_decoder``: parameters in ``engine.dtype``, gradients reduced in fp32."""
+def apply_fsdp(model: nn.Module, dims: Any, cfg: TorchTitanEngineConfig) -> None:
+    """torchtitan's ``apply_fsdp_to_decoder`` over the data-parallel mesh: parameters in ``engine.dtype``,
+    gradients reduced in fp32 and divided by the data-parallel size."""
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
+    mesh = dp_mesh(dims)
     apply_fsdp_to_decoder(
         model,
         mesh,
@@ -68,7 +101,7 @@ def apply_fsdp(model: nn.Module, mesh: Any, cfg: TorchTitanEngineConfig) -> None
 
     for sub in model.modules():
         if isinstance(sub, FSDPModule):
-            sub.set_gradient_divide_factor(float(dist.get_world_size()))
+            sub.set_gradient_divide_factor(float(mesh.size()))
             if dist.get_backend() == "gloo":
                 sub.set_force_sum_reduction_for_comms(True)
 
@@ -99,7 +132,8 @@ def grad_norm_and_clip(
     params: list[torch.Tensor], max_norm: float, shard_group: Any, device: torch.device
 ) -> float:
     """Global L2 norm of the gradients (local shards' squares summed over ``shard_group``: HSDP replicas hold
-    the same shards); clip to ``max_norm`` when it is > 0."""
+    the same shards); clip to ``max_norm`` when it is > 0. Without tensor parallelism only (see
+    :func:`dtensor_grad_norm_and_clip`)."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
@@ -114,3 +148,12 @@ def grad_norm_and_clip(
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
     return norm
+
+
+def dtensor_grad_norm_and_clip(params: list[torch.Tensor], max_norm: float) -> float:
+    """Global L2 norm of DTensor gradients on several meshes (TP-sharded and TP-replicated ones): torchtitan's
+    ``clip_grad_norm_``, which reduces each DTensor's norm over its own placements; clip when ``max_norm > 0``."""
+    from torchtitan.distributed.utils import clip_grad_norm_
+
+    norm = clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    return float(norm)
