@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import compat
+
 SUPPORTED = ("qwen3", "llama")
 """HF ``model_type`` values this engine builds."""
 
@@ -42,6 +44,7 @@ class Family:
 
 
 def _family(model_type: str) -> Family:
+    compat.prepare_model_imports()
     if model_type == "qwen3":
         from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
         from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter

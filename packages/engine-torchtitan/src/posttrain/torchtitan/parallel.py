@@ -52,8 +52,9 @@ def apply_compile(model: nn.Module, world_size: int) -> None:
 
 def apply_fsdp(model: nn.Module, mesh: Any, cfg: TorchTitanEngineConfig) -> None:
     """torchtitan's ``apply_fsdp_to_decoder``: parameters in ``engine.dtype``, gradients reduced in fp32."""
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    from .compat import decoder_fsdp_function
 
+    apply_fsdp_to_decoder = decoder_fsdp_function()
     apply_fsdp_to_decoder(
         model,
         mesh,
