@@ -81,3 +81,21 @@ def test_fsdp_units_equal_torchtitans(tie: bool, policy: str) -> None:
         assert len(units[0]) == (4 if tie else 5)  # root, tied ends, 2 blocks (+ the embeddings alone)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen attention runs on CUDA only")
+def test_torch_varlen_attention_equals_packed_sdpa() -> None:
+    from posttrain.torchtitan.attention import PackedSDPA, packed_metadata
+    from posttrain.torchtitan.compat import TorchVarlenAttention
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(1, 20, 4, 32, device=dev, generator=gen).bfloat16()
+    k, v = (torch.randn(1, 20, 2, 32, device=dev, generator=gen).bfloat16() for _ in range(2))
+    meta = packed_metadata([0, 5, 17, 20], dev)
+    got = TorchVarlenAttention(TorchVarlenAttention.Config())(q, k, v, attention_masks=meta, enable_gqa=True)
+    want = PackedSDPA(PackedSDPA.Config())(
+        q.float(), k.float(), v.float(), attention_masks=meta, enable_gqa=True
+    )
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
