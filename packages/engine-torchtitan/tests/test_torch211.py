@@ -17,6 +17,7 @@ from dist_worker import LENGTHS
 from titan_testing import make_batch, make_engine, pg_loss, save_tiny_model, tiny_hf_config
 
 from posttrain.core.testing import torchrun
+from posttrain.torchtitan.compat import titan_fsdp_importable
 
 
 @pytest.mark.dist
@@ -50,6 +51,9 @@ def _units(model: torch.nn.Module) -> list[tuple[tuple[str, ...], bool]]:
     return sorted((tuple(names), reshard) for names, reshard in groups.values())
 
 
+@pytest.mark.skipif(
+    not titan_fsdp_importable(), reason="torchtitan's apply_fsdp_to_decoder needs torch >= 2.12 to import"
+)
 @pytest.mark.parametrize(("tie", "policy"), [(True, "default"), (False, "default"), (False, "always")])
 def test_fsdp_units_equal_torchtitans(tie: bool, policy: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh

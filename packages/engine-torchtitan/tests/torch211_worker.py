@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch.distributed.fsdp
 
-del torch.distributed.fsdp.DataParallelMeshDims  # torch 2.11 has no such name
+if hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):  # torch 2.11 has no such name
+    del torch.distributed.fsdp.DataParallelMeshDims
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
