@@ -5,7 +5,9 @@ model the boundaries as torchtitan's :class:`VarlenMetadata` (:func:`packed_meta
 batch's ``cu_seqlens`` on the host: no device sync). The inner attention of every layer is chosen once, by device
 (:func:`inner_attention_config`):
 
-- on CUDA, torchtitan's own ``VarlenAttention`` (flash / cuDNN variable-length kernels, in bfloat16);
+- on CUDA, torchtitan's own ``VarlenAttention`` (flash / cuDNN variable-length kernels, in bfloat16), or on a
+  torch whose ``varlen_attn`` lacks the arguments it passes (2.11) the same kernel called directly
+  (:func:`posttrain.torchtitan.compat.varlen_attention_config`);
 - elsewhere, :class:`PackedSDPA`: causal ``scaled_dot_product_attention`` on each document separately. torchtitan
   0.3.0 has nothing that trains on a CPU here (its varlen attention calls CUDA kernels, flex attention has no CPU
   backward, and SDPA is refused for language models). The choice is logged.
@@ -20,8 +22,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from torchtitan.models.common.attention import VarlenAttention, VarlenMetadata
+from torchtitan.models.common.attention import VarlenMetadata
 from torchtitan.protocols.module import Module
+
+from .compat import varlen_attention_config
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +73,7 @@ class PackedSDPA(Module):
 def inner_attention_config(device: torch.device) -> Module.Config:
     """torchtitan's varlen attention on CUDA; :class:`PackedSDPA` elsewhere (logged)."""
     if device.type == "cuda":
-        return VarlenAttention.Config()
+        return varlen_attention_config()
     logger.info(
         "torchtitan engine on %s: packed attention runs posttrain's per-document SDPA (torchtitan's varlen "
         "attention needs CUDA)",

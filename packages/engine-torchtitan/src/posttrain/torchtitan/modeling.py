@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import compat
+
 SUPPORTED = ("qwen3", "llama")
 """HF ``model_type`` values this engine builds."""
 
@@ -44,6 +46,7 @@ class Family:
 
 
 def _family(model_type: str) -> Family:
+    compat.prepare_model_imports()
     if model_type == "qwen3":
         from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
         from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config

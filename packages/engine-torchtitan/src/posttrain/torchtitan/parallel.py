@@ -82,10 +82,12 @@ def apply_compile(model: nn.Module, dims: Any) -> None:
 
 
 def apply_fsdp(model: nn.Module, dims: Any, cfg: TorchTitanEngineConfig) -> None:
-    """torchtitan's ``apply_fsdp_to_decoder`` over the data-parallel mesh: parameters in ``engine.dtype``,
-    gradients reduced in fp32 and divided by the data-parallel size."""
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    """torchtitan's ``apply_fsdp_to_decoder`` over the data-parallel mesh (posttrain's equivalent on a torch
+    without it: ``compat``): parameters in ``engine.dtype``, gradients reduced in fp32 and divided by the
+    data-parallel size."""
+    from .compat import decoder_fsdp_function
 
+    apply_fsdp_to_decoder = decoder_fsdp_function()
     mesh = dp_mesh(dims)
     apply_fsdp_to_decoder(
         model,
