@@ -30,7 +30,6 @@ CPU smoke (tiny model; ``--rollout hf`` has no ``agenerate``, so only the barrie
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import sys
