@@ -17,8 +17,8 @@ with a ``calculator`` tool (posttrain-envs). SFT on tool-use traces (call, resul
 through the agent loop (docs/agents.md): each episode calls the tool, reads its result and answers; the
 environment scores the answer. The test-set reward is then the held-out success rate. The tiny model cannot
 multiply; what it must learn is to copy the operands into the call and the tool's result into the answer. Its
-own defaults: 500 SFT steps (the copying is learned late, after a plateau), GRPO at lr 1e-4 warmed up over 10
-optimizer steps, episodes sampled at temperature 0.5 (see docs/agents.md for why).
+own defaults: 500 SFT steps (the copying is learned late, after a plateau), 20 GRPO steps at lr 1e-4 warmed up
+over 10 optimizer steps, episodes sampled at temperature 0.5 (see docs/agents.md for why).
 
 Every knob is a ``key=value`` override of :class:`DemoConfig`, e.g. ``posttrain demo grpo_steps=40``;
 ``posttrain demo --help`` lists them.
@@ -59,8 +59,9 @@ class DemoConfig:
     """Test questions, never seen in training."""
     sft_steps: int | None = None
     """SFT optimizer steps (16 conversations each); None: the task's (largest 100, calculator 500)."""
-    grpo_steps: int = 40
-    """GRPO steps (16 prompts x 8 samples each, two optimizer steps of 8 prompts)."""
+    grpo_steps: int | None = None
+    """GRPO steps (16 prompts x 8 samples each, two optimizer steps of 8 prompts); None: the task's (largest
+    40, calculator 20)."""
     grpo_lr: float | None = None
     """GRPO learning rate; None: the task's (largest 2e-4, calculator 1e-4)."""
     seed: int = 0
@@ -84,6 +85,8 @@ class Task:
     """``rows(num_train, num_test, seed=...)``: the train and test splits."""
     sft_steps: int
     """Default ``sft_steps``."""
+    grpo_steps: int
+    """Default ``grpo_steps``."""
     grpo_lr: float
     """Default ``grpo_lr``."""
     sft_args: tuple[str, ...] = ()
@@ -91,10 +94,11 @@ class Task:
 
 
 TASKS = {
-    "largest": Task(largest_rows, sft_steps=100, grpo_lr=2e-4),
+    "largest": Task(largest_rows, sft_steps=100, grpo_steps=40, grpo_lr=2e-4),
     "calculator": Task(
         calculator_rows,
         sft_steps=500,
+        grpo_steps=20,
         grpo_lr=1e-4,
         sft_args=("data.max_length=192",),
         grpo_args=(
@@ -116,8 +120,9 @@ def resolved(cfg: DemoConfig) -> DemoConfig:
         raise ConfigError(f"task={cfg.task!r} is unknown: use one of {', '.join(TASKS)}")
     task = TASKS[cfg.task]
     sft_steps = task.sft_steps if cfg.sft_steps is None else cfg.sft_steps
+    grpo_steps = task.grpo_steps if cfg.grpo_steps is None else cfg.grpo_steps
     grpo_lr = task.grpo_lr if cfg.grpo_lr is None else cfg.grpo_lr
-    return replace(cfg, sft_steps=sft_steps, grpo_lr=grpo_lr)
+    return replace(cfg, sft_steps=sft_steps, grpo_steps=grpo_steps, grpo_lr=grpo_lr)
 
 
 def run(cfg: DemoConfig) -> dict[str, float]:
