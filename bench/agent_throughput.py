@@ -134,7 +134,7 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts) -> dict[str, float]
         env_kwargs={"latency_s": args.tool_latency, "jitter_s": args.tool_jitter},
         loop="async" if arm == "async" else "batched",
         max_turns=args.max_turns,
-        max_tokens_per_turn=64,
+        max_tokens_per_turn=128,
         tool_workers=max(16, args.questions * args.n),
     ).build(tok, rollout_cfg)
     sampling = rollout_cfg.sampling()
