@@ -17,7 +17,7 @@ with a ``calculator`` tool (posttrain-envs). SFT on tool-use traces (call, resul
 through the agent loop (docs/agents.md): each episode calls the tool, reads its result and answers; the
 environment scores the answer. The test-set reward is then the held-out success rate. The tiny model cannot
 multiply; what it must learn is to copy the operands into the call and the tool's result into the answer. Its
-own defaults: 500 SFT steps (the copying is learned late, after a plateau), 20 GRPO steps at lr 1e-4 warmed up
+own defaults: 800 SFT steps (the copying is learned late, after a plateau), 20 GRPO steps at lr 1e-4 warmed up
 over 10 optimizer steps, episodes sampled at temperature 0.5 (see docs/agents.md for why).
 
 Every knob is a ``key=value`` override of :class:`DemoConfig`, e.g. ``posttrain demo grpo_steps=40``;
@@ -58,7 +58,7 @@ class DemoConfig:
     num_test: int = 100
     """Test questions, never seen in training."""
     sft_steps: int | None = None
-    """SFT optimizer steps (16 conversations each); None: the task's (largest 100, calculator 500)."""
+    """SFT optimizer steps (16 conversations each); None: the task's (largest 100, calculator 800)."""
     grpo_steps: int | None = None
     """GRPO steps (16 prompts x 8 samples each, two optimizer steps of 8 prompts); None: the task's (largest
     40, calculator 20)."""
@@ -97,7 +97,7 @@ TASKS = {
     "largest": Task(largest_rows, sft_steps=100, grpo_steps=40, grpo_lr=2e-4),
     "calculator": Task(
         calculator_rows,
-        sft_steps=500,
+        sft_steps=800,
         grpo_steps=20,
         grpo_lr=1e-4,
         sft_args=("data.max_length=192",),
