@@ -17,8 +17,8 @@ with a ``calculator`` tool (posttrain-envs). SFT on tool-use traces (call, resul
 through the agent loop (docs/agents.md): each episode calls the tool, reads its result and answers; the
 environment scores the answer. The test-set reward is then the held-out success rate. The tiny model cannot
 multiply; what it must learn is to copy the operands into the call and the tool's result into the answer. Its
-own defaults: 800 SFT steps (the copying is learned late, after a plateau), 20 GRPO steps at lr 1e-4 warmed up
-over 10 optimizer steps, episodes sampled at temperature 0.5 (see docs/agents.md for why).
+own defaults: 800 SFT steps (the copying is learned late, after a plateau), 20 GRPO steps at lr 1e-4 with episodes
+sampled at temperature 0.5 (see docs/agents.md for why).
 
 Every knob is a ``key=value`` override of :class:`DemoConfig`, e.g. ``posttrain demo grpo_steps=40``;
 ``posttrain demo --help`` lists them.
@@ -108,7 +108,6 @@ TASKS = {
             "rollout.prompt_length=96",
             "rollout.response_length=160",
             "rollout.temperature=0.5",
-            "actor.optim.lr_warmup_steps=10",
         ),
     ),
 }
