@@ -45,3 +45,20 @@ def test_episode_reward():
     capped = env.step(Turn("x", tool_results=[ToolResult("calculator", "1")]))
     assert capped.done and capped.reward == 0.0
     assert final_answer("a #### 1,234.") == "1234"
+
+
+def test_latency_and_jitter_delay_each_call_and_keep_the_schema():
+    import time
+
+    env = CalculatorEnv(latency_s=0.05, jitter_s=0.05, seed=3)
+    (tool,) = env.tools
+    assert tool_schema(tool) == tool_schema(calculator)
+    waits = []
+    for _ in range(3):
+        start = time.perf_counter()
+        assert tool("6 * 7") == "42"
+        waits.append(time.perf_counter() - start)
+    assert all(0.05 <= w < 0.2 for w in waits) and len({round(w, 4) for w in waits}) == 3
+    assert CalculatorEnv().tools == (calculator,)
+    with pytest.raises(ValueError, match="latency_s=-1"):
+        CalculatorEnv(latency_s=-1)

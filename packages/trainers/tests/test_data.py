@@ -238,3 +238,31 @@ def test_prompt_length_follows_the_rollout_and_a_mismatch_is_rejected(tokenizer,
         long = {**_rl_row("5"), "prompt": [{"role": "user", "content": "1 " * 50}]}
         two = _write(tmp_path / "two.parquet", pa.Table.from_pylist([_rl_row("5"), long]))
         assert len(PromptDataset([two], tokenizer, DataConfig(max_prompt_length=30))) == 1
+
+
+@pytest.mark.parametrize("products", [1, 2])
+def test_calculator_traces_call_the_tool_and_answer_its_result(products):
+    from posttrain.core.env import Turn
+    from posttrain.envs.calculator import CalculatorEnv, calculator, final_answer
+    from posttrain.trainers.agents.parsers import make_parser
+    from posttrain.trainers.data.synthetic import calculator_rows
+    from posttrain.trainers.rewards.score import default_compute_score
+
+    splits = calculator_rows(30, 10, seed=1, products=products)
+    questions = [r["extra_info"]["question"] for s in ("train", "test") for r in splits[s]]
+    assert len(set(questions)) == 40 and all(q.count("*") == products for q in questions)
+    parser = make_parser("hermes")
+    for row in splits["train"]:
+        messages, truth = row["messages"], row["reward_model"]["ground_truth"]
+        turns = messages[1::2]
+        assert len(turns) == (2 if products == 1 else products + 2)
+        for call_turn, tool in zip(turns, messages[2::2]):
+            (call,) = parser.parse(call_turn["content"]).calls
+            assert tool["role"] == "tool" and tool["content"] == calculator(**call.arguments)
+        env = CalculatorEnv()
+        env.reset({"prompt": row["prompt"], "ground_truth": truth})
+        assert env.step(Turn(turns[-1]["content"])).reward == 1.0
+        assert final_answer(turns[-1]["content"]) == truth
+        assert default_compute_score(row["data_source"], turns[-1]["content"], truth) == 1.0
+    with pytest.raises(ValueError, match="products=0"):
+        calculator_rows(1, 1, products=0)

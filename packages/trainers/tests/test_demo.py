@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.trainers.demo import DemoConfig, run
+from posttrain.trainers.demo import DemoConfig, resolved, run
 from posttrain.trainers.logging import read_metrics
 
 MIN_GAIN = 0.15
@@ -20,7 +20,7 @@ MIN_GAIN = 0.15
 
 @pytest.mark.slow
 def test_demo_grpo_improves_the_held_out_reward(tmp_path):
-    cfg = DemoConfig(out_dir=str(tmp_path))
+    cfg = resolved(DemoConfig(out_dir=str(tmp_path)))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

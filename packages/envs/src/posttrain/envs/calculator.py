@@ -2,14 +2,18 @@
 
 The row's ``prompt`` is the first observation. The model may call ``calculator(expression)`` any number of times;
 the first turn without a tool call ends the episode and scores 1.0 when the number after its last ``####``
-equals the row's ground truth, else 0.0.
+equals the row's ground truth, else 0.0. ``latency_s`` and ``jitter_s`` make each call sleep first, like a tool
+behind a network (``bench/agent_throughput.py`` uses them).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import operator
+import random
 import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,11 +66,26 @@ class CalculatorEnv(Environment):
 
     tools = (calculator,)
 
-    def __init__(self, max_tool_calls: int | None = None) -> None:
-        """``max_tool_calls``: end the episode (reward 0) after this many calls (None: no cap)."""
+    def __init__(
+        self, max_tool_calls: int | None = None, latency_s: float = 0.0, jitter_s: float = 0.0, seed: int = 0
+    ) -> None:
+        """``max_tool_calls``: end the episode (reward 0) after this many calls (None: no cap). ``latency_s``,
+        ``jitter_s``: every call sleeps ``latency_s`` plus a uniform draw from ``[0, jitter_s]`` (from a
+        ``random.Random(seed)`` of this episode) before it answers."""
         if max_tool_calls is not None and max_tool_calls < 1:
             raise ValueError(f"max_tool_calls={max_tool_calls} must be >= 1 or None")
+        if latency_s < 0 or jitter_s < 0:
+            raise ValueError(f"latency_s={latency_s} and jitter_s={jitter_s} must be >= 0")
         self.max_tool_calls = max_tool_calls
+        if latency_s or jitter_s:
+            rng = random.Random(seed)
+
+            @functools.wraps(calculator)
+            def slow_calculator(expression: str) -> str:
+                time.sleep(latency_s + rng.uniform(0.0, jitter_s))
+                return calculator(expression)
+
+            self.tools = (slow_calculator,)
         self.calls = 0
         self.truth: str | None = None
 

@@ -15,7 +15,10 @@ training sums do not reach unseen sums; "largest of three" it learns as a rule, 
 ``posttrain demo --task calculator`` (or ``task=calculator``) runs the multi-turn version: "What is 47 * 83?"
 with a ``calculator`` tool (posttrain-envs). SFT on tool-use traces (call, result, ``#### <product>``), then GRPO
 through the agent loop (docs/agents.md): each episode calls the tool, reads its result and answers; the
-environment scores the answer. The test-set reward is then the held-out success rate.
+environment scores the answer. The test-set reward is then the held-out success rate. The tiny model cannot
+multiply; what it must learn is to copy the operands into the call and the tool's result into the answer. Its
+own defaults: 800 SFT steps (the copying is learned late, after a plateau), 20 GRPO steps at lr 1e-4 with episodes
+sampled at temperature 0.5 (see docs/agents.md for why).
 
 Every knob is a ``key=value`` override of :class:`DemoConfig`, e.g. ``posttrain demo grpo_steps=40``;
 ``posttrain demo --help`` lists them.
@@ -27,8 +30,8 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from posttrain.core.config.loader import ConfigError, merge_config
@@ -54,12 +57,13 @@ class DemoConfig:
     """Training questions."""
     num_test: int = 100
     """Test questions, never seen in training."""
-    sft_steps: int = 100
-    """SFT optimizer steps (16 conversations each)."""
-    grpo_steps: int = 40
-    """GRPO steps (16 prompts x 8 samples each, two optimizer steps of 8 prompts)."""
-    grpo_lr: float = 2e-4
-    """GRPO learning rate."""
+    sft_steps: int | None = None
+    """SFT optimizer steps (16 conversations each); None: the task's (largest 100, calculator 800)."""
+    grpo_steps: int | None = None
+    """GRPO steps (16 prompts x 8 samples each, two optimizer steps of 8 prompts); None: the task's (largest
+    40, calculator 20)."""
+    grpo_lr: float | None = None
+    """GRPO learning rate; None: the task's (largest 2e-4, calculator 1e-4)."""
     seed: int = 0
     """Seed of the model init and the data."""
     trainer_mode: str = "sync"
@@ -73,25 +77,56 @@ def _last(metrics_path: Path, key: str) -> tuple[float | None, float | None]:
     return (values[0], values[-1]) if values else (None, None)
 
 
-TASK_ARGS = {
-    "largest": ([], []),
-    "calculator": (
-        ["data.max_length=192"],
-        [
+@dataclass(frozen=True)
+class Task:
+    """One demo task: its data, its defaults and its SFT and GRPO overrides."""
+
+    rows: Callable[..., dict[str, list[dict]]]
+    """``rows(num_train, num_test, seed=...)``: the train and test splits."""
+    sft_steps: int
+    """Default ``sft_steps``."""
+    grpo_steps: int
+    """Default ``grpo_steps``."""
+    grpo_lr: float
+    """Default ``grpo_lr``."""
+    sft_args: tuple[str, ...] = ()
+    grpo_args: tuple[str, ...] = ()
+
+
+TASKS = {
+    "largest": Task(largest_rows, sft_steps=100, grpo_steps=40, grpo_lr=2e-4),
+    "calculator": Task(
+        calculator_rows,
+        sft_steps=800,
+        grpo_steps=20,
+        grpo_lr=1e-4,
+        sft_args=("data.max_length=192",),
+        grpo_args=(
             "agent.env=calculator",
             "agent.max_turns=3",
             "agent.max_tokens_per_turn=96",
             "rollout.prompt_length=96",
             "rollout.response_length=160",
-        ],
+            "rollout.temperature=0.5",
+        ),
     ),
 }
-"""(SFT overrides, GRPO overrides) of each task."""
+
+
+def resolved(cfg: DemoConfig) -> DemoConfig:
+    """``cfg`` with the task's defaults in place of the knobs left at None."""
+    if cfg.task not in TASKS:
+        raise ConfigError(f"task={cfg.task!r} is unknown: use one of {', '.join(TASKS)}")
+    task = TASKS[cfg.task]
+    sft_steps = task.sft_steps if cfg.sft_steps is None else cfg.sft_steps
+    grpo_steps = task.grpo_steps if cfg.grpo_steps is None else cfg.grpo_steps
+    grpo_lr = task.grpo_lr if cfg.grpo_lr is None else cfg.grpo_lr
+    return replace(cfg, sft_steps=sft_steps, grpo_steps=grpo_steps, grpo_lr=grpo_lr)
 
 
 def run(cfg: DemoConfig) -> dict[str, float]:
-    if cfg.task not in TASK_ARGS:
-        raise ConfigError(f"task={cfg.task!r} is unknown: use one of {', '.join(TASK_ARGS)}")
+    cfg = resolved(cfg)
+    task = TASKS[cfg.task]
     out = Path(cfg.out_dir)
     start = time.perf_counter()
     stale = [out / d for d in ("model", "data", "sft", "grpo") if (out / d).exists()]
@@ -100,9 +135,7 @@ def run(cfg: DemoConfig) -> dict[str, float]:
         for path in stale:
             shutil.rmtree(path)
     model = init_model(out / "model", size=cfg.model_size, seed=cfg.seed)
-    rows = calculator_rows if cfg.task == "calculator" else largest_rows
-    splits = rows(cfg.num_train, cfg.num_test, seed=cfg.seed)
-    sft_args, grpo_args = TASK_ARGS[cfg.task]
+    splits = task.rows(cfg.num_train, cfg.num_test, seed=cfg.seed)
     train, test = (write_parquet(splits[s], out / "data" / f"{s}.parquet") for s in ("train", "test"))
     print(f"[demo] model {model}, data {train.parent} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
     data = [f"data.train_files=[{train}]", f"data.val_files=[{test}]", "trainer.resume_mode=disable"]
@@ -116,7 +149,7 @@ def run(cfg: DemoConfig) -> dict[str, float]:
             f"trainer.default_local_dir={out / 'sft'}",
             "trainer.test_freq=-1",
             "checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-            *sft_args,
+            *task.sft_args,
         ]
     )
     sft_model = out / "sft" / f"global_step_{cfg.sft_steps}" / "actor" / "huggingface"
@@ -137,7 +170,7 @@ def run(cfg: DemoConfig) -> dict[str, float]:
             "actor.kl_loss_coef=0.001",
             "trainer.test_freq=10",
             f"trainer.mode={cfg.trainer_mode}",
-            *grpo_args,
+            *task.grpo_args,
         ],
         "grpo",
     )

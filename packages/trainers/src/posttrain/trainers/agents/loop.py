@@ -8,7 +8,7 @@ and ``env.step`` answers. Its tool results and observation are rendered incremen
 With ``agent.loop=batched`` there is a barrier at every turn (one batched generate over the live episodes; any
 rollout). With ``agent.loop=async`` every episode advances on its own: it awaits ``rollout.agenerate`` for its
 turn (the vLLM rollout with ``rollout.executor=server``: vLLM's ``AsyncLLM`` batches whatever requests are in flight),
-runs its tools on a worker thread, and asks for its next turn at once, so a slow episode or tool holds back no other.
+runs its tools and ``env.step`` on a worker thread, and asks for its next turn at once, so a slow episode or tool holds back no other.
 Each request then samples with its own seed (the step's seed mixed with the episode and the turn).
 
 An episode ends when the environment says done, or is *truncated*: its turn hit ``rollout`` length limits or
@@ -165,6 +165,10 @@ class AgentLoop:
         e.stats.update(r.error for r in results if r.error is not None)
         self._answer(e, turn, e.env.step(turn), turn_index == self.config.max_turns - 1)
 
+    def _tools_and_step(self, e: Episode, turn: Turn, turn_index: int) -> None:
+        (results,) = self.runner.run([(turn.tool_calls, e.tools)])
+        self._finish_turn(e, turn, results, turn_index)
+
     def run_episodes(self, rollout: BaseRollout, prompts: Sequence[Any], sampling: SamplingConfig):
         """(episodes grouped by prompt, seconds generating, seconds running tools and the environment)."""
         episodes = [self.start(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
@@ -221,9 +225,8 @@ class AgentLoop:
             gen_s += time.perf_counter() - start
             start = time.perf_counter()
             turn = self._take(e, sample)
-            if turn is not None:
-                (results,) = await asyncio.to_thread(self.runner.run, [(turn.tool_calls, e.tools)])
-                self._finish_turn(e, turn, results, turn_index)
+            if turn is not None:  # tools and env.step on a worker thread: a slow one blocks no other episode
+                await asyncio.to_thread(self._tools_and_step, e, turn, turn_index)
             tool_s += time.perf_counter() - start
             if e.done:
                 break

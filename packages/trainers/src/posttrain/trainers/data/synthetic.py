@@ -130,21 +130,42 @@ def calculator_call(expression: str) -> str:
     return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
 
 
-def calculator_rows(num_train: int, num_test: int, *, seed: int = 0) -> dict[str, list[dict]]:
-    """``{"train": rows, "test": rows}`` of distinct products of two 2-digit numbers, whose ``messages`` are tool-use
-    traces: the user's question, a ``calculator`` call, the tool's result, the answer after ``####``."""
+def calculator_rows(
+    num_train: int, num_test: int, *, seed: int = 0, products: int = 1
+) -> dict[str, list[dict]]:
+    """``{"train": rows, "test": rows}`` of distinct sums of ``products`` products of two 2-digit numbers, whose
+    ``messages`` are tool-use traces: the user's question, one ``calculator`` call per product (and one for the
+    sum when there are several), each with the tool's result, then the answer after ``####``. ``products=1``:
+    "What is 47 * 83?" in 2 assistant turns; ``products=2``: "What is 47 * 83 + 12 * 34?" in 4."""
+    if products < 1:
+        raise ValueError(f"products={products} must be >= 1")
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
-    if num_train + num_test > len(pairs):
-        raise ValueError(f"num_train + num_test = {num_train + num_test} exceeds the {len(pairs)} products")
-    random.Random(seed).shuffle(pairs)
+    rng = random.Random(seed)
+    if products == 1:
+        if num_train + num_test > len(pairs):
+            raise ValueError(
+                f"num_train + num_test = {num_train + num_test} exceeds the {len(pairs)} products"
+            )
+        rng.shuffle(pairs)
+        questions = [[p] for p in pairs[: num_train + num_test]]
+    else:
+        seen: set[tuple] = set()
+        while len(seen) < num_train + num_test:
+            seen.add(tuple(rng.choice(pairs) for _ in range(products)))
+        questions = sorted(seen, key=lambda _: rng.random())
     out: dict[str, list[dict]] = {"train": [], "test": []}
-    for i, (a, b) in enumerate(pairs[: num_train + num_test]):
+    for i, terms in enumerate(questions):
         split = "train" if i < num_train else "test"
-        expression, product = f"{a} * {b}", str(a * b)
+        parts = [f"{a} * {b}" for a, b in terms]
+        values = [str(a * b) for a, b in terms]
+        steps = list(zip(parts, values))
+        if products > 1:
+            steps.append((" + ".join(values), str(sum(a * b for a, b in terms))))
+        answer = steps[-1][1]
         row = make_row(
-            f"What is {expression}?",
-            f"#### {product}",
-            product,
+            f"What is {' + '.join(parts)}?",
+            f"#### {answer}",
+            answer,
             data_source=CALCULATOR_SOURCE,
             ability="tool_use",
             instruction=CALCULATOR_INSTRUCTION,
@@ -152,9 +173,15 @@ def calculator_rows(num_train: int, num_test: int, *, seed: int = 0) -> dict[str
             index=len(out[split]),
         )
         row["messages"][1:] = [
-            {"role": "assistant", "content": calculator_call(expression)},
-            {"role": "tool", "content": product},
-            {"role": "assistant", "content": f"#### {product}"},
+            *(
+                m
+                for expression, value in steps
+                for m in (
+                    {"role": "assistant", "content": calculator_call(expression)},
+                    {"role": "tool", "content": value},
+                )
+            ),
+            {"role": "assistant", "content": f"#### {answer}"},
         ]
         out[split].append(row)
     return out

@@ -3,7 +3,8 @@
 ``default_compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float``:
 
 - ``openai/gsm8k``, ``gsm8k``: :func:`.gsm8k.compute_score` (strict ``#### <answer>``, exact match);
-- ``synthetic_arithmetic``, ``synthetic_largest`` (posttrain's synthetic tasks): the same ``####`` rule;
+- ``synthetic_arithmetic``, ``synthetic_largest``, ``synthetic_calculator`` (posttrain's synthetic tasks): the same
+  ``####`` rule;
 - ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``, ``math``,
   ``math_dapo`` and ``aime*``: :func:`.math_boxed.compute_score` (last boxed answer, normalised). verl sends
   ``math``/``math_dapo``/``aime*`` to its DAPO scorer (``Answer:`` lines, rewards +1/-1); here they use the
@@ -18,7 +19,7 @@ from typing import Any
 
 from . import gsm8k, math_boxed
 
-GSM8K_SOURCES = ("openai/gsm8k", "gsm8k", "synthetic_arithmetic", "synthetic_largest")
+GSM8K_SOURCES = ("openai/gsm8k", "gsm8k", "synthetic_arithmetic", "synthetic_largest", "synthetic_calculator")
 MATH_SOURCES = (
     "lighteval/MATH",
     "DigitalLearningGmbH/MATH-lighteval",

