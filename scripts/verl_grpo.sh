@@ -5,6 +5,12 @@
 #   bash scripts/verl_grpo.sh [verl overrides ...]    # there, after the verl parts (scripts/verl_parts.sh) and a
 #                                                     # `gpu_checks.sh rl --work readme` run that made the model/data
 #
+#   bash scripts/verl_grpo.sh trainer.v1.trainer_mode=colocate_async trainer.v1.colocate_async.num_warmup_batches=1
+#       # verl's asynchronous mode that fits one GPU (its one-step-off and fully-async recipes need a rollout pool
+#       # of whole GPUs apart from the trainer's): generation goes on with partial rollouts until a batch is in,
+#       # then vLLM sleeps, the actor trains, weights sync and the unfinished requests resume. Set STEPS (4)
+#       # and allow about 9 minutes a call: verl's start takes 2.5 of them.
+#
 # The work: the 0.5B-shaped model and 256-token digit prompts under /tmp/rl_bench (rewritten with data_source
 # openai/gsm8k so verl's default reward scores them), 128 prompts x 5 responses up to 1,024 tokens a step,
 # mini-batches of 64 prompts, lr 1e-6, KL loss (low_var_kl, 0.001), bf16.
