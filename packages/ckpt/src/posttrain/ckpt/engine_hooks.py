@@ -16,7 +16,8 @@ from typing import Any
 
 from torch import nn
 
-from .layout import ROLE_MANIFEST
+from .hf import HF_LAYOUT
+from .layout import ROLE_MANIFEST, read_json
 from .retention import retain_role_saves
 from .role import RoleInfo, RoleState, load_role, prepare_role, save_role
 from .writer import AsyncWriter
@@ -95,9 +96,11 @@ def prepare_engine_role(engine: Any, model: nn.Module, role: str, writer: AsyncW
 
 
 def refuse_native_megatron(role_dir: Path, engine_name: str) -> None:
-    """A megatron engine role directory in its native layout (Megatron names and shards) has no manifest."""
+    """Refuse a megatron engine role directory in its native layout (Megatron names and shards): its manifest
+    names another layout than the HF-named one (or it has none: saved before native saves wrote one)."""
     role_dir = Path(role_dir)
-    if (role_dir / "transformer_config.json").is_file() and not (role_dir / ROLE_MANIFEST).is_file():
+    layout = (read_json(role_dir / ROLE_MANIFEST) or {}).get("layout")
+    if (role_dir / "transformer_config.json").is_file() and layout != HF_LAYOUT:
         raise ValueError(
             f"{role_dir} is a native megatron engine checkpoint (Megatron parameter names and shards), which "
             f"the {engine_name} engine cannot read: save it with <role>.engine.portable_checkpoint=true on the "
