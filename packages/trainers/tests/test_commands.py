@@ -26,7 +26,7 @@ def test_demo_help_lists_every_knob_with_its_default_and_docstring(capsys):
     out = capsys.readouterr().out
     for f in dataclasses.fields(DemoConfig):
         assert f"  {f.name}={f.default}\n" in out, f.name
-    assert "Seed of the model init and the data." in out and "GRPO learning rate." in out
+    assert "Seed of the model init and the data." in out and "GRPO learning rate; None: the task's" in out
 
 
 def test_bad_keys_exit_2_with_one_line(capsys):
