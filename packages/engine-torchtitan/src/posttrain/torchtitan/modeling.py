@@ -130,35 +130,15 @@ def _rope_config(hf_config: Any, head_dim: int) -> Any:
     )
 
 
-def titan_model_config(
-    hf_config: Any, inner_attention: Any, tp_size: int = 1, value_head: bool = False
-) -> Any:
-    """torchtitan model config equal to the HF model of ``hf_config`` (checked by :func:`check_supported`);
-    with ``tp_size > 1`` every module carries torchtitan's TP placements (no sequence parallelism: the packed
-    attention needs whole rows), the output layer :func:`~posttrain.torchtitan.head.tp_sharding_config`. With
-    ``value_head`` the output layer is a ``hidden -> 1`` linear with a bias (HF's token-classification
-    ``score``), untied."""
-    from torchtitan.models.common import Embedding
+def _block_configs(hf_config: Any, fam: Family, inner_attention: Any, norm: Any, linear: dict) -> list[Any]:
+    """One torchtitan decoder block config per HF layer: GQA attention (separate q/k/v, RoPE, Qwen3's qk-norm)
+    and the SwiGLU feed-forward."""
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.nn_modules import RMSNorm
 
-    from .head import StatsHead
-
-    check_supported(hf_config)
-    fam = _family(hf_config.model_type)
     dim, heads = hf_config.hidden_size, hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or dim // heads
-    std = getattr(hf_config, "initializer_range", 0.02)
-    linear = {"weight": partial(nn.init.normal_, std=std)}
-    ones = {"weight": nn.init.ones_}
-    eps = hf_config.rms_norm_eps
-
-    def norm(width: int) -> Any:
-        return RMSNorm.Config(normalized_shape=width, eps=eps, param_init=ones)
-
     rope = _rope_config(hf_config, head_dim)
-    layers = [
+    return [
         fam.block_cls.Config(
             attention_norm=norm(dim),
             ffn_norm=norm(dim),
@@ -183,7 +163,33 @@ def titan_model_config(
         )
         for _ in range(hf_config.num_hidden_layers)
     ]
-    vocab = hf_config.vocab_size
+
+
+def titan_model_config(
+    hf_config: Any, inner_attention: Any, tp_size: int = 1, value_head: bool = False
+) -> Any:
+    """torchtitan model config equal to the HF model of ``hf_config`` (checked by :func:`check_supported`);
+    with ``tp_size > 1`` every module carries torchtitan's TP placements (no sequence parallelism: the packed
+    attention needs whole rows), the output layer :func:`~posttrain.torchtitan.head.tp_sharding_config`. With
+    ``value_head`` the output layer is a ``hidden -> 1`` linear with a bias (HF's token-classification
+    ``score``), untied."""
+    from torchtitan.models.common import Embedding
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.nn_modules import RMSNorm
+
+    from .head import StatsHead
+
+    check_supported(hf_config)
+    fam = _family(hf_config.model_type)
+    dim, vocab = hf_config.hidden_size, hf_config.vocab_size
+    std = getattr(hf_config, "initializer_range", 0.02)
+    linear = {"weight": partial(nn.init.normal_, std=std)}
+
+    def norm(width: int) -> Any:
+        return RMSNorm.Config(
+            normalized_shape=width, eps=hf_config.rms_norm_eps, param_init={"weight": nn.init.ones_}
+        )
+
     if value_head:
         zeros = {"weight": partial(nn.init.normal_, std=std), "bias": nn.init.zeros_}
         head = Linear.Config(in_features=dim, out_features=1, bias=True, param_init=zeros)
@@ -196,7 +202,7 @@ def titan_model_config(
         enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=linear),
         lm_head=head,
-        layers=layers,
+        layers=_block_configs(hf_config, fam, inner_attention, norm, linear),
     )
     if tp_size > 1:
         from .head import tp_sharding_config
