@@ -19,16 +19,19 @@
 # log-prob passes 32,768), chunked prefill, vLLM CUDA graphs (enforce_eager=False), free_cache_engine (vLLM sleeps
 # while the actor trains), no parameter or optimizer offload (the model fits), vLLM at 0.6 of the memory and
 # max_num_seqs 1024 (every sequence of a step at once; verl's default is 256), gradient checkpointing off (what
-# posttrain's policy chooses for this shape on an H200). One departure: verl's default attention for the actor
+# posttrain's policy chooses for this shape on an H200). One substitution: verl's default attention for the actor
 # and reference is HF's flash_attention_2, which needs the flash-attn package, and flash-attn has no wheel for
-# torch 2.11 + CUDA 13 (the image), so they run HF's sdpa (VERL_ATTN), which transformers 5.10 masks per packed
-# document from the position ids. posttrain's FSDP engine uses torch's own varlen flash attention.
+# torch 2.11 + CUDA 13 (the image). bench/verl_torch_varlen.py registers the same packed computation with torch's
+# varlen flash kernel (what posttrain's FSDP engine runs) and verl loads it through its own `model.external_lib`
+# hook; the script checks it against SDPA on the GPU first. VERL_ATTN=sdpa runs HF's SDPA over a block-diagonal
+# mask instead (slow: step 1's actor phases took over 2 minutes).
 # Per-step metrics land in $OUT/verl.log (verl's console logger prints timing_s/gen, timing_s/step and
 # perf/throughput each step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-out}"; mkdir -p "$out"
 eval "$(bash /tmp/vstash/unpack.sh)"
+export PYTHONPATH="$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"  # verl_torch_varlen, for verl's Ray workers too
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 model=/tmp/rl_bench/models/0.5b-vdefault
 src=$(ls /tmp/rl_bench/data/0.5b-vdefault-p256-r*.parquet | tail -1)
@@ -44,13 +47,16 @@ t = t.set_column(t.schema.get_field_index("data_source"), "data_source", pa.arra
 pq.write_table(t, sys.argv[2])
 PY
 cp "$data/train.parquet" "$data/test.parquet"
+attn="${VERL_ATTN:-torch_varlen}"
+if [ "$attn" = torch_varlen ]; then python3 bench/verl_torch_varlen.py || exit 1; fi
 timeout "${VERL_TIMEOUT:-570}" python3 -m verl.trainer.main_ppo \
   algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False \
   data.train_files="$data/train.parquet" data.val_files="$data/test.parquet" data.train_batch_size=128 \
   data.max_prompt_length=512 data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation=error \
   actor_rollout_ref.model.path="$model" actor_rollout_ref.model.use_remove_padding=True \
   actor_rollout_ref.model.enable_gradient_checkpointing=False \
-  +actor_rollout_ref.model.override_config.attn_implementation="${VERL_ATTN:-sdpa}" \
+  actor_rollout_ref.model.external_lib="$([ "$attn" = torch_varlen ] && echo verl_torch_varlen || echo null)" \
+  +actor_rollout_ref.model.override_config.attn_implementation="$attn" \
   actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.actor.optim.lr=1e-6 \
   actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.use_dynamic_bsz=True \
   actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 actor_rollout_ref.actor.use_kl_loss=True \
