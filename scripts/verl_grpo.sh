@@ -8,8 +8,14 @@
 #   bash scripts/verl_grpo.sh trainer.v1.trainer_mode=colocate_async trainer.v1.colocate_async.num_warmup_batches=1
 #       # verl's asynchronous mode that fits one GPU (its one-step-off and fully-async recipes need a rollout pool
 #       # of whole GPUs apart from the trainer's): generation goes on with partial rollouts until a batch is in,
-#       # then vLLM sleeps, the actor trains, weights sync and the unfinished requests resume. Set STEPS (4)
-#       # and allow about 9 minutes a call: verl's start takes 2.5 of them.
+#       # then vLLM sleeps, the actor trains, weights sync and the unfinished requests resume.
+#
+# Time: verl's start takes about 4.5 minutes on the H200 (Ray, TransferQueue, the vLLM server and its CUDA
+# graphs, the actor and reference) and its first step took 6.4 (BENCHMARKS.md), so STEPS=2 or more outlives one
+# 10-minute device call. Run it detached and read the log from later calls (a process that starts a new session
+# survives its call while the machine stays warm):
+#   (OUT=/tmp/verl-out STEPS=3 VERL_TIMEOUT=1500 setsid nohup bash scripts/verl_grpo.sh >/tmp/verl.txt 2>&1 &)
+#   grep -c "step:" /tmp/verl-out/verl.log     # in the next calls
 #
 # The work: the 0.5B-shaped model and 256-token digit prompts under /tmp/rl_bench (rewritten with data_source
 # openai/gsm8k so verl's default reward scores them), 128 prompts x 5 responses up to 1,024 tokens a step,
