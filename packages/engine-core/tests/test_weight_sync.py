@@ -166,6 +166,76 @@ def test_a_sender_reused_across_syncs_packs_each_layout():
             assert got_name == name and out.dtype == ref.dtype and torch.equal(out, ref), name
 
 
+def _padding_bytes(bucket: Bucket) -> torch.Tensor:
+    return torch.cat(
+        [bucket.buffer[m.offset + m.nbytes : m.offset + padded(m.nbytes)] for m in bucket.metas]
+        + [torch.zeros(0, dtype=torch.uint8)]
+    )
+
+
+def test_padding_is_zero_in_every_bucket_of_a_shared_buffer_across_layouts():
+    """One buffer carries every bucket of a sync: each bucket's padding bytes are zero even where the bucket
+    before it (same sync) or the last sync's other layout left data, and the receiver verifies every tensor.
+    Source dtypes change at the same offsets (fp32, fp16, int32) and the copy groups split there."""
+    g = torch.Generator().manual_seed(5)
+    odd = [(f"a{i}", torch.randn(37 + i, generator=g)) for i in range(6)]  # 74+ bf16 bytes: padded
+    shifted = [(f"b{i}", torch.randn(128 + 3 * i, generator=g)) for i in range(6)]  # data where odd pads
+    mixed = [
+        ("h", torch.randn(37, generator=g).half()),
+        ("i", torch.arange(37, dtype=torch.int32)),
+        ("f", torch.randn(37, generator=g)),
+        ("d", torch.randn(37, generator=g, dtype=torch.float64)),
+    ]
+    buffer = torch.full((1024,), 0xFF, dtype=torch.uint8)
+    got, paddings, buckets = [], [], []
+    receiver = BucketReceiver(lambda ts: got.extend((n, t.clone()) for n, t in ts))
+
+    def record(bucket: Bucket):
+        paddings.append(_padding_bytes(bucket))
+        buckets.append(bucket.index)
+        receiver(bucket)
+
+    sender = BucketSender(InProcessTransport(record), 1024, dtype=torch.bfloat16, buffer=buffer)
+    for stream in (shifted, odd, shifted, odd, mixed, odd):
+        got.clear(), paddings.clear(), buckets.clear()
+        sender.send(stream)
+        assert receiver.finish() == len(stream)
+        assert len(buckets) > 1 or stream is mixed
+        assert all(p.numel() == 0 or not p.any() for p in paddings) and any(p.numel() for p in paddings)
+        for (name, ref), (got_name, out) in zip(stream, got):
+            want = ref.to(torch.bfloat16) if ref.is_floating_point() else ref
+            assert got_name == name and out.dtype == want.dtype and torch.equal(out, want), name
+
+
+@pytest.mark.parametrize("limit", [1, 600, 1 << 30])
+def test_copy_groups_hold_at_most_their_bytes_of_the_stream(limit):
+    """The sender keeps a yielded tensor alive only until its group is copied: at most ``copy_group_bytes``
+    (plus the tensor that crossed it) of freshly made tensors, the extra memory of a gathering stream."""
+    import weakref
+
+    g = torch.Generator().manual_seed(6)
+    alive, most = [], 0
+    values = [torch.randn(50, generator=g) for _ in range(12)]  # 200 bytes each as fp32
+
+    def stream():
+        nonlocal most
+        for i, v in enumerate(values):
+            fresh = v.clone()
+            alive.append(weakref.ref(fresh))
+            yield f"w{i}", fresh
+            del fresh
+            most = max(most, sum(r() is not None for r in alive))
+
+    got = []
+    receiver = BucketReceiver(lambda ts: got.extend(t.clone() for _, t in ts))
+    BucketSender(InProcessTransport(receiver), 4096, copy_group_bytes=limit).send(stream())
+    assert receiver.finish() == 12 and all(torch.equal(a, b) for a, b in zip(got, values))
+    # after a yield: the group not yet copied (under the limit), or at least the loop's last tensor
+    assert most == min(12, max(1, (limit - 1) // 200))
+    with pytest.raises(ValueError, match="copy_group_bytes must be positive"):
+        BucketSender(InProcessTransport(receiver), 4096, copy_group_bytes=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_checksums_on_cuda_equal_the_cpu_ones():
