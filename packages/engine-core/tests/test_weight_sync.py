@@ -12,6 +12,7 @@ from posttrain.core.weight_sync import (
     WeightSyncError,
     bucket_checksums,
     tensor_checksum,
+    unpack_bucket,
 )
 
 
@@ -205,6 +206,37 @@ def test_padding_is_zero_in_every_bucket_of_a_shared_buffer_across_layouts():
         for (name, ref), (got_name, out) in zip(stream, got):
             want = ref.to(torch.bfloat16) if ref.is_floating_point() else ref
             assert got_name == name and out.dtype == want.dtype and torch.equal(out, want), name
+
+
+def test_unpack_reads_a_buffer_that_starts_inside_its_storage_and_refuses_partial_buckets():
+    """Views of a bucket whose buffer is a slice of a larger storage (an attached or mapped buffer) read the
+    bucket's bytes, for every dtype and a 0-d and an empty tensor; a tensor past the buffer's end or off a
+    256-byte row is refused by name."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(7)
+    weights = [
+        ("w", torch.randn(3, 5, 7, generator=g)),
+        ("scalar", torch.tensor(2.5, dtype=torch.float64)),
+        ("empty", torch.zeros(0, 4)),
+        ("ids", torch.arange(9, dtype=torch.int16)),
+        ("h", torch.randn(11, generator=g).half()),
+    ]
+    storage = torch.full((4096 + 512,), 0xAB, dtype=torch.uint8)
+    sent = []
+    BucketSender(InProcessTransport(sent.append), 4096, buffer=storage[512:]).send(weights)
+    (bucket,) = sent
+    assert bucket.buffer.storage_offset() == 512
+    got = list(unpack_bucket(bucket, clone=True))
+    assert [n for n, _ in got] == [n for n, _ in weights]
+    for (name, ref), (_, out) in zip(weights, got):
+        assert out.dtype == ref.dtype and out.shape == ref.shape and torch.equal(out, ref), name
+    partial = Bucket(bucket.buffer[:500], bucket.metas, 0, True)
+    with pytest.raises(WeightSyncError, match="'scalar' at bytes 512..520 is not inside the buffer's 500"):
+        list(unpack_bucket(partial))
+    moved = [dataclasses.replace(m, offset=m.offset + 8) if m.name == "ids" else m for m in bucket.metas]
+    with pytest.raises(WeightSyncError, match="'ids' at bytes"):
+        list(unpack_bucket(Bucket(bucket.buffer, moved, 0, True), verify=False))
 
 
 @pytest.mark.parametrize("limit", [1, 600, 1 << 30])

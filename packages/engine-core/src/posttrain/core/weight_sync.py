@@ -243,16 +243,22 @@ def unpack_bucket(
     bucket: Bucket, verify: bool = True, clone: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Views (or clones) of the tensors in ``bucket``; with ``verify`` every checksum is checked (one host sync
-    for the bucket) before the first tensor is handed out."""
-    views = []
+    for the bucket) before the first tensor is handed out. Each view is one ``as_strided`` of the buffer viewed
+    as its dtype (one such view per dtype and bucket), not a slice and two views per tensor."""
+    views, typed = [], {}
     for meta in bucket.metas:
         end = meta.offset + meta.nbytes
-        if end > bucket.buffer.numel():
+        if end > bucket.buffer.numel() or meta.offset % ROW:
             raise WeightSyncError(
-                f"bucket {bucket.index}: tensor {meta.name!r} ends at byte {end}, past the "
-                f"buffer's {bucket.buffer.numel()} bytes (partial transfer)"
+                f"bucket {bucket.index}: tensor {meta.name!r} at bytes {meta.offset}..{end} is not inside the "
+                f"buffer's {bucket.buffer.numel()} bytes at a multiple of {ROW} (partial or damaged transfer)"
             )
-        views.append(bucket.buffer[meta.offset : end])
+        flat = typed.get(meta.dtype)
+        if flat is None:
+            usable = bucket.buffer.numel() // meta.dtype.itemsize * meta.dtype.itemsize
+            flat = typed[meta.dtype] = bucket.buffer[:usable].view(meta.dtype)
+        start = flat.storage_offset() + meta.offset // meta.dtype.itemsize
+        views.append(flat.as_strided(meta.shape, _contiguous_strides(meta.shape), start))
     if verify:
         sums = bucket_checksums(bucket.buffer, [(m.offset, m.nbytes) for m in bucket.metas])
         for meta, got in zip(bucket.metas, sums):
@@ -261,9 +267,16 @@ def unpack_bucket(
                     f"bucket {bucket.index}: checksum mismatch for {meta.name!r} (sent "
                     f"{meta.checksum}, received {got}); the rollout's weights are not updated"
                 )
-    for meta, raw in zip(bucket.metas, views):
-        tensor = raw.view(meta.dtype).view(meta.shape)
+    for meta, tensor in zip(bucket.metas, views):
         yield meta.name, tensor.clone() if clone else tensor
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class BucketReceiver:
