@@ -7,8 +7,15 @@ receiver that verifies every checksum and loads nothing, as ``bench/vllm_sync.py
 
 - ``new``: :class:`BucketSender` as the rollouts use it (one sender kept across syncs): the tensors copied in
   groups with ``torch._foreach_copy_``, each bucket's padding zeroed by one cached indexed fill;
-- ``baseline``: the sender before, in the same run: one ``copy_`` into a cached buffer view per tensor and one
-  ``zero_`` of its padding (when its bytes are not a multiple of 256).
+- ``baseline``: the sender and receiver before, in the same run: one ``copy_`` into a cached buffer view per
+  tensor and one ``zero_`` of its padding (when its bytes are not a multiple of 256); a slice and two views per
+  tensor on the receiver's side.
+
+With ``--fsdp`` the stream is the FSDP2 engine's ``get_per_tensor_param`` on one rank (a Qwen2.5-1.5B-shaped model
+scaled by ``--scale``, saved and loaded as the trainer does), and the run also times the stream alone
+(``stream``) and the per-tensor step that takes one rank's full tensor out of its DTensor: ``local_tensor``
+(the DTensor's local tensor, detached, as the stream does now) against ``to_local`` (``to_local().detach()``
+under ``torch.no_grad()``, as it did before), over the same 338 DTensors.
 
 Printed per arm: the median sync time over ``--reps``, the same per tensor, and the ATen ops one sync dispatches
 (counted with a ``TorchDispatchMode``; on a GPU each is a kernel launch or a view: the host work this removes,
@@ -16,7 +23,8 @@ whatever the device). ``--scale N`` divides every dimension by N (bucket bytes b
 count, names, dtypes and order but get small, so a CPU run times the per-tensor host work rather than memory
 bandwidth; ``--scale 1 --device cuda`` is the full 3.09 GB sync on a GPU. Run::
 
-    OMP_NUM_THREADS=1 uv run python bench/sync_pack.py [--scale 16] [--reps 20] [--device cpu] [--json out.json]
+    OMP_NUM_THREADS=1 uv run python bench/sync_pack.py [--scale 16] [--reps 20] [--device cpu] [--fsdp]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -92,6 +100,22 @@ class PerTensorSender(BucketSender):
         report.num_buckets += 1
 
 
+class PerTensorReceiver(BucketReceiver):
+    """The baseline's receiver: the bucket's views as they were built, a slice and two views per tensor."""
+
+    def __call__(self, bucket: Any) -> None:
+        from posttrain.core.checksum import bucket_checksums
+
+        views = [bucket.buffer[m.offset : m.offset + m.nbytes] for m in bucket.metas]
+        sums = bucket_checksums(bucket.buffer, [(m.offset, m.nbytes) for m in bucket.metas])
+        if sums != [m.checksum for m in bucket.metas]:
+            raise RuntimeError(f"bucket {bucket.index}: a checksum does not match")
+        self.load([(m.name, v.view(m.dtype).view(m.shape)) for m, v in zip(bucket.metas, views)])
+        self.num_tensors += len(views)
+        self.expected_index += 1
+        self.complete = bucket.is_last
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the ATen ops dispatched inside it."""
 
@@ -104,14 +128,57 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def fsdp_engine(scale: int) -> Any:
+    """The FSDP2 engine (one rank) on a random-init Qwen2.5-1.5B-shaped model with every dimension / ``scale``."""
+    from vllm_sync import build_engine, save_model  # beside this file
+    from weight_sync import QWEN25_15B as SHAPE
+
+    keys = ("vocab_size", "hidden_size", "intermediate_size")
+    return build_engine(save_model({**SHAPE, **{k: SHAPE[k] // scale for k in keys}}))
+
+
+def median_ms(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def time_stream_parts(engine: Any, reps: int) -> dict[str, Any]:
+    """The engine's stream alone, and the two ways of taking a full tensor out of a one-rank DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    shards = [t for t in engine.module.state_dict(keep_vars=True).values() if isinstance(t, DTensor)]
+
+    def to_local() -> None:
+        for t in shards:
+            with torch.no_grad():
+                t.to_local().detach()
+
+    def local_tensor() -> None:
+        for t in shards:
+            t._local_tensor.detach()
+
+    out = {
+        "dtensors": len(shards),
+        "stream_ms": median_ms(lambda: list(engine.get_per_tensor_param()[0]), reps),
+    }
+    for name, fn in (("to_local", to_local), ("local_tensor", local_tensor)):
+        out[f"{name}_us_per_tensor"] = round(median_ms(fn, reps) * 1e3 / len(shards), 2)
+    return out
+
+
 def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def run_arm(sender: BucketSender, receiver: BucketReceiver, stream: list, device: torch.device) -> float:
+def run_arm(sender: BucketSender, receiver: BucketReceiver, stream: Any, device: torch.device) -> float:
+    """One sync; ``stream`` is a list of (name, tensor) or an engine (its stream, as stored)."""
     start = time.perf_counter()
-    sender.send(stream)
+    sender.send(stream if isinstance(stream, list) else stream.get_per_tensor_param()[0])
     receiver.finish()
     sync_device(device)
     return time.perf_counter() - start
@@ -122,36 +189,50 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=16, help="divide every dimension by this")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fsdp", action="store_true", help="the FSDP2 engine's stream (see above)")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     device = torch.device(args.device)
     gen = torch.Generator().manual_seed(0)
-    stream = [(name, torch.randn(shape, generator=gen).to(device)) for name, shape in layout(args.scale)]
+    tensors = [(name, torch.randn(shape, generator=gen).to(device)) for name, shape in layout(args.scale)]
+    stream: Any = fsdp_engine(args.scale) if args.fsdp else tensors
+    if args.fsdp:
+        tensors = list(stream.get_per_tensor_param()[0])
+        if args.device != str(tensors[0][1].device.type):
+            raise ValueError(f"--device {args.device}: the engine's tensors are on {tensors[0][1].device}")
     bucket_bytes = BUCKET_BYTES // args.scale**2
     arms = {}
-    for arm, cls in (("baseline", PerTensorSender), ("new", BucketSender)):
-        receiver = BucketReceiver(lambda tensors: None)
+    for arm, cls, receiver_cls in (
+        ("baseline", PerTensorSender, PerTensorReceiver),
+        ("new", BucketSender, BucketReceiver),
+    ):
+        receiver = receiver_cls(lambda tensors: None)
         sender = cls(InProcessTransport(receiver), bucket_bytes, device=device, dtype=torch.bfloat16)
         run_arm(sender, receiver, stream, device)  # warm-up: buffer views, padding index
         arms[arm] = (sender, receiver)
     times: dict[str, list[float]] = {arm: [] for arm in arms}
-    for _ in range(args.reps):  # the arms in turn, so drift hits both
-        for arm, (sender, receiver) in arms.items():
+    for rep in range(args.reps):  # the arms in turn, first one then the other, so drift hits both
+        for arm in sorted(arms, reverse=rep % 2 == 1):
+            sender, receiver = arms[arm]
             times[arm].append(run_arm(sender, receiver, stream, device))
     summary: dict[str, Any] = {
         "device": args.device,
         "scale": args.scale,
-        "tensors": len(stream),
+        "stream": "fsdp2" if args.fsdp else "tensors",
+        "tensors": len(tensors),
         "bucket_bytes": bucket_bytes,
-        "bf16_bytes": sum(t.numel() * 2 for _, t in stream),
+        "bf16_bytes": sum(t.numel() * 2 for _, t in tensors),
     }
+    if args.fsdp:
+        summary.update(time_stream_parts(stream, args.reps))
     for arm, (sender, receiver) in arms.items():
         with OpCounter() as counter:
             run_arm(sender, receiver, stream, device)
         median = statistics.median(times[arm])
         summary[arm] = {
             "ms_median": round(median * 1e3, 3),
-            "us_per_tensor": round(median * 1e6 / len(stream), 2),
+            "ms_min": round(min(times[arm]) * 1e3, 3),
+            "us_per_tensor": round(median * 1e6 / len(tensors), 2),
             "aten_ops": sum(counter.ops.values()),
             "top_ops": dict(counter.ops.most_common(6)),
         }

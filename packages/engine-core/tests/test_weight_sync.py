@@ -270,6 +270,28 @@ def test_copy_groups_hold_at_most_their_bytes_of_the_stream(limit):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_copies_on_cuda_cast_like_copy():
+    """torch._foreach_copy_'s CUDA kernel (the fast path: one source dtype, contiguous) casts as ``copy_`` does,
+    in groups split by source dtype, by a non-contiguous source and by the group limit, from the GPU and the CPU."""
+    g = torch.Generator().manual_seed(8)
+    weights = [(f"f{i}", torch.randn(1000 + 7 * i, 33, generator=g)) for i in range(5)]
+    weights += [("ids", torch.arange(77)), ("h", torch.randn(5, 9, generator=g).half())]
+    weights += [("t", torch.randn(40, 30, generator=g).t()), ("f_last", torch.randn(3, generator=g))]
+    for source_device, limit in (("cuda", 1 << 30), ("cuda", 300_000), ("cpu", 1 << 30)):
+        got: list[tuple[str, torch.Tensor]] = []
+        receiver = BucketReceiver(lambda ts, got=got: got.extend((n, t.cpu()) for n, t in ts))
+        stream = [(n, t.to(source_device)) for n, t in weights]
+        BucketSender(
+            InProcessTransport(receiver), 1 << 20, "cuda", torch.bfloat16, copy_group_bytes=limit
+        ).send(stream)
+        assert receiver.finish() == len(weights)
+        for (name, ref), (_, out) in zip(weights, got):
+            want = ref.to(torch.bfloat16) if ref.is_floating_point() else ref
+            assert out.dtype == want.dtype and torch.equal(out, want), (name, source_device, limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_checksums_on_cuda_equal_the_cpu_ones():
     """cuBLASLt's int8 GEMM gives the CPU's row hashes: a bucket of many spans (one of fewer than 17 rows, one
     across scan chunks) and single tensors, checksummed on each device."""

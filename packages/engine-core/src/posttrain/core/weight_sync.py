@@ -97,7 +97,10 @@ extra memory a stream of freshly gathered tensors (multi-rank FSDP) keeps alive,
 
 class _CopyGroup:
     """Copies pending for the bucket: (buffer view, source) pairs of one source dtype and device and one target
-    dtype, run by :meth:`run` with one ``torch._foreach_copy_``."""
+    dtype, run by :meth:`run` with one ``torch._foreach_copy_``. Its CUDA kernel takes one multi-tensor launch
+    (casting) when sources share dtype and device and match their targets' strides, else it copies tensor by
+    tensor in C++; some torch versions check only the sources' dtype there and dispatch on the first target's,
+    so a group also keeps one target dtype."""
 
     def __init__(self, limit: int, non_blocking: bool) -> None:
         self.limit, self.non_blocking = limit, non_blocking
