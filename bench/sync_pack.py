@@ -6,10 +6,12 @@ cast to bf16 in the pack. Each sync packs every tensor into checksummed buckets 
 receiver that verifies every checksum and loads nothing, as ``bench/vllm_sync.py``'s ``pack`` does. Arms:
 
 - ``new``: :class:`BucketSender` as the rollouts use it (one sender kept across syncs): the tensors copied in
-  groups with ``torch._foreach_copy_``, each bucket's padding zeroed by one cached indexed fill;
+  groups with ``torch._foreach_copy_``, each bucket's padding zeroed by one cached indexed fill, one
+  ``as_strided`` per tensor on the receiver's side, the checksums' scan index cached per layout;
 - ``baseline``: the sender and receiver before, in the same run: one ``copy_`` into a cached buffer view per
   tensor and one ``zero_`` of its padding (when its bytes are not a multiple of 256); a slice and two views per
-  tensor on the receiver's side.
+  tensor on the receiver's side; the checksums' scan index built for every bucket on both sides (the cache
+  emptied before each).
 
 With ``--fsdp`` the stream is the FSDP2 engine's ``get_per_tensor_param`` on one rank (a Qwen2.5-1.5B-shaped model
 scaled by ``--scale``, saved and loaded as the trainer does), and the run also times the stream alone
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from posttrain.core.checksum import ROW, padded
+from posttrain.core.checksum import _SPAN_PLANS, ROW, padded
 from posttrain.core.rollout import SyncReport
 from posttrain.core.weight_sync import BucketReceiver, BucketSender, InProcessTransport
 
@@ -94,6 +96,7 @@ class PerTensorSender(BucketSender):
     def _send_bucket(self, pending: list[tuple], report: SyncReport, is_last: bool = False) -> None:
         from posttrain.core.weight_sync import Bucket, TensorMeta, bucket_checksums
 
+        _SPAN_PLANS.clear()  # the checksum's scan index built per bucket, as it was
         sums = bucket_checksums(self.buffer, [(off, nbytes) for _, _, _, off, nbytes in pending])
         metas = [TensorMeta(*entry, checksum) for entry, checksum in zip(pending, sums)]
         self.transport.send(Bucket(self.buffer, metas, report.num_buckets, is_last))
@@ -107,6 +110,7 @@ class PerTensorReceiver(BucketReceiver):
         from posttrain.core.checksum import bucket_checksums
 
         views = [bucket.buffer[m.offset : m.offset + m.nbytes] for m in bucket.metas]
+        _SPAN_PLANS.clear()
         sums = bucket_checksums(bucket.buffer, [(m.offset, m.nbytes) for m in bucket.metas])
         if sums != [m.checksum for m in bucket.metas]:
             raise RuntimeError(f"bucket {bucket.index}: a checksum does not match")

@@ -99,6 +99,16 @@ def test_bucket_checksums_equal_the_per_tensor_checksums(chunk_rows):
         tensors.append(t)
         offset = end + (0, 256, 1024)[i % 3]
     assert bucket_checksums(buffer, spans, chunk_rows) == [tensor_checksum(t) for t in tensors]
+    # the same layout again (its scan plan cached) over other bytes: the new bytes' checksums
+    for (offset, n), t in zip(spans, tensors):
+        t.random_(0, 256, generator=g)
+        buffer[offset : offset + n] = t
+    assert bucket_checksums(buffer, spans, chunk_rows) == [tensor_checksum(t) for t in tensors]
+    small = torch.zeros(1024, dtype=torch.uint8)
+    small[:300] = torch.randint(1, 256, (300,), dtype=torch.uint8, generator=g)
+    for n in (300, 10, 300):  # layouts that share their starts
+        small[n:] = 0
+        assert bucket_checksums(small, [(0, n)], chunk_rows) == [tensor_checksum(small[:n])], n
     with pytest.raises(ValueError, match="multiples of 256 bytes"):
         bucket_checksums(buffer, [(4, 4)])
     with pytest.raises(WeightSyncError, match="partial transfer"):
