@@ -71,7 +71,9 @@ def torch_varlen_forward(
             f"{query.shape[0]} and a mask of shape {None if attention_mask is None else tuple(attention_mask.shape)}"
         )
     if dropout:
-        raise ValueError(f"{NAME} attention has no dropout; got {dropout}: set the config's attention_dropout to 0")
+        raise ValueError(
+            f"{NAME} attention has no dropout; got {dropout}: set the config's attention_dropout to 0"
+        )
     cu, max_len = _boundaries(kwargs["position_ids"])
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
     if k.shape[1] != q.shape[1]:
@@ -96,13 +98,17 @@ def _check() -> None:
     ref, start = [], 0
     for n in lens:
         s = slice(start, start + n)
-        o = F.scaled_dot_product_attention(q[:, :, s], k[:, :, s], v[:, :, s], is_causal=True, scale=0.125, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q[:, :, s], k[:, :, s], v[:, :, s], is_causal=True, scale=0.125, enable_gqa=True
+        )
         ref.append(o[0].transpose(0, 1))
         start += n
     err = (got[0].float() - torch.cat(ref).float()).abs().max().item()
     if err > 2e-2:
         raise SystemExit(f"{NAME}: max abs error {err:.3g} against per-sequence SDPA (bf16 bound 2e-2)")
-    print(f"{NAME}: matches per-sequence causal SDPA on {len(lens)} packed sequences ({T} tokens), max abs error {err:.2g}")
+    print(
+        f"{NAME}: matches per-sequence causal SDPA on {len(lens)} packed sequences ({T} tokens), max abs error {err:.2g}"
+    )
 
 
 if __name__ == "__main__":
