@@ -167,7 +167,10 @@ class TorchTitanLanguageModelEngine(BaseEngine):
             self.parallel_dims = parallel.build_parallel_dims(self._device.type, cfg)
             self.device_mesh = parallel.dp_mesh(self.parallel_dims)
         model = modeling.build_model(
-            self.hf_config, inner_attention_config(self._device), cfg.tp_size, self.value_model
+            self.hf_config,
+            inner_attention_config(self._device, getattr(torch, cfg.dtype)),
+            cfg.tp_size,
+            self.value_model,
         )
         self.hf_module = modeling.hf_view(model, self.hf_config.model_type)
         self._tied = {"lm_head.weight"} if model.enable_weight_tying else set()
