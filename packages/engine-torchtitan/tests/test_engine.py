@@ -137,10 +137,8 @@ def test_bad_settings_refused_with_the_fix(tmp_path):
     moe = save_tiny_model(
         tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
     )
-    with pytest.raises(
-        ValueError, match="MoE \\(expert parallelism\\) is not implemented.*model_engine=fsdp2"
-    ):
-        _engine(moe)
+    with pytest.raises(ValueError, match="tp_size=2 with the MoE model qwen3_moe.*set engine.tp_size=1"):
+        _engine(moe, tp_size=2)
     yarn = save_tiny_model(tmp_path / "yarn", "llama", rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="rope_type='yarn'.*model_engine=fsdp2"):
         _engine(yarn)

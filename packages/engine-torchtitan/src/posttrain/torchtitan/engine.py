@@ -50,7 +50,7 @@ from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
 
-from . import modeling, parallel
+from . import modeling, moe, parallel
 from .attention import inner_attention_config, packed_metadata
 from .config import TorchTitanEngineConfig
 from .head import HeadRequest, align_to_tokens
@@ -133,6 +133,12 @@ class TorchTitanLanguageModelEngine(BaseEngine):
                 "without tensor parallelism; set critic.engine.tp_size=1"
             )
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+        self.is_moe = moe.is_moe(read_hf_config(model_config))
+        """A Qwen3-MoE model (:mod:`posttrain.torchtitan.moe`)."""
+        if self.is_moe:
+            from .checkpoint import check_moe_contents
+
+            check_moe_contents(list(checkpoint_config.save_contents))
         self.engine_config: TorchTitanEngineConfig = engine_config
         self.module: torch.nn.Module | None = None
         self.hf_module: torch.nn.Module | None = None
@@ -166,11 +172,13 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         if self.distributed:
             self.parallel_dims = parallel.build_parallel_dims(self._device.type, cfg)
             self.device_mesh = parallel.dp_mesh(self.parallel_dims)
+        compute = getattr(torch, cfg.dtype)
         model = modeling.build_model(
             self.hf_config,
-            inner_attention_config(self._device, getattr(torch, cfg.dtype)),
+            inner_attention_config(self._device, compute),
             cfg.tp_size,
             self.value_model,
+            moe.experts_config(self._device, compute) if moe.is_moe(self.hf_config) else None,
         )
         self.hf_module = modeling.hf_view(model, self.hf_config.model_type)
         self._tied = {"lm_head.weight"} if model.enable_weight_tying else set()
@@ -195,7 +203,7 @@ class TorchTitanLanguageModelEngine(BaseEngine):
     def _load_hf_weights(self) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        weights = read_hf_weights(self.model_config.path)
+        weights = moe.group_experts(read_hf_weights(self.model_config.path))
         expected = set(self.hf_module.state_dict())
         missing = expected - set(weights) - self._tied
         head = {k for k in missing if k.startswith(f"{modeling.VALUE_HEAD}.")} if self.value_model else set()
@@ -389,8 +397,8 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         peft_merge: bool | None = None,
         dtype: torch.dtype | str | None = None,
     ) -> PerTensorParams:
-        """Lazy (HF name, full tensor) stream in ``dtype`` (default: as stored); a tied ``lm_head`` is left out
-        as ``save_pretrained`` does. Every rank must consume it (each gather is a collective). There is no LoRA
+        """Lazy (HF name, full tensor) stream in ``dtype`` (default: as stored), MoE experts one tensor per
+        expert; a tied ``lm_head`` is left out as ``save_pretrained`` does. Every rank must consume it (each gather is a collective). There is no LoRA
         here: ``base_sync_done`` and ``peft_merge`` change nothing, and the peft config is None."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -401,7 +409,8 @@ class TorchTitanLanguageModelEngine(BaseEngine):
                 if name in self._tied:
                     continue
                 full = parallel.full_tensor(tensor, self._device)
-                yield name, full if dtype is None else full.to(dtype)
+                for hf_name, part in moe.split_experts(name, full):  # per expert, as HF and vLLM name them
+                    yield hf_name, part if dtype is None else part.to(dtype)
 
         return stream(), None
 
