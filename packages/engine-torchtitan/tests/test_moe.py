@@ -170,3 +170,29 @@ def test_checkpoint_resumes_on_torchtitan_only(moe_dir, tmp_path):
     fsdp.save_checkpoint(str(tmp_path / "fsdp" / "global_step_1" / "actor"), global_step=1)
     with pytest.raises(ValueError, match="saved by backend 'torch'.*model_engine=fsdp2"):
         other.load_checkpoint(str(tmp_path / "fsdp" / "global_step_1" / "actor"))
+
+
+def test_bad_expert_parallel_settings_refused(moe_dir, tmp_path):
+    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+    from posttrain.torchtitan.config import TorchTitanEngineConfig
+    from posttrain.torchtitan.engine import TorchTitanLanguageModelEngine
+
+    def engine(path: str, **cfg):
+        return TorchTitanLanguageModelEngine(
+            ModelConfig(path=path), TorchTitanEngineConfig(**cfg), OptimizerConfig(), CheckpointConfig()
+        )
+
+    dense = save_tiny_model(tmp_path / "dense", "qwen3")
+    with pytest.raises(ValueError, match="ep_size=2 on the dense model qwen3.*set engine.ep_size=1"):
+        engine(dense, ep_size=2)
+    with pytest.raises(
+        ValueError, match=r"ep_size=3 does not divide the model's 4 experts: use one of \[1, 2, 4\]"
+    ):
+        engine(moe_dir, ep_size=3)
+    with pytest.raises(ValueError, match="ep_size=2 in a single process: launch 2 or more ranks"):
+        engine(moe_dir, ep_size=2).initialize()
+    with pytest.raises(ValueError, match="ep_size=2 with engine.tp_size=2.*set engine.tp_size=1"):
+        TorchTitanEngineConfig(ep_size=2, tp_size=2)
+    with pytest.raises(ValueError, match="ep_size=4 does not divide the FSDP shard group of 2 ranks"):
+        TorchTitanEngineConfig(ep_size=4, fsdp_size=2).check_world_size(4)
+    assert TorchTitanEngineConfig(ep_size=2, fsdp_size=4).check_world_size(8) == 8

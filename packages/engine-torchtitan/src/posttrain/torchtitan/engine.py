@@ -93,6 +93,7 @@ def check_model_config(model_config: ModelConfig, engine_config: TorchTitanEngin
     hf_config = read_hf_config(model_config)
     modeling.check_supported(hf_config)
     modeling.check_tensor_parallel(hf_config, engine_config.tp_size)
+    moe.check_expert_parallel(hf_config, engine_config.ep_size)
 
 
 def read_hf_weights(model_dir: str) -> dict[str, torch.Tensor]:
@@ -163,11 +164,12 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         if torch.cuda.is_available():
             self._device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(self._device)
-        if not self.distributed and cfg.tp_size > 1:
-            raise ValueError(
-                f"engine.tp_size={cfg.tp_size} in a single process: launch {cfg.tp_size} or more ranks with "
-                "torchrun, or set engine.tp_size=1"
-            )
+        for key, size in (("tp_size", cfg.tp_size), ("ep_size", cfg.ep_size)):
+            if not self.distributed and size > 1:
+                raise ValueError(
+                    f"engine.{key}={size} in a single process: launch {size} or more ranks with torchrun, or set "
+                    f"engine.{key}=1"
+                )
         self.hf_config = read_hf_config(self.model_config)
         if self.distributed:
             self.parallel_dims = parallel.build_parallel_dims(self._device.type, cfg)
@@ -178,7 +180,7 @@ class TorchTitanLanguageModelEngine(BaseEngine):
             inner_attention_config(self._device, compute),
             cfg.tp_size,
             self.value_model,
-            moe.experts_config(self._device, compute) if moe.is_moe(self.hf_config) else None,
+            moe.experts_config(self._device, compute, cfg.ep_size) if self.is_moe else None,
         )
         self.hf_module = modeling.hf_view(model, self.hf_config.model_type)
         self._tied = {"lm_head.weight"} if model.enable_weight_tying else set()

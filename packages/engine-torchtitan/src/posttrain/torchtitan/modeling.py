@@ -136,18 +136,18 @@ def _rope_config(hf_config: Any, head_dim: int) -> Any:
 
 
 def _block_configs(
-    hf_config: Any, fam: Family, inner_attention: Any, norm: Any, linear: dict, experts_cls: type | None
+    hf_config: Any, fam: Family, inner_attention: Any, norm: Any, linear: dict, experts: Any
 ) -> list[Any]:
     """One torchtitan decoder block config per HF layer: GQA attention (separate q/k/v, RoPE, Qwen3's qk-norm)
     and the SwiGLU feed-forward, or on a Qwen3-MoE sparse layer torchtitan's MoE (:mod:`.moe`) with
-    ``experts_cls`` (default torchtitan's grouped experts)."""
+    ``experts`` (a :class:`~posttrain.torchtitan.moe.ExpertsPlan`; default torchtitan's grouped experts)."""
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
 
     dim, heads = hf_config.hidden_size, hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or dim // heads
     rope = _rope_config(hf_config, head_dim)
     sparse = moe.sparse_layers(hf_config) if moe.is_moe(hf_config) else set()
-    experts_cls = experts_cls or moe.GroupedExperts.Config
+    experts = experts or moe.ExpertsPlan(moe.GroupedExperts.Config)
     return [
         fam.block_cls.Config(
             attention_norm=norm(dim),
@@ -172,7 +172,7 @@ def _block_configs(
                 w1_param_init=linear,
                 w2w3_param_init=linear,
             ),
-            moe=moe.moe_config(hf_config, experts_cls, linear) if i in sparse else None,
+            moe=moe.moe_config(hf_config, experts, linear) if i in sparse else None,
         )
         for i in range(hf_config.num_hidden_layers)
     ]
@@ -183,13 +183,14 @@ def titan_model_config(
     inner_attention: Any,
     tp_size: int = 1,
     value_head: bool = False,
-    experts_cls: type | None = None,
+    experts: Any = None,
 ) -> Any:
     """torchtitan model config equal to the HF model of ``hf_config`` (checked by :func:`check_supported`);
     with ``tp_size > 1`` every module carries torchtitan's TP placements (no sequence parallelism: the packed
     attention needs whole rows), the output layer :func:`~posttrain.torchtitan.head.tp_sharding_config`. With
     ``value_head`` the output layer is a ``hidden -> 1`` linear with a bias (HF's token-classification
-    ``score``), untied. ``experts_cls``: the MoE experts' config class (:func:`posttrain.torchtitan.moe.experts_config`)."""
+    ``score``), untied. ``experts``: how a MoE model's experts are built (:func:`posttrain.torchtitan.moe.experts_config`); with its
+    ``ep_size > 1`` the MoE modules carry torchtitan's expert-parallel placements."""
     from torchtitan.models.common import Embedding
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.nn_modules import RMSNorm
@@ -219,8 +220,13 @@ def titan_model_config(
         enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=linear),
         lm_head=head,
-        layers=_block_configs(hf_config, fam, inner_attention, norm, linear, experts_cls),
+        layers=_block_configs(hf_config, fam, inner_attention, norm, linear, experts),
     )
+    if experts is not None and experts.ep_size > 1:
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+        moe.check_expert_parallel(hf_config, experts.ep_size)
+        set_qwen3_sharding_config(config, enable_sp=False, enable_ep=True)
     if tp_size > 1:
         from .head import tp_sharding_config
 
@@ -235,11 +241,11 @@ def build_model(
     inner_attention: Any,
     tp_size: int = 1,
     value_head: bool = False,
-    experts_cls: type | None = None,
+    experts: Any = None,
 ) -> nn.Module:
     """The torchtitan model on the meta device (materialize with :func:`materialize`)."""
     with torch.device("meta"):
-        return titan_model_config(hf_config, inner_attention, tp_size, value_head, experts_cls).build()
+        return titan_model_config(hf_config, inner_attention, tp_size, value_head, experts).build()
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:

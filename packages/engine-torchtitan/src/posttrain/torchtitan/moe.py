@@ -85,33 +85,61 @@ class LoopedExperts(GroupedExperts):
         return torch.cat(outs)
 
 
-def experts_config(device: torch.device, dtype: torch.dtype) -> type:
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """How the experts of a MoE model are built: their config class and the expert-parallel degree."""
+
+    config_cls: type
+    ep_size: int = 1
+
+
+def check_expert_parallel(hf_config: Any, ep_size: int) -> None:
+    """Raise a ValueError naming the fix unless ``ep_size`` is 1 or divides a MoE model's experts."""
+    if ep_size == 1:
+        return
+    if not is_moe(hf_config):
+        raise ValueError(
+            f"engine.ep_size={ep_size} on the dense model {hf_config.model_type}: expert parallelism splits MoE "
+            "experts; set engine.ep_size=1"
+        )
+    n = num_experts(hf_config)
+    if n % ep_size:
+        fits = [d for d in range(1, n + 1) if n % d == 0]
+        raise ValueError(
+            f"engine.ep_size={ep_size} does not divide the model's {n} experts: use one of {fits}"
+        )
+
+
+def experts_config(device: torch.device, dtype: torch.dtype, ep_size: int = 1) -> ExpertsPlan:
     """torchtitan's ``GroupedExperts.Config`` on CUDA computing in bfloat16, else :class:`LoopedExperts`'
-    (logged)."""
+    (logged); with ``ep_size``."""
     if device.type == "cuda" and dtype == torch.bfloat16:
-        return GroupedExperts.Config
+        return ExpertsPlan(GroupedExperts.Config, ep_size)
     logger.info(
         "torchtitan engine on %s in %s: MoE experts run one F.linear per expert in that dtype (torchtitan's "
         "grouped experts compute in bfloat16)",
         device.type,
         dtype,
     )
-    return LoopedExperts.Config
+    return ExpertsPlan(LoopedExperts.Config, ep_size)
 
 
-def moe_config(hf_config: Any, experts_cls: type, linear: dict) -> Any:
-    """torchtitan's ``MoE.Config`` of one HF Qwen3-MoE sparse block."""
+def moe_config(hf_config: Any, plan: ExpertsPlan, linear: dict) -> Any:
+    """torchtitan's ``MoE.Config`` of one HF Qwen3-MoE sparse block; with ``ep_size > 1`` its all-to-all token
+    dispatcher (the EP mesh is wired by ``model.parallelize``)."""
     from torchtitan.models.common.config_utils import make_moe_config, make_router_config
     from torchtitan.models.common.moe import RoutedExperts
-    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
     dim, n, k = hf_config.hidden_size, num_experts(hf_config), hf_config.num_experts_per_tok
     init = {name: partial(nn.init.normal_, std=linear["weight"].keywords["std"]) for name in EXPERT_PARAMS}
     routed = RoutedExperts.Config(
-        inner_experts=experts_cls(
+        inner_experts=plan.config_cls(
             dim=dim, hidden_dim=hf_config.moe_intermediate_size, num_experts=n, param_init=init
         ),
-        token_dispatcher=LocalTokenDispatcher.Config(num_experts=n, top_k=k),
+        token_dispatcher=(AllToAllTokenDispatcher if plan.ep_size > 1 else LocalTokenDispatcher).Config(
+            num_experts=n, top_k=k
+        ),
     )
     router = make_router_config(
         dim=dim,
