@@ -50,7 +50,7 @@ from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
 
-from . import modeling, moe, parallel
+from . import compat, modeling, moe, parallel
 from .attention import inner_attention_config, packed_metadata
 from .config import TorchTitanEngineConfig
 from .head import HeadRequest, align_to_tokens
@@ -170,6 +170,7 @@ class TorchTitanLanguageModelEngine(BaseEngine):
                     f"engine.{key}={size} in a single process: launch {size} or more ranks with torchrun, or set "
                     f"engine.{key}=1"
                 )
+        compat.check_moe_sharding(self.is_moe, self.distributed)
         self.hf_config = read_hf_config(self.model_config)
         if self.distributed:
             self.parallel_dims = parallel.build_parallel_dims(self._device.type, cfg)
@@ -400,8 +401,9 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         dtype: torch.dtype | str | None = None,
     ) -> PerTensorParams:
         """Lazy (HF name, full tensor) stream in ``dtype`` (default: as stored), MoE experts one tensor per
-        expert; a tied ``lm_head`` is left out as ``save_pretrained`` does. Every rank must consume it (each gather is a collective). There is no LoRA
-        here: ``base_sync_done`` and ``peft_merge`` change nothing, and the peft config is None."""
+        expert; a tied ``lm_head`` is left out as ``save_pretrained`` does. Every rank must consume it (each
+        gather is a collective). There is no LoRA here: ``base_sync_done`` and ``peft_merge`` change nothing, and
+        the peft config is None."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         state = self.hf_module.state_dict(keep_vars=True)

@@ -189,8 +189,9 @@ def titan_model_config(
     with ``tp_size > 1`` every module carries torchtitan's TP placements (no sequence parallelism: the packed
     attention needs whole rows), the output layer :func:`~posttrain.torchtitan.head.tp_sharding_config`. With
     ``value_head`` the output layer is a ``hidden -> 1`` linear with a bias (HF's token-classification
-    ``score``), untied. ``experts``: how a MoE model's experts are built (:func:`posttrain.torchtitan.moe.experts_config`); with its
-    ``ep_size > 1`` the MoE modules carry torchtitan's expert-parallel placements."""
+    ``score``), untied. ``experts``: how a MoE model's experts are built
+    (:func:`posttrain.torchtitan.moe.experts_config`); with its ``ep_size > 1`` the MoE modules carry torchtitan's
+    expert-parallel placements."""
     from torchtitan.models.common import Embedding
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.nn_modules import RMSNorm
