@@ -7,6 +7,7 @@
 #   bash scripts/gpu_checks.sh rl [bench/rl_throughput.py flags]   # GRPO steps; vLLM from /tmp/stash (vllm_parts.sh)
 #   bash scripts/gpu_checks.sh readme [overrides]   # examples/grpo_fsdp.sh itself, on the model/data of `rl --work readme`
 #   bash scripts/gpu_checks.sh trl [bench/trl_grpo.py flags]       # the TRL peer; .trl-wheels carried too
+#   bash scripts/gpu_checks.sh titan   # the TorchTitan engine's tests, sft and throughput; .titan-whl carried too
 # Each part is short enough for one 10-minute call. Results are JSON/log files; BENCHMARKS.md records them.
 # rl and trl append to /tmp/rl_bench/{rl,trl}.jsonl, which outlive a call while the machine stays warm (models
 # and data there are made once), copy both to $OUT and print posttrain's step time over TRL's when both exist.
@@ -125,5 +126,22 @@ case "${1:-tests}" in
     timeout "${RL_TIMEOUT:-575}" python3 bench/trl_grpo.py --workdir /tmp/rl_bench --json /tmp/rl_bench/trl.jsonl \
       "$@" 2>&1 | tee "$out/trl.log" | grep -v '^{'
     rl_report ;;
-  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|push|ckpt|vllm|vllmsync|grpo|rl|readme|trl" >&2; exit 2 ;;
+  titan)
+    # the TorchTitan engine on CUDA (.whl and .titan-whl carried: scripts/titan_wheels.sh): its tests, a 3-step
+    # `posttrain sft` with model_engine=torchtitan on a tiny Qwen3, and bench/titan_throughput.py (1.7b, 1 GPU).
+    # Expert parallelism needs 2+ ranks (EP all-to-all), so its check is not part of this one-GPU case.
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .titan-whl/*.whl
+    timeout 220 python3 -m pytest -q -p no:cacheprovider packages/engine-torchtitan/tests 2>&1 | tail -25 \
+      | tee "$out/titan_tests.log"
+    d=/tmp/titan-sft; rm -rf "$d"
+    python3 -m posttrain.trainers.cli model init --arch qwen3 --size tiny --out "$d/model" >/dev/null
+    python3 -m posttrain.trainers.cli data synthetic --task arithmetic --digits 1 --num-train 64 --num-test 8 \
+      --out "$d/data" >/dev/null
+    timeout 120 python3 -m posttrain.trainers.cli sft --config sft_tiny model.path="$d/model" model_engine=torchtitan \
+      data.train_files="[$d/data/train.parquet]" trainer.total_training_steps=3 trainer.default_local_dir="$d/run" \
+      2>&1 | tail -20 | tee "$out/titan_sft.log"
+    cp "$d/run/metrics.jsonl" "$out/titan_sft_metrics.jsonl" 2>/dev/null || echo "titan: no sft metrics" | tee -a "$out/titan_sft.log"
+    timeout 220 python3 bench/titan_throughput.py --shape 1.7b --gpus 1 --rounds 2 --out "$out/titan.json" 2>&1 \
+      | tail -20 | tee "$out/titan_bench.log" ;;
+  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|push|ckpt|vllm|vllmsync|grpo|rl|readme|trl|titan" >&2; exit 2 ;;
 esac

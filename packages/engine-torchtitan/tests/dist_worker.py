@@ -1,6 +1,8 @@
 """Run by test_dist.py under torchrun (2 gloo ranks). ``fsdp2``: one FSDP2 step, each rank on part of the batch;
 the engine saves a checkpoint. ``tp``: tensor parallelism over both ranks (one data-parallel rank), the whole batch
-on each; rank 0 also writes the log-probs before the step. Rank 0 writes the streamed weights, grad norm and loss."""
+on each; rank 0 also writes the log-probs before the step. ``ep``: the Qwen3-MoE model in ``moe/`` with expert
+parallelism over both ranks (FSDP2 of the rest), each rank on part of the batch, gradients recorded. Rank 0
+writes the streamed weights, grad norm and loss."""
 
 from __future__ import annotations
 
@@ -44,16 +46,21 @@ def _step_with_grads(eng, batch: PackedBatch, result: dict) -> dict:
 def main() -> None:
     work = Path(sys.argv[1])
     for case in sys.argv[2:]:
-        tp = 2 if case == "tp" else 1
-        eng = make_engine(str(work / "model"), max_token_len_per_gpu=16, tp_size=tp)
+        sizes = {"tp_size": 2} if case == "tp" else {"ep_size": 2} if case == "ep" else {}
+        model = work / ("moe" if case == "ep" else "model")
+        eng = make_engine(str(model), max_token_len_per_gpu=16, **sizes)
         batch = make_batch(LENGTHS)
-        mine = halves(batch, eng.get_data_parallel_rank()) if case == "fsdp2" else batch
+        mine = batch if case == "tp" else halves(batch, eng.get_data_parallel_rank())
         result = {"dp": eng.get_data_parallel_size(), "src": eng.is_mp_src_rank_with_outputs()}
         if case == "tp":
             with eng.eval_mode():
                 result["log_probs"] = eng.infer_batch(batch)["model_output"]["log_probs"]
         with eng.train_mode():
             out = eng.train_batch(mine, pg_loss) if case == "fsdp2" else _step_with_grads(eng, mine, result)
+        if case == "ep":
+            experts = eng.hf_module.get_submodule("model.layers.0.mlp.experts").w1_EFD
+            result["local_experts"] = experts.to_local().shape[0]  # 4 experts over ep=2, efsdp=1
+            result["expert_mesh"] = experts.device_mesh.mesh_dim_names
         stream, _ = eng.get_per_tensor_param()
         result["params"] = {k: v.clone() for k, v in stream}
         if dist.get_rank() == 0:

@@ -79,3 +79,13 @@ def test_model_torchtitan_lacks_is_refused(assets, tmp_path):
     with pytest.raises(ValueError, match="no Qwen2 model.*model_engine=fsdp2"):
         _sft(assets, tmp_path / "run", "torchtitan", 1, model=tmp_path / "q2")
     assert not (tmp_path / "run" / "global_step_1").exists()
+
+
+def test_sft_on_a_qwen3_moe(assets, tmp_path):
+    """`posttrain model init --arch qwen3_moe` writes a model the torchtitan engine trains and resumes."""
+    moe = tmp_path / "moe"
+    assert main(["model", "init", "--arch", "qwen3_moe", "--size", "tiny", "--out", str(moe)]) == 0
+    run = tmp_path / "sft"
+    assert _sft(assets, run, "torchtitan", 1, model=moe) == 0
+    assert _sft(assets, run, "torchtitan", 2, model=moe) == 0  # resumes from global_step_1
+    assert _steps(run)[-1] == 2

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_worker import LENGTHS, _step_with_grads
+from test_moe import MOE
 from titan_testing import make_batch, make_engine, save_tiny_model
 
 from posttrain.core.testing import torchrun
@@ -64,3 +65,25 @@ def test_two_ranks_equal_one_process(tmp_path: Path) -> None:
     for name, value in want.items():
         torch.testing.assert_close(loaded[name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert fsdp.optimizer.state  # the AdamW moments came back too
+
+
+def test_expert_parallel_equals_one_process(tmp_path: Path) -> None:
+    """Qwen3-MoE with ep_size=2 on two gloo ranks (each rank two of the four experts, tokens exchanged by
+    torchtitan's all-to-all; FSDP2 for the rest), each rank on part of the batch: every gradient, the grad norm and
+    the updated weights equal one process's step on the whole batch."""
+    save_tiny_model(tmp_path / "moe", "qwen3_moe", **MOE)
+    ref = make_engine(str(tmp_path / "moe"), max_token_len_per_gpu=16)
+    ref_grads: dict = {}
+    with ref.train_mode():
+        metrics = _step_with_grads(ref, make_batch(LENGTHS), ref_grads)["metrics"]
+    want = dict(ref.get_per_tensor_param()[0])
+    torchrun(Path(__file__).with_name("dist_worker.py"), tmp_path, "ep", timeout=600)
+    got = torch.load(tmp_path / "ep.pt")
+    assert got["local_experts"] == 2 and "ep" in got["expert_mesh"]
+    assert set(got["grads"]) == set(ref_grads["grads"])
+    for name, value in ref_grads["grads"].items():
+        torch.testing.assert_close(got["grads"][name], value, rtol=1e-5, atol=1e-6, msg=f"ep grad {name}")
+    assert got["norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+    assert set(got["params"]) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=f"ep {name}")

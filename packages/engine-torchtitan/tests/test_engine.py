@@ -38,8 +38,9 @@ LLAMA31_ROPE = {
 
 @pytest.mark.parametrize("model_type", ["qwen3", "llama", "llama3.1"])
 def test_logits_and_log_probs_equal_hf(model_type, tmp_path):
-    """A packed row of four documents gives each document's HF logits, and the log-probs/entropy they imply
-    (Qwen3 with tied embeddings, Llama-3 without, Llama-3.1 with its RoPE scaling)."""
+    """A packed row of four documents gives each document's HF logits (HF in fp32 on the CPU; the engine on its
+    own device, fp32 there too), and the log-probs/entropy they imply (Qwen3 with tied embeddings, Llama-3
+    without, Llama-3.1 with its RoPE scaling)."""
     extra = {"rope_scaling": LLAMA31_ROPE} if model_type == "llama3.1" else {}
     model_type = model_type.replace("3.1", "")
     model_dir = save_tiny_model(tmp_path, model_type, tie_word_embeddings=model_type == "qwen3", **extra)
@@ -48,9 +49,9 @@ def test_logits_and_log_probs_equal_hf(model_type, tmp_path):
     cu = batch.cu_seqlens.tolist()
     hf = _hf(model_dir)
     with torch.no_grad():
-        logits = eng.module(batch.input_ids[None], batch.position_ids[None], packed_metadata(cu, eng.device))[
-            0
-        ]
+        on_device = batch.to(eng.device)
+        meta = packed_metadata(cu, eng.device)
+        logits = eng.module(on_device.input_ids[None], on_device.position_ids[None], meta)[0].cpu()
         ref = torch.cat([hf(batch.input_ids[a:b][None]).logits[0] for a, b in zip(cu[:-1], cu[1:])])
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
 
@@ -136,10 +137,8 @@ def test_bad_settings_refused_with_the_fix(tmp_path):
     moe = save_tiny_model(
         tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
     )
-    with pytest.raises(
-        ValueError, match="MoE \\(expert parallelism\\) is not implemented.*model_engine=fsdp2"
-    ):
-        _engine(moe)
+    with pytest.raises(ValueError, match="tp_size=2 with the MoE model qwen3_moe.*set engine.tp_size=1"):
+        _engine(moe, tp_size=2)
     yarn = save_tiny_model(tmp_path / "yarn", "llama", rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="rope_type='yarn'.*model_engine=fsdp2"):
         _engine(yarn)
@@ -200,5 +199,19 @@ def test_fsdp2_checkpoint_resumes_on_torchtitan_and_exports_hf(tmp_path):
         str(tmp_path / "b" / "global_step_1" / "actor" / "huggingface" / "model.safetensors")
     )
     assert set(exported) == set(want)
-    for name, value in want.items():
-        torch.testing.assert_close(exported[name], value, rtol=0, atol=0, msg=name)
+    for name, value in want.items():  # the stream is on the engine's device, the file's tensors on the CPU
+        torch.testing.assert_close(exported[name], value.cpu(), rtol=0, atol=0, msg=name)
+
+
+def test_cuda_attention_follows_the_compute_dtype():
+    """On CUDA only a bfloat16 compute dtype takes torchtitan's varlen kernel (it casts q/k/v to bfloat16); fp32
+    and fp16 take the per-document SDPA in their own dtype, with a warning that names the fix. Choosing builds
+    configs only, so this runs without a GPU."""
+    from posttrain.torchtitan.attention import PackedSDPA, inner_attention_config
+
+    cuda = torch.device("cuda", 0)
+    assert not isinstance(inner_attention_config(cuda, torch.bfloat16), PackedSDPA.Config)
+    for dtype in (torch.float32, torch.float16):
+        with pytest.warns(RuntimeWarning, match="engine.dtype=bfloat16"):
+            assert isinstance(inner_attention_config(cuda, dtype), PackedSDPA.Config)
+    assert isinstance(inner_attention_config(torch.device("cpu"), torch.bfloat16), PackedSDPA.Config)

@@ -3,11 +3,15 @@
 torchtitan 0.3.0's FSDP module needs ``torch.distributed.fsdp.DataParallelMeshDims`` (torch >= 2.12); without it
 the engine imports torchtitan's model modules bare and shards with torch's ``fully_shard``
 (:mod:`posttrain.torchtitan.compat`). Two gloo ranks on that path equal one process on torchtitan's own path, and
-the FSDP units it builds are the ones torchtitan's ``apply_fsdp_to_decoder`` builds."""
+the FSDP units it builds are the ones torchtitan's ``apply_fsdp_to_decoder`` builds. A Qwen3-MoE takes the same
+step there in one process; in a process group it is refused before the model is built."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +40,29 @@ def test_torch211_path_two_ranks_equal_one_process(tmp_path: Path) -> None:
     assert set(got["params"]) == set(want)
     for name, value in want.items():
         torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_torch211_path_moe_in_one_process(tmp_path: Path) -> None:
+    """A Qwen3-MoE in one process on the 2.11 path (torchtitan's model modules imported bare) takes the same step
+    as on torchtitan's own path: the grad norm and every updated weight."""
+    from test_moe import MOE
+
+    save_tiny_model(tmp_path / "moe", "qwen3_moe", **MOE)
+    ref = make_engine(str(tmp_path / "moe"))
+    with ref.train_mode():
+        norm = ref.train_batch(make_batch(LENGTHS), pg_loss)["metrics"]["grad_norm"]
+    want = dict(ref.get_per_tensor_param()[0])
+    worker = Path(__file__).with_name("torch211_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), "moe"], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(tmp_path / "torch211_moe.pt")
+    assert got["bare_package"] and got["norm"] == pytest.approx(norm, rel=1e-6)
+    assert set(got["params"]) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def _units(model: torch.nn.Module) -> list[tuple[tuple[str, ...], bool]]:
@@ -103,3 +130,32 @@ def test_torch_varlen_attention_equals_packed_sdpa() -> None:
         q.float(), k.float(), v.float(), attention_masks=meta, enable_gqa=True
     )
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_moe_under_torch_distributed_refused_before_build(tmp_path: Path, monkeypatch) -> None:
+    """On a torch without ``DataParallelMeshDims`` (2.11) a MoE model in a process group is refused by name before
+    the model is built (torch's ``fully_shard`` path has dense decoders' units only)."""
+    import torch.distributed.fsdp as fsdp
+    from test_moe import MOE
+
+    from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+    from posttrain.torchtitan.config import TorchTitanEngineConfig
+    from posttrain.torchtitan.engine import TorchTitanLanguageModelEngine
+
+    path = save_tiny_model(tmp_path / "moe", "qwen3_moe", **MOE)
+    monkeypatch.delattr(fsdp, "DataParallelMeshDims", raising=False)
+    eng = TorchTitanLanguageModelEngine(
+        ModelConfig(path=path), TorchTitanEngineConfig(dtype="fp32"), OptimizerConfig(), CheckpointConfig()
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        with pytest.raises(
+            ValueError, match=r"lacks .*DataParallelMeshDims.*train the MoE model in one process"
+        ):
+            eng.initialize()
+        assert eng.module is None and eng.parallel_dims is None
+    finally:
+        dist.destroy_process_group()

@@ -114,3 +114,21 @@ def test_qwen3_0_6b_shape():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     assert sum(p.numel() for p in model.parameters()) == 596_049_920  # Qwen3-0.6B's count (tied embeddings)
+
+
+def test_qwen3_moe_tiny(tmp_path):
+    """``--arch qwen3_moe``: every layer's MLP is MOE_EXPERTS experts of a quarter width, top-MOE_TOP_K routed."""
+    from posttrain.trainers.model_init import MOE_EXPERTS, MOE_TOP_K, SIZES
+
+    out = tmp_path / "moe"
+    assert model_cmd.main(["init", "--arch", "qwen3_moe", "--size", "tiny", "--out", str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", MOE_EXPERTS, MOE_TOP_K)
+    assert cfg.moe_intermediate_size == SIZES["tiny"].intermediate_size // 4 and cfg.norm_topk_prob
+    assert cfg.decoder_sparse_step == 1 and not cfg.mlp_only_layers  # every layer is sparse
+    assert count_parameters(out) == sum(p.numel() for p in model.parameters())
+    ids = AutoTokenizer.from_pretrained(out)("12 + 3 = ?", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), cfg.vocab_size) and torch.isfinite(logits).all()

@@ -14,7 +14,8 @@ On such a torch the engine (each step logged once):
   package's ``__init__`` (:func:`prepare_model_imports`): it registers the package as a bare namespace whose
   ``__path__`` is torchtitan's folder, so the model code is torchtitan's own, unchanged;
 - shards with torch's ``fully_shard`` in the unit layout of torchtitan's ``apply_fsdp_to_decoder`` for a dense
-  decoder (:func:`fully_shard_decoder`);
+  decoder (:func:`fully_shard_decoder`); a MoE model runs in one process only (in a process group it is refused
+  before the model is built: :func:`check_moe_sharding`);
 - on CUDA, runs :class:`TorchVarlenAttention`: torch's ``varlen_attn`` with key/value heads repeated to the query
   heads.
 
@@ -125,6 +126,18 @@ def fully_shard_decoder(
     for sub in model.modules():
         if isinstance(sub, FSDPModule):
             sub.set_gradient_divide_factor(1.0)
+
+
+def check_moe_sharding(is_moe: bool, distributed: bool) -> None:
+    """Refuse, before the model is built, a MoE model that FSDP2 would shard on a torch without torchtitan's FSDP
+    function: :func:`fully_shard_decoder` has dense decoders' unit layout only, and expert parallelism's
+    sharding is torchtitan's."""
+    if is_moe and distributed and not titan_fsdp_importable():
+        raise ValueError(
+            f"torch {torch.__version__} lacks torch.distributed.fsdp.DataParallelMeshDims, which torchtitan "
+            "0.3.0's FSDP2 of MoE blocks (and expert parallelism) needs: train the MoE model in one process "
+            "(without torchrun), use a dense model on several ranks, or install torch >= 2.12"
+        )
 
 
 def decoder_fsdp_function() -> Any:

@@ -38,6 +38,10 @@ class TorchTitanEngineConfig(EngineConfig):
     """Tensor-parallel degree (torchtitan's ``tensor_parallel_degree``): attention heads, MLP columns and the
     vocabulary are split over groups of ``tp_size`` consecutive ranks by torchtitan's own sharding plan; it
     must divide the query and key/value heads and the world size. Data parallelism is world / tp_size."""
+    ep_size: int = 1
+    """Expert-parallel degree of a MoE model (torchtitan's ``expert_parallel_degree``): each sparse layer's
+    experts are split over groups of ``ep_size`` data-parallel ranks, tokens reach their experts by all-to-all;
+    it must divide the experts and the FSDP shard group. 1 keeps every expert on every rank (FSDP-sharded)."""
     model_dtype: str = "fp32"
     """Dtype of the master parameters (the optimizer's copy); FSDP2 computes in ``dtype``."""
     reshard_after_forward: str = "default"
@@ -64,6 +68,13 @@ class TorchTitanEngineConfig(EngineConfig):
         self.model_dtype = normalize_dtype(self.model_dtype, "engine.model_dtype")
         if self.tp_size < 1:
             raise ValueError(f"engine.tp_size={self.tp_size}: use 1 (no tensor parallelism) or more")
+        if self.ep_size < 1:
+            raise ValueError(f"engine.ep_size={self.ep_size}: use 1 (no expert parallelism) or more")
+        if self.ep_size > 1 and self.tp_size > 1:
+            raise ValueError(
+                f"engine.ep_size={self.ep_size} with engine.tp_size={self.tp_size}: the torchtitan engine runs "
+                "MoE models without tensor parallelism; set engine.tp_size=1"
+            )
         if self.fsdp_size == 0 or self.fsdp_size < -1:
             raise ValueError(f"engine.fsdp_size={self.fsdp_size}: use -1 (all ranks) or a positive divisor")
         if self.reshard_after_forward not in ("default", "always", "never"):
@@ -97,6 +108,12 @@ class TorchTitanEngineConfig(EngineConfig):
         if self.fsdp_size > dp:
             raise ValueError(
                 f"engine.fsdp_size={self.fsdp_size} exceeds the data-parallel size {dp}: use -1 or a divisor"
+            )
+        shard = self.fsdp_size if 0 < self.fsdp_size < dp else dp
+        if shard % self.ep_size:
+            raise ValueError(
+                f"engine.ep_size={self.ep_size} does not divide the FSDP shard group of {shard} ranks (world "
+                f"{world_size}, fsdp_size {self.fsdp_size}): use an ep_size that divides {shard}"
             )
         return dp
 

@@ -50,7 +50,7 @@ from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
 
-from . import modeling, parallel
+from . import compat, modeling, moe, parallel
 from .attention import inner_attention_config, packed_metadata
 from .config import TorchTitanEngineConfig
 from .head import HeadRequest, align_to_tokens
@@ -93,6 +93,7 @@ def check_model_config(model_config: ModelConfig, engine_config: TorchTitanEngin
     hf_config = read_hf_config(model_config)
     modeling.check_supported(hf_config)
     modeling.check_tensor_parallel(hf_config, engine_config.tp_size)
+    moe.check_expert_parallel(hf_config, engine_config.ep_size)
 
 
 def read_hf_weights(model_dir: str) -> dict[str, torch.Tensor]:
@@ -133,6 +134,12 @@ class TorchTitanLanguageModelEngine(BaseEngine):
                 "without tensor parallelism; set critic.engine.tp_size=1"
             )
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+        self.is_moe = moe.is_moe(read_hf_config(model_config))
+        """A Qwen3-MoE model (:mod:`posttrain.torchtitan.moe`)."""
+        if self.is_moe:
+            from .checkpoint import check_moe_contents
+
+            check_moe_contents(list(checkpoint_config.save_contents))
         self.engine_config: TorchTitanEngineConfig = engine_config
         self.module: torch.nn.Module | None = None
         self.hf_module: torch.nn.Module | None = None
@@ -157,17 +164,24 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         if torch.cuda.is_available():
             self._device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(self._device)
-        if not self.distributed and cfg.tp_size > 1:
-            raise ValueError(
-                f"engine.tp_size={cfg.tp_size} in a single process: launch {cfg.tp_size} or more ranks with "
-                "torchrun, or set engine.tp_size=1"
-            )
+        for key, size in (("tp_size", cfg.tp_size), ("ep_size", cfg.ep_size)):
+            if not self.distributed and size > 1:
+                raise ValueError(
+                    f"engine.{key}={size} in a single process: launch {size} or more ranks with torchrun, or set "
+                    f"engine.{key}=1"
+                )
+        compat.check_moe_sharding(self.is_moe, self.distributed)
         self.hf_config = read_hf_config(self.model_config)
         if self.distributed:
             self.parallel_dims = parallel.build_parallel_dims(self._device.type, cfg)
             self.device_mesh = parallel.dp_mesh(self.parallel_dims)
+        compute = getattr(torch, cfg.dtype)
         model = modeling.build_model(
-            self.hf_config, inner_attention_config(self._device), cfg.tp_size, self.value_model
+            self.hf_config,
+            inner_attention_config(self._device, compute),
+            cfg.tp_size,
+            self.value_model,
+            moe.experts_config(self._device, compute, cfg.ep_size) if self.is_moe else None,
         )
         self.hf_module = modeling.hf_view(model, self.hf_config.model_type)
         self._tied = {"lm_head.weight"} if model.enable_weight_tying else set()
@@ -192,7 +206,7 @@ class TorchTitanLanguageModelEngine(BaseEngine):
     def _load_hf_weights(self) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        weights = read_hf_weights(self.model_config.path)
+        weights = moe.group_experts(read_hf_weights(self.model_config.path))
         expected = set(self.hf_module.state_dict())
         missing = expected - set(weights) - self._tied
         head = {k for k in missing if k.startswith(f"{modeling.VALUE_HEAD}.")} if self.value_model else set()
@@ -386,9 +400,10 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         peft_merge: bool | None = None,
         dtype: torch.dtype | str | None = None,
     ) -> PerTensorParams:
-        """Lazy (HF name, full tensor) stream in ``dtype`` (default: as stored); a tied ``lm_head`` is left out
-        as ``save_pretrained`` does. Every rank must consume it (each gather is a collective). There is no LoRA
-        here: ``base_sync_done`` and ``peft_merge`` change nothing, and the peft config is None."""
+        """Lazy (HF name, full tensor) stream in ``dtype`` (default: as stored), MoE experts one tensor per
+        expert; a tied ``lm_head`` is left out as ``save_pretrained`` does. Every rank must consume it (each
+        gather is a collective). There is no LoRA here: ``base_sync_done`` and ``peft_merge`` change nothing, and
+        the peft config is None."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         state = self.hf_module.state_dict(keep_vars=True)
@@ -398,7 +413,8 @@ class TorchTitanLanguageModelEngine(BaseEngine):
                 if name in self._tied:
                     continue
                 full = parallel.full_tensor(tensor, self._device)
-                yield name, full if dtype is None else full.to(dtype)
+                for hf_name, part in moe.split_experts(name, full):  # per expert, as HF and vLLM name them
+                    yield hf_name, part if dtype is None else part.to(dtype)
 
         return stream(), None
 

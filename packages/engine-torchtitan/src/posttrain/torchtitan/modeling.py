@@ -22,13 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import compat
+from . import compat, moe
 
-SUPPORTED = ("qwen3", "llama")
+SUPPORTED = ("qwen3", "qwen3_moe", "llama")
 """HF ``model_type`` values this engine builds."""
 
 _REFUSED = {
-    "qwen3_moe": "MoE (expert parallelism) is not implemented in the torchtitan engine yet",
     "qwen2": "torchtitan 0.3.0 has no Qwen2 model (make a Qwen3 one: posttrain model init --arch qwen3)",
 }
 
@@ -47,7 +46,7 @@ class Family:
 
 def _family(model_type: str) -> Family:
     compat.prepare_model_imports()
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
         from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
         from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
@@ -79,7 +78,7 @@ def check_supported(hf_config: Any) -> None:
         why = _REFUSED.get(kind, "torchtitan 0.3.0 has no such model in this engine")
         raise ValueError(
             f"model_type={kind!r}: {why}. The torchtitan engine builds {', '.join(SUPPORTED)} "
-            "(Qwen3, Llama-3 dense); use model_engine=fsdp2 for this model"
+            "(Qwen3, Qwen3-MoE, Llama-3); use model_engine=fsdp2 for this model"
         )
     rope = _rope_parameters(hf_config)
     if rope["rope_type"] not in ("default", "llama3"):
@@ -97,7 +96,13 @@ def check_supported(hf_config: Any) -> None:
 
 
 def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
-    """Raise a ValueError naming the fix unless ``tp_size`` divides the query and key/value heads."""
+    """Raise a ValueError naming the fix unless ``tp_size`` divides the query and key/value heads (and is 1 for
+    an MoE model)."""
+    if tp_size > 1 and moe.is_moe(hf_config):
+        raise ValueError(
+            f"engine.tp_size={tp_size} with the MoE model {hf_config.model_type}: the torchtitan engine runs MoE "
+            "models without tensor parallelism; set engine.tp_size=1 (FSDP2 over all ranks)"
+        )
     heads, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if tp_size > 1 and (heads % tp_size or kv % tp_size):
         fits = [d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0]
@@ -130,14 +135,19 @@ def _rope_config(hf_config: Any, head_dim: int) -> Any:
     )
 
 
-def _block_configs(hf_config: Any, fam: Family, inner_attention: Any, norm: Any, linear: dict) -> list[Any]:
+def _block_configs(
+    hf_config: Any, fam: Family, inner_attention: Any, norm: Any, linear: dict, experts: Any
+) -> list[Any]:
     """One torchtitan decoder block config per HF layer: GQA attention (separate q/k/v, RoPE, Qwen3's qk-norm)
-    and the SwiGLU feed-forward."""
+    and the SwiGLU feed-forward, or on a Qwen3-MoE sparse layer torchtitan's MoE (:mod:`.moe`) with
+    ``experts`` (a :class:`~posttrain.torchtitan.moe.ExpertsPlan`; default torchtitan's grouped experts)."""
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
 
     dim, heads = hf_config.hidden_size, hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or dim // heads
     rope = _rope_config(hf_config, head_dim)
+    sparse = moe.sparse_layers(hf_config) if moe.is_moe(hf_config) else set()
+    experts = experts or moe.ExpertsPlan(moe.GroupedExperts.Config)
     return [
         fam.block_cls.Config(
             attention_norm=norm(dim),
@@ -154,25 +164,34 @@ def _block_configs(hf_config: Any, fam: Family, inner_attention: Any, norm: Any,
                 rope=rope,
                 qk_norm=norm(head_dim) if fam.qk_norm else None,
             ),
-            feed_forward=make_ffn_config(
+            feed_forward=None
+            if i in sparse
+            else make_ffn_config(
                 dim=dim,
                 hidden_dim=hf_config.intermediate_size,
                 w1_param_init=linear,
                 w2w3_param_init=linear,
             ),
+            moe=moe.moe_config(hf_config, experts, linear) if i in sparse else None,
         )
-        for _ in range(hf_config.num_hidden_layers)
+        for i in range(hf_config.num_hidden_layers)
     ]
 
 
 def titan_model_config(
-    hf_config: Any, inner_attention: Any, tp_size: int = 1, value_head: bool = False
+    hf_config: Any,
+    inner_attention: Any,
+    tp_size: int = 1,
+    value_head: bool = False,
+    experts: Any = None,
 ) -> Any:
     """torchtitan model config equal to the HF model of ``hf_config`` (checked by :func:`check_supported`);
     with ``tp_size > 1`` every module carries torchtitan's TP placements (no sequence parallelism: the packed
     attention needs whole rows), the output layer :func:`~posttrain.torchtitan.head.tp_sharding_config`. With
     ``value_head`` the output layer is a ``hidden -> 1`` linear with a bias (HF's token-classification
-    ``score``), untied."""
+    ``score``), untied. ``experts``: how a MoE model's experts are built
+    (:func:`posttrain.torchtitan.moe.experts_config`); with its ``ep_size > 1`` the MoE modules carry torchtitan's
+    expert-parallel placements."""
     from torchtitan.models.common import Embedding
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.nn_modules import RMSNorm
@@ -202,8 +221,13 @@ def titan_model_config(
         enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=linear),
         lm_head=head,
-        layers=_block_configs(hf_config, fam, inner_attention, norm, linear),
+        layers=_block_configs(hf_config, fam, inner_attention, norm, linear, experts),
     )
+    if experts is not None and experts.ep_size > 1:
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+        moe.check_expert_parallel(hf_config, experts.ep_size)
+        set_qwen3_sharding_config(config, enable_sp=False, enable_ep=True)
     if tp_size > 1:
         from .head import tp_sharding_config
 
@@ -214,11 +238,15 @@ def titan_model_config(
 
 
 def build_model(
-    hf_config: Any, inner_attention: Any, tp_size: int = 1, value_head: bool = False
+    hf_config: Any,
+    inner_attention: Any,
+    tp_size: int = 1,
+    value_head: bool = False,
+    experts: Any = None,
 ) -> nn.Module:
     """The torchtitan model on the meta device (materialize with :func:`materialize`)."""
     with torch.device("meta"):
-        return titan_model_config(hf_config, inner_attention, tp_size, value_head).build()
+        return titan_model_config(hf_config, inner_attention, tp_size, value_head, experts).build()
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
@@ -251,6 +279,9 @@ def hf_name_map(model: nn.Module, model_type: str) -> dict[str, str]:
         layer = re.search(r"\.(\d+)\.", name)
         if key not in to_hf:
             raise ValueError(f"{name}: not in torchtitan's {model_type} state-dict adapter map")
+        if name.rsplit(".", 1)[-1] in moe.EXPERT_PARAMS:  # grouped experts: the module is HF's mlp.experts
+            out[name.rsplit(".", 1)[0]] = f"model.layers.{layer.group(1)}.mlp.experts"
+            continue
         hf = to_hf[key].format(layer.group(1)) if layer else to_hf[key]
         out[name.rsplit(".", 1)[0]] = hf.rsplit(".", 1)[0]
     return out

@@ -35,7 +35,7 @@ def build_parallel_dims(device_type: str, cfg: TorchTitanEngineConfig) -> Any:
         cp=1,
         tp=cfg.tp_size,
         pp=1,
-        ep=1,
+        ep=cfg.ep_size,
         world_size=world,
         spmd_backend="partial_dtensor",
     )
@@ -44,6 +44,12 @@ def build_parallel_dims(device_type: str, cfg: TorchTitanEngineConfig) -> Any:
         dims.build_mesh()
     finally:
         titan_dims.device_type = chosen
+    if cfg.ep_size > 1:
+        # torchtitan's runtime helpers (the EP token dispatcher) read a process-wide backend, "spmd_types"
+        # unless set: make it the meshes' (torchtitan's trainer does the same).
+        from torchtitan.distributed.utils import set_spmd_backend
+
+        set_spmd_backend(dims.spmd_backend)
     return dims
 
 
@@ -53,9 +59,9 @@ def dp_mesh(dims: Any) -> Any:
 
 
 def apply_tensor_parallel(model: nn.Module, dims: Any) -> None:
-    """torchtitan's TP: every module's parameters distributed and its forward wrapped by the placements its
-    config carries (``modeling.titan_model_config`` with ``tp_size``)."""
-    if dims.tp_enabled:
+    """torchtitan's TP / EP: every module's parameters distributed and its forward wrapped by the placements its
+    config carries (``modeling.titan_model_config`` with ``tp_size`` or ``ep_size``)."""
+    if dims.tp_enabled or dims.ep_enabled:
         model.parallelize(dims)
 
 
@@ -89,6 +95,10 @@ def apply_fsdp(model: nn.Module, dims: Any, cfg: TorchTitanEngineConfig) -> None
 
     apply_fsdp_to_decoder = decoder_fsdp_function()
     mesh = dp_mesh(dims)
+    expert = {}
+    if dims.ep_enabled:  # expert weights FSDP-sharded over efsdp (the shard group / ep_size)
+        names = ["dp_replicate", "efsdp"] if dims.dp_replicate_enabled else ["efsdp"]
+        expert = {"ep_degree": dims.ep, "edp_mesh": dims.get_optional_mesh(names)}
     apply_fsdp_to_decoder(
         model,
         mesh,
@@ -96,6 +106,7 @@ def apply_fsdp(model: nn.Module, dims: Any, cfg: TorchTitanEngineConfig) -> None
         reduce_dtype=torch.float32,
         pp_enabled=False,
         reshard_after_forward_policy=cfg.reshard_after_forward,
+        **expert,
     )
     # Gradients are the mean over all data-parallel ranks (the loss functions scale by dp_size). gloo has no
     # AVG / PREMUL_SUM reduction: there FSDP sums and divides afterwards.
@@ -106,6 +117,16 @@ def apply_fsdp(model: nn.Module, dims: Any, cfg: TorchTitanEngineConfig) -> None
             sub.set_gradient_divide_factor(float(mesh.size()))
             if dist.get_backend() == "gloo":
                 sub.set_force_sum_reduction_for_comms(True)
+                _plain_single_rank_reduce(sub)
+
+
+def _plain_single_rank_reduce(module: Any) -> None:
+    """Under forced SUM, torch's FSDP2 divides the gradients of a one-rank shard group by the factor twice (its
+    single-rank copy divides, then the post-division runs): give such groups (EP's expert shards when ``ep_size``
+    is the whole shard group) the plain path, which has no collective to force and divides once."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        if group.mesh_info.mesh.size() == 1:
+            group.force_sum_reduction_for_comms = False
 
 
 def full_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -14,7 +14,9 @@ run in minutes on two CPU cores; head_dim 64 is what vLLM's CPU attention accept
 Qwen2.5-0.5B (``0.5b``: hidden 896, 24 layers, 14 heads, 2 KV heads, 494 M parameters) and Qwen2.5-1.5B
 (``1.5b``: hidden 1536, 28 layers, 12 heads, 2 KV heads, 1.54 B parameters) with random weights, for benchmarks;
 ``0.6b`` is the shape of Qwen3-0.6B (hidden 1024, 28 layers, 16 heads of head_dim 128, 8 KV heads). ``--arch``
-is ``qwen2`` or ``qwen3`` (Qwen3 adds per-head q/k norms; the torchtitan engine builds Qwen3).
+is ``qwen2``, ``qwen3`` (Qwen3 adds per-head q/k norms; the torchtitan engine builds Qwen3) or ``qwen3_moe``
+(Qwen3 with every MLP a mixture of :data:`MOE_EXPERTS` experts, top-:data:`MOE_TOP_K` routing with normalised
+weights, each expert a quarter of the size's ``intermediate_size``).
 """
 
 from __future__ import annotations
@@ -111,7 +113,9 @@ SIZES = {
         head_dim=128,
     ),
 }
-ARCHS = ("qwen2", "qwen3")
+ARCHS = ("qwen2", "qwen3", "qwen3_moe")
+MOE_EXPERTS, MOE_TOP_K = 8, 2
+"""Experts per MoE layer and experts per token of ``--arch qwen3_moe``."""
 
 
 def build_tokenizer(vocab_size: int, seed: int = 0):
@@ -196,6 +200,14 @@ def model_config(arch: str, size: str, tokenizer: Any, max_position_embeddings: 
         raise ValueError(f"--size {size!r} is unknown: use one of {', '.join(SIZES)}")
     s = SIZES[size]
     vocab = -(-len(tokenizer) // 64) * 64
+    moe = {}
+    if arch == "qwen3_moe":
+        moe = dict(
+            num_experts=MOE_EXPERTS,
+            num_experts_per_tok=MOE_TOP_K,
+            moe_intermediate_size=s.intermediate_size // 4,
+            norm_topk_prob=True,
+        )
     return AutoConfig.for_model(
         arch,
         vocab_size=vocab,
@@ -211,6 +223,7 @@ def model_config(arch: str, size: str, tokenizer: Any, max_position_embeddings: 
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
         bos_token_id=None,
         torch_dtype="float32",
+        **moe,
     )
 
 
