@@ -1,6 +1,7 @@
 """Run by test_dist.py under torchrun (2 gloo ranks). ``fsdp2``: one FSDP2 step, each rank on part of the batch;
 the engine saves a checkpoint. ``tp``: tensor parallelism over both ranks (one data-parallel rank), the whole batch
-on each; rank 0 also writes the log-probs before the step. ``ep``: the Qwen3-MoE model in ``moe/`` with expert
+on each; rank 0 also writes the log-probs before the step, and ``correct`` (token accuracy) of the sequences in
+``acc_seqs.pt`` when the test wrote them. ``ep``: the Qwen3-MoE model in ``moe/`` with expert
 parallelism over both ranks (FSDP2 of the rest), each rank on part of the batch, gradients recorded. Rank 0
 writes the streamed weights, grad norm and loss."""
 
@@ -55,6 +56,11 @@ def main() -> None:
         if case == "tp":
             with eng.eval_mode():
                 result["log_probs"] = eng.infer_batch(batch)["model_output"]["log_probs"]
+                if (work / "acc_seqs.pt").exists():
+                    seqs = torch.load(work / "acc_seqs.pt")
+                    acc = PackedBatch.from_sequences(seqs, [torch.ones(len(s)) for s in seqs])
+                    acc.meta["calculate_accuracy"] = True
+                    result["correct"] = eng.infer_batch(acc)["model_output"]["correct"]
         with eng.train_mode():
             out = eng.train_batch(mine, pg_loss) if case == "fsdp2" else _step_with_grads(eng, mine, result)
         if case == "ep":

@@ -13,8 +13,9 @@ import torch
 from dist_worker import LENGTHS, _step_with_grads
 from test_moe import MOE
 from titan_testing import make_batch, make_engine, save_tiny_model
+from transformers import AutoModelForCausalLM
 
-from posttrain.core.testing import torchrun
+from posttrain.core.testing import argmax_hits, half_greedy_sequences, torchrun
 
 pytestmark = [
     pytest.mark.dist,
@@ -32,10 +33,17 @@ def test_two_ranks_equal_one_process(tmp_path: Path) -> None:
     with ref.train_mode():
         metrics = _step_with_grads(ref, make_batch(LENGTHS), ref_grads)["metrics"]
     want = dict(ref.get_per_tensor_param()[0])
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
+    # token accuracy under TP: HF's float64 argmax, token by token
+    seqs = half_greedy_sequences(hf, [9, 14, 6])
+    torch.save(seqs, tmp_path / "acc_seqs.pt")
     torchrun(Path(__file__).with_name("dist_worker.py"), tmp_path, "fsdp2", "tp", timeout=600)
     tp = torch.load(tmp_path / "tp.pt")
     assert (tp["dp"], tp["src"]) == (1, True)
     torch.testing.assert_close(tp["log_probs"], log_probs, rtol=1e-5, atol=1e-5)
+    hits = argmax_hits(hf, seqs)
+    assert 0 < float(hits.sum()) < hits.numel() - len(seqs)
+    torch.testing.assert_close(tp["correct"].double(), hits, atol=0, rtol=0)
     assert tp["loss"] == pytest.approx(metrics["pg_loss"], rel=1e-5)
     assert set(tp["grads"]) == set(ref_grads["grads"])
     for name, value in ref_grads["grads"].items():

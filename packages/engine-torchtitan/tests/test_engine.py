@@ -94,6 +94,32 @@ def test_gradients_equal_fsdp_engine(model_dir):
             torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_token_accuracy_matches_hf_argmax(model_dir):
+    """``correct`` (batch.meta['calculate_accuracy']) is HF's float64 argmax == token, token by token, over
+    several logits chunks and micro-batches, with gradients on (the training path) and off; beside entropy."""
+    from posttrain.core.batch import PackedBatch
+    from posttrain.core.testing import argmax_hits, half_greedy_sequences
+
+    hf = _hf(model_dir)
+    seqs = half_greedy_sequences(hf, LENGTHS + [20, 16])
+    want = argmax_hits(hf, seqs)
+    assert 0.3 < float(want.sum()) / (want.numel() - len(seqs)) < 0.8  # neither all hits nor none
+    masks = [torch.ones(len(s)) for s in seqs]
+    fields = {"advantages": [torch.ones(len(s)) for s in seqs]}
+    meta = {"calculate_accuracy": True, "calculate_entropy": True}
+    batch = PackedBatch.from_sequences(seqs, masks, fields, meta=meta)
+    eng = make_engine(model_dir, entropy_from_logits_chunk_size=7, max_token_len_per_gpu=24)
+    assert eng.computes_token_accuracy
+    with eng.eval_mode():
+        inferred = eng.infer_batch(batch)["model_output"]
+    with eng.train_mode():
+        eng.optimizer_zero_grad()
+        trained = eng.forward_backward_batch(batch, pg_loss)["model_output"]
+    for got in (inferred, trained):
+        assert "entropy" in got
+        torch.testing.assert_close(got["correct"].double(), want, atol=0, rtol=0)
+
+
 def test_weight_stream_is_the_trained_hf_model(model_dir, tmp_path):
     """After a step, the rollout stream loads into the HF model with no key left over, and that model gives
     the engine's log-probs."""

@@ -110,8 +110,10 @@ def read_hf_weights(model_dir: str) -> dict[str, torch.Tensor]:
 
 
 class TorchTitanLanguageModelEngine(BaseEngine):
-    """Causal LM: ``log_probs`` (and ``entropy`` when ``batch.meta['calculate_entropy']``) per token."""
+    """Causal LM: ``log_probs`` per token, ``entropy`` when ``batch.meta['calculate_entropy']`` and ``correct``
+    (1.0 where the token is the argmax of the logits that predict it) when ``batch.meta['calculate_accuracy']``."""
 
+    computes_token_accuracy = True
     value_model = False
     """A value model (:class:`TorchTitanValueModelEngine`) has a ``hidden -> 1`` head instead of the LM head."""
 
@@ -303,12 +305,14 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         temp = temperatures(mb)
         targets, inv_temp = torch.roll(ids, -1), torch.roll(temp.float(), -1).reciprocal()
         with_entropy = bool(mb.meta.get("calculate_entropy", False))
+        with_accuracy = bool(mb.meta.get("calculate_accuracy", False))
         head = self.module.lm_head
         head.request = HeadRequest(
             targets,
             inv_temp,
             with_entropy,
             self.engine_config.logits_chunk_size(targets.numel()),
+            with_accuracy=with_accuracy,
             checkpoint=self.engine_config.entropy_checkpointing,
         )
         try:
@@ -322,6 +326,8 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         out = {"log_probs": align_to_tokens(stats[:, 0], mb.cu_seqlens)}
         if with_entropy:
             out["entropy"] = align_to_tokens(stats[:, 1], mb.cu_seqlens)
+        if with_accuracy:
+            out["correct"] = align_to_tokens(stats[:, -1], mb.cu_seqlens)
         return out
 
     def forward_backward_batch(
@@ -444,6 +450,7 @@ class TorchTitanValueModelEngine(TorchTitanLanguageModelEngine):
     ``*ForTokenClassification`` with one label gives it. The head loads from ``score.*`` in the checkpoint, or
     starts from the seeded init (normal weight, zero bias) when a causal LM has none."""
 
+    computes_token_accuracy = False
     value_model = True
 
     def _forward_micro(self, mb: PackedBatch, cu_host: list[int]) -> dict[str, torch.Tensor]:

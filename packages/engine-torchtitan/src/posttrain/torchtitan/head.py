@@ -1,4 +1,4 @@
-"""The output layer as a head that returns next-token log-probs (and entropy), never fp32 logits of a whole row.
+"""The output layer as a head that returns next-token log-probs (entropy, accuracy), never fp32 logits of a row.
 
 :class:`StatsHead` replaces torchtitan's ``lm_head`` (same ``weight`` parameter, so weight tying, FSDP units and
 names stay as they were). With a :class:`HeadRequest` set it returns, for hidden states ``h`` (T, D), targets
@@ -7,11 +7,13 @@ names stay as they were). With a :class:`HeadRequest` set it returns, for hidden
     z = (h W^T) / tau            # fp32, one chunk at a time
     log_prob[t] = z[y[t]] - logsumexp(z)
     entropy[t]  = logsumexp(z) - sum(softmax(z) * z)
+    correct[t]  = argmax(z) == y[t]     # 1.0 / 0.0, no gradient; the first index of the maximum, as torch.argmax
 
 With gradients on and ``checkpoint``, each chunk's fp32 part is recomputed in backward. Under tensor
 parallelism the weight is torchtitan's vocabulary shard (``Shard(0)``, tied with the embedding's) and each rank
 computes the statistics of its slice: the max, the sum of exponentials, the target's logit and ``sum(p * z)`` are
-summed over the TP group (:func:`tp_sharding_config`), so no rank holds a whole vocabulary row. :func:`align_to_tokens`
+summed over the TP group (:func:`tp_sharding_config`), so no rank holds a whole vocabulary row; the argmax is the
+smallest vocabulary index that holds the group's maximum (two one-value-per-row all-reduces). :func:`align_to_tokens`
 moves the statistics onto the token they score (0 at each document's first token), the convention of the other
 engines.
 """
@@ -42,19 +44,29 @@ class HeadRequest:
     """Also return the entropy of each predicted distribution."""
     chunk_size: int
     """Tokens per chunk of the vocabulary projection."""
+    with_accuracy: bool = False
+    """Also return whether each target is the argmax of its logits (1.0 / 0.0, the last column)."""
     checkpoint: bool = True
     """With gradients on, recompute each chunk's fp32 part in backward instead of keeping it."""
 
 
+Stats = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+"""(log_prob, entropy or None, correct or None) of one chunk."""
+
+
 def _chunk_stats(
-    logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    inv_temp: torch.Tensor,
+    with_entropy: bool,
+    with_accuracy: bool,
+) -> Stats:
     z = logits.float() * inv_temp.unsqueeze(-1)
     lse = torch.logsumexp(z, dim=-1)
     log_prob = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    if not with_entropy:
-        return log_prob, None
-    return log_prob, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None
+    correct = logits.detach().argmax(-1).eq(targets).to(log_prob.dtype) if with_accuracy else None
+    return log_prob, entropy, correct
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -77,10 +89,11 @@ def _chunk_stats_tp(
     targets: torch.Tensor,
     inv_temp: torch.Tensor,
     with_entropy: bool,
+    with_accuracy: bool,
     *,
     group: Any,
     offset: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> Stats:
     """:func:`_chunk_stats` of logits whose last dim is the vocabulary slice ``[offset, offset + V_local)``."""
     z = logits.float() * inv_temp.unsqueeze(-1)
     top = z.detach().amax(-1)
@@ -92,11 +105,22 @@ def _chunk_stats_tp(
     mine = (local >= 0) & (local < z.shape[-1])
     picked = z.gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * mine
     log_prob = _SumOverGroup.apply(picked, group) - lse
+    correct = _tp_argmax_hits(logits.detach(), targets, group, offset) if with_accuracy else None
     if not with_entropy:
-        return log_prob, None
+        return log_prob, None, correct
     # Reduced values only feed replicated terms (that is what the identity backward assumes).
     p_dot_z = _SumOverGroup.apply((exp * z).sum(-1), group) / sum_exp
-    return log_prob, lse - p_dot_z
+    return log_prob, lse - p_dot_z, correct
+
+
+def _tp_argmax_hits(logits: torch.Tensor, targets: torch.Tensor, group: Any, offset: int) -> torch.Tensor:
+    """1.0 where ``targets`` is the smallest vocabulary index holding the maximum of its row over the group."""
+    values, index = logits.max(dim=-1)
+    best = values.clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+    first = torch.where(values == best, index + offset, torch.iinfo(torch.long).max)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    return first.eq(targets).float()
 
 
 def tp_sharding_config() -> Any:
@@ -119,7 +143,8 @@ def tp_sharding_config() -> Any:
 
 
 class StatsHead(Linear):
-    """torchtitan ``Linear`` that returns (T, 1 or 2) [log_prob, entropy] while :attr:`request` is set."""
+    """torchtitan ``Linear`` that returns (T, 1 to 3) [log_prob, entropy?, correct?] while :attr:`request` is
+    set."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Linear.Config):
@@ -162,12 +187,13 @@ class StatsHead(Linear):
         for start in range(0, flat.shape[0], req.chunk_size):
             end = start + req.chunk_size
             logits = F.linear(flat[start:end], weight, self.bias)
-            args = (logits, req.targets[start:end], req.inv_temperature[start:end], req.with_entropy)
+            args = (logits, req.targets[start:end], req.inv_temperature[start:end])
+            args += (req.with_entropy, req.with_accuracy)
             if req.checkpoint and torch.is_grad_enabled():
-                log_prob, entropy = checkpoint(fn, *args, use_reentrant=False)
+                stats = checkpoint(fn, *args, use_reentrant=False)
             else:
-                log_prob, entropy = fn(*args)
-            outs.append(torch.stack([log_prob, entropy], -1) if entropy is not None else log_prob[:, None])
+                stats = fn(*args)
+            outs.append(torch.stack([s for s in stats if s is not None], -1))
         return torch.cat(outs, dim=0)
 
 
