@@ -143,5 +143,23 @@ case "${1:-tests}" in
     cp "$d/run/metrics.jsonl" "$out/titan_sft_metrics.jsonl" 2>/dev/null || echo "titan: no sft metrics" | tee -a "$out/titan_sft.log"
     timeout 220 python3 bench/titan_throughput.py --shape 1.7b --gpus 1 --rounds 2 --out "$out/titan.json" 2>&1 \
       | tail -20 | tee "$out/titan_bench.log" ;;
-  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|push|ckpt|vllm|vllmsync|grpo|rl|readme|trl|titan" >&2; exit 2 ;;
+  titangrpo)
+    # the README's command (examples/grpo_fsdp.sh, vLLM, README work) on a random Qwen3-0.6B-shaped model, with
+    # STRATEGY=fsdp2 and then torchtitan in the same launch (.titan-whl carried): step times side by side
+    rl_env; shift
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .titan-whl/*.whl
+    m=/tmp/rl_bench/models/qwen3-0.6b; d=/tmp/rl_bench/qwen3-data; mkdir -p "$d"
+    [ -f "$m/tokenizer.json" ] || python3 -m posttrain.trainers.cli model init --arch qwen3 --size 0.6b --out "$m"
+    f=$(cd bench && python3 -c "from pathlib import Path; import rl_runs as r; print(r.prepare_data(Path('/tmp/rl_bench'), Path('$m'), r.WORKS['readme'], 640))")
+    ln -sf "$f" "$d/train.parquet"; ln -sf "$f" "$d/test.parquet"
+    for engine in ${ENGINES:-fsdp2 torchtitan}; do
+      run=/tmp/rl_bench/qwen3-$engine; rm -rf "$run"
+      MODEL_PATH=$m DATA_DIR="$d" SAVE_PATH=$run ROLLOUT=vllm STRATEGY=$engine timeout "${RL_TIMEOUT:-280}" \
+        bash examples/grpo_fsdp.sh data.train_batch_size=128 actor.ppo_mini_batch_size=64 \
+        trainer.total_training_steps="${STEPS:-3}" trainer.val_before_train=false trainer.save_freq=-1 \
+        trainer.test_freq=-1 "$@" > "$out/qwen3_$engine.log" 2>&1
+      echo "== $engine (rc $?)"; grep -E "Error|error" "$out/qwen3_$engine.log" | tail -5
+      python3 bench/rl_report.py "$run/metrics.jsonl" | tee "$out/qwen3_${engine}_steps.txt"
+    done ;;
+  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|push|ckpt|vllm|vllmsync|grpo|rl|readme|trl|titan|titangrpo" >&2; exit 2 ;;
 esac
