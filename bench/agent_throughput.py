@@ -40,6 +40,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trl_agent  # noqa: E402  (the TRL arm; imports nothing heavy until it runs)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -56,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--out", default=None, help="JSON file")
     p.add_argument("--workdir", default=None, help="where the model goes (default: a temporary folder)")
+    p.add_argument("--trl", action="store_true", help="also TRL's environment_factory (bench/trl_agent.py)")
+    trl_agent.add_trl_args(p)
     return p.parse_args(argv)
 
 
@@ -117,13 +122,18 @@ class Timed:
             self.intervals.append((start, time.perf_counter()))
 
     def busy_s(self, begin: float, end: float) -> float:
-        """Seconds of [begin, end] with at least one request in flight (the union of the intervals)."""
-        total, edge = 0.0, begin
-        for start, stop in sorted(self.intervals):
-            start, stop = max(start, edge), min(stop, end)
-            if stop > start:
-                total, edge = total + stop - start, stop
-        return total
+        """Seconds of [begin, end] with at least one request in flight."""
+        return union_s(self.intervals, begin, end)
+
+
+def union_s(intervals: list[tuple[float, float]], begin: float, end: float) -> float:
+    """Seconds of [begin, end] inside at least one of ``intervals`` (their union)."""
+    total, edge = 0.0, begin
+    for start, stop in sorted(intervals):
+        start, stop = max(start, edge), min(stop, end)
+        if stop > start:
+            total, edge = total + stop - start, stop
+    return total
 
 
 def play(arm: str, args, tok, rollout, rollout_cfg, prompts) -> dict[str, float]:
@@ -134,7 +144,7 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts) -> dict[str, float]
         env_kwargs={"latency_s": args.tool_latency, "jitter_s": args.tool_jitter},
         loop="async" if arm == "async" else "batched",
         max_turns=args.max_turns,
-        max_tokens_per_turn=128,
+        max_tokens_per_turn=trl_agent.TURN_TOKENS,
         tool_workers=max(16, args.questions * args.n),
     ).build(tok, rollout_cfg)
     sampling = rollout_cfg.sampling()
@@ -161,14 +171,23 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts) -> dict[str, float]
 
 
 def build_rollout(args, model_dir: str):
-    length = dict(prompt_length=96, response_length=512, n=args.n, temperature=args.temperature)
+    length = dict(
+        prompt_length=trl_agent.PROMPT_LEN,
+        response_length=trl_agent.RESPONSE_LEN,
+        n=args.n,
+        temperature=args.temperature,
+    )
     if args.rollout == "vllm":
         from posttrain.rollout_vllm.config import VLLMRolloutConfig
         from posttrain.rollout_vllm.rollout import VLLMRollout
 
         dtype = "bfloat16" if args.device == "cuda" else "float32"
         cfg = VLLMRolloutConfig(
-            executor="server", dtype=dtype, max_num_seqs=max(8, args.questions * args.n), **length
+            executor="server",
+            dtype=dtype,
+            max_num_seqs=max(8, args.questions * args.n),
+            gpu_memory_utilization=args.vllm_mem,
+            **length,
         )
         return VLLMRollout(cfg, model_dir), cfg
     from posttrain.core.config import ModelConfig
@@ -179,22 +198,17 @@ def build_rollout(args, model_dir: str):
     return HFRollout(cfg, ModelConfig(path=model_dir), device=args.device), cfg
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def posttrain_arms(args, model_dir: str) -> dict[str, Any]:
+    """Both of posttrain's arms over one rollout (arms interleaved, one warm-up pass each); frees the rollout."""
     from transformers import AutoTokenizer
 
-    from posttrain.trainers.data.synthetic import calculator_rows
-    from posttrain.trainers.model_init import init_model
     from posttrain.trainers.rl.dataset import Prompt
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="agent-bench-"))
-    model_dir = str(init_model(work / "model", size=args.size, seed=0))
-    format_sft(model_dir, args.device, args.sft_steps)
     tok = AutoTokenizer.from_pretrained(model_dir)
     rollout, rollout_cfg = build_rollout(args, model_dir)
-    rows = calculator_rows(0, args.questions, seed=1, products=2)["test"]
     prompts = [
-        Prompt([], r["data_source"], r["reward_model"]["ground_truth"], {}, list(r["prompt"])) for r in rows
+        Prompt([], r["data_source"], r["reward_model"]["ground_truth"], {}, list(r["prompt"]))
+        for r in trl_agent.calculator_prompts(args.questions)
     ]
     arms = ["async", "barrier"] if hasattr(rollout, "agenerate") else ["barrier"]
     for arm in arms:  # warm-up: vLLM's first requests compile and allocate
@@ -205,9 +219,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs[arm].append(play(arm, args, tok, rollout, rollout_cfg, prompts))
             print(f"[{arm}] {json.dumps(runs[arm][-1])}", file=sys.stderr)
     report: dict[str, Any] = {
-        "config": vars(args),
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "episodes": len(prompts) * args.n,
         "runs": runs,
         "mean": {arm: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for arm, rs in runs.items()},
     }
@@ -221,6 +232,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     release = getattr(rollout, "release", None)
     if release is not None:
         release()
+    del rollout
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the TRL subprocess takes the GPU next
+    return report
+
+
+def trl_arm(args, model_dir: str, work: Path, report: dict[str, Any]) -> None:
+    """The TRL arm in its own subprocess (bench/trl_agent.py); posttrain's tokens/s over TRL's per arm."""
+    spec = trl_agent.make_spec(args, model_dir, str(work / "trl-run"))
+    trl = trl_agent.run(spec, args.trl_timeout)
+    report["trl"] = trl
+    if "error" in trl:
+        print(f"[trl] failed: {trl['error']}", file=sys.stderr)
+        return
+    theirs = trl["mean"]["tokens_per_s_per_gpu"]
+    report["over_trl"] = {
+        arm: m["tokens_per_s_per_gpu"] / theirs for arm, m in report["mean"].items() if arm != "trl"
+    }
+    report["mean"]["trl"] = trl["mean"]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from posttrain.trainers.model_init import init_model
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="agent-bench-"))
+    if args.trl:
+        trl_agent.make_spec(args, "", "")  # bad TRL flags fail before any work
+    model_dir = str(init_model(work / "model", size=args.size, seed=0))
+    trl_agent.add_tool_call_rendering(model_dir)  # both arms' template: posttrain's ChatML + tool_calls
+    format_sft(model_dir, args.device, args.sft_steps)
+    report: dict[str, Any] = {
+        "config": vars(args),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "episodes": args.questions * args.n,
+        **posttrain_arms(args, model_dir),
+    }
+    if args.trl:
+        trl_arm(args, model_dir, work, report)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
