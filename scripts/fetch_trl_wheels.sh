@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Download TRL and the packages it needs that the GPU image lacks into .trl-wheels/ (ignored by git), for
 # bench/trl_grpo.py and bench/trl_agent.py (TRL's environment_factory, `gpu_checks.sh agents`) on the lent GPU
-# machine (Python 3.12 x86-64). No dependencies are resolved: the image already has accelerate, transformers, huggingface-hub, pyarrow, pandas, numpy, fsspec, aiohttp, xxhash, requests, httpx,
-# tqdm, psutil, jinja2 and pyyaml (/work/.library/device/KINDS.md lists them). What is fetched and why:
+# machine (Python 3.12 x86-64). No dependencies are resolved: the image already has accelerate, transformers,
+# huggingface-hub, pyarrow, pandas, numpy, fsspec, aiohttp, xxhash, requests, httpx, tqdm, psutil, jinja2 and
+# pyyaml (/work/.library/device/KINDS.md lists them). What is fetched and why:
 #   trl 1.16.0          its vLLM check accepts 0.22-0.31 (trl/import_utils.py), so the carried vLLM 0.26 works;
 #                       colocate mode needs only vllm.LLM, SamplingParams and StructuredOutputsParams
 #   datasets 4.8.5      trl needs >= 4.7; 5.x asks for pyarrow >= 24 and huggingface-hub >= 1.31, 4.8.5 for
