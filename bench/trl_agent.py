@@ -18,8 +18,11 @@ model it has just fine-tuned (:func:`run`, ``--worker`` is the subprocess). The 
   ``trl.chat_template_utils``, Hermes ``<tool_call>{json}</tool_call>`` blocks), set on it as TRL's error asks.
 - limits and sampling: up to ``max_turns`` assistant turns (``max_tool_calling_iterations = max_turns - 1``), 128
   new tokens a turn (``generation_kwargs``), 512 after the prompt (``max_completion_length``, posttrain's
-  ``max_episode_tokens``), a 608-token vLLM context, the same temperature, top-p 1, no top-k. The seeds differ
-  (TRL seeds vLLM once; posttrain seeds every request), so the samples differ but not their distribution.
+  ``max_episode_tokens``), the same temperature, top-p 1, no top-k. vLLM's context is 736 tokens (TRL cuts an
+  episode to its budget after a turn is sampled, so a turn may start at 96 + 512). The seeds differ (TRL seeds
+  vLLM once, posttrain every request): the samples differ, their distribution does not.
+- the ids: the first prompt's ids and a tool result's ids (TRL's ``_get_tool_suffix_ids``, posttrain's
+  ``ChatRenderer.continuation``) were checked equal on the tiny model; both arms are token-in-token-out.
 
 Generation: vLLM colocated in the trainer's process (``use_vllm=True, vllm_mode="colocate"``) with vLLM's sleep
 mode off (with it on, TRL 1.16 re-pushes every weight and sleeps vLLM around each turn's generate; posttrain's
@@ -253,7 +256,7 @@ def grpo_config(spec: dict[str, Any]) -> Any:
             vllm_mode="colocate",
             vllm_gpu_memory_utilization=spec["vllm_mem"],
             vllm_enable_sleep_mode=False,
-            vllm_max_model_length=PROMPT_LEN + RESPONSE_LEN,
+            vllm_max_model_length=PROMPT_LEN + RESPONSE_LEN + TURN_TOKENS,
             generation_kwargs={"max_tokens": TURN_TOKENS},
         )
     return GRPOConfig(
