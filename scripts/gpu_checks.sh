@@ -7,6 +7,8 @@
 #   bash scripts/gpu_checks.sh rl [bench/rl_throughput.py flags]   # GRPO steps; vLLM from /tmp/stash (vllm_parts.sh)
 #   bash scripts/gpu_checks.sh readme [overrides]   # examples/grpo_fsdp.sh itself, on the model/data of `rl --work readme`
 #   bash scripts/gpu_checks.sh trl [bench/trl_grpo.py flags]       # the TRL peer; .trl-wheels carried too
+#   bash scripts/gpu_checks.sh agents [bench/agent_throughput.py flags]   # async vs barrier agent loop vs TRL's
+#       environment_factory, 0.5B, 256 episodes; vLLM from /tmp/stash, .trl-wheels carried too
 #   bash scripts/gpu_checks.sh titan   # the TorchTitan engine's tests, sft and throughput; .titan-whl carried too
 # Each part is short enough for one 10-minute call. Results are JSON/log files; BENCHMARKS.md records them.
 # rl and trl append to /tmp/rl_bench/{rl,trl}.jsonl, which outlive a call while the machine stays warm (models
@@ -126,6 +128,15 @@ case "${1:-tests}" in
     timeout "${RL_TIMEOUT:-575}" python3 bench/trl_grpo.py --workdir /tmp/rl_bench --json /tmp/rl_bench/trl.jsonl \
       "$@" 2>&1 | tee "$out/trl.log" | grep -v '^{'
     rl_report ;;
+  agents)
+    # bench/agent_throughput.py: the async agent loop, the barrier loop and TRL 1.16's environment_factory
+    # (bench/trl_agent.py, its own subprocess) on the same episodes: 0.5B shape, 32 questions x 8, up to 4 turns,
+    # a 50 ms + [0, 50 ms] tool. The model is made afresh in /tmp/agent_bench each call.
+    rl_env; shift
+    rm -rf /tmp/agent_bench
+    timeout "${RL_TIMEOUT:-590}" python3 bench/agent_throughput.py --device cuda --trl --workdir /tmp/agent_bench \
+      --out "$out/agents.json" "$@" 2>&1 | tee "$out/agents.log" | grep -E '^\[|Error|error' | tail -40
+    cp /tmp/agent_bench/trl-run/log.txt "$out/agents_trl.log" 2>/dev/null || true ;;
   titan)
     # the TorchTitan engine on CUDA (.whl and .titan-whl carried: scripts/titan_wheels.sh): its tests, a 3-step
     # `posttrain sft` with model_engine=torchtitan on a tiny Qwen3, and bench/titan_throughput.py (1.7b, 1 GPU).
@@ -161,5 +172,5 @@ case "${1:-tests}" in
       echo "== $engine (rc $?)"; grep -E "Error|error" "$out/qwen3_$engine.log" | tail -5
       python3 bench/rl_report.py "$run/metrics.jsonl" | tee "$out/qwen3_${engine}_steps.txt"
     done ;;
-  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|push|ckpt|vllm|vllmsync|grpo|rl|readme|trl|titan|titangrpo" >&2; exit 2 ;;
+  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|push|ckpt|vllm|vllmsync|grpo|rl|readme|trl|agents|titan|titangrpo" >&2; exit 2 ;;
 esac
