@@ -69,6 +69,12 @@ def chunk_stats(
     return log_prob, entropy, correct
 
 
+def local_chunk_fn(device: torch.device, use_compile: bool) -> ChunkFn:
+    """:func:`chunk_stats`, compiled (dynamic shapes) when ``use_compile`` and ``device`` is CUDA; a head calls
+    it once and keeps the result, so it compiles on first use."""
+    return torch.compile(chunk_stats, dynamic=True) if use_compile and device.type == "cuda" else chunk_stats
+
+
 def next_token_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,

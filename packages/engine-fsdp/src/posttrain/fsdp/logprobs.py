@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrain.core.token_stats import HeadRequest, chunk_stats, next_token_stats
+from posttrain.core.token_stats import HeadRequest, local_chunk_fn, next_token_stats
 
 
 class PackedLogProbHead(torch.nn.Module):
@@ -36,8 +36,7 @@ class PackedLogProbHead(torch.nn.Module):
     def _chunk_fn(self, device: torch.device) -> Any:
         """The per-chunk function; compiled on first use on CUDA when ``use_compile``."""
         if self._stats_fn is None:
-            use = self.use_compile and device.type == "cuda"
-            self._stats_fn = torch.compile(chunk_stats, dynamic=True) if use else chunk_stats
+            self._stats_fn = local_chunk_fn(device, self.use_compile)
         return self._stats_fn
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.core.token_stats import HeadRequest, Stats, chunk_stats, next_token_stats
+from posttrain.core.token_stats import HeadRequest, Stats, local_chunk_fn, next_token_stats
 from torchtitan.models.common.linear import Linear
 
 
@@ -57,7 +57,8 @@ def _chunk_stats_tp(
     group: Any,
     offset: int,
 ) -> Stats:
-    """:func:`~posttrain.core.token_stats.chunk_stats` of logits whose last dim is the vocabulary slice ``[offset, offset + V_local)``."""
+    """:func:`~posttrain.core.token_stats.chunk_stats` of logits whose last dim is the vocabulary slice
+    ``[offset, offset + V_local)``."""
     z = logits.float() * inv_temp.unsqueeze(-1)
     top = z.detach().amax(-1)
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
@@ -133,8 +134,7 @@ class StatsHead(Linear):
             rows = -(-self.weight.shape[0] // dist.get_world_size(self.tp_group))
             return partial(_chunk_stats_tp, group=self.tp_group, offset=dist.get_rank(self.tp_group) * rows)
         if self._stats_fn is None:
-            use = self.use_compile and device.type == "cuda"
-            self._stats_fn = torch.compile(chunk_stats, dynamic=True) if use else chunk_stats
+            self._stats_fn = local_chunk_fn(device, self.use_compile)
         return self._stats_fn
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
