@@ -5,20 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from titan_testing import make_batch, make_engine, pg_loss, save_tiny_model
+from titan_testing import load_hf, make_batch, make_engine, packed_and_hf_logits, pg_loss, save_tiny_model
 
 from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
-from posttrain.torchtitan.attention import packed_metadata
 from posttrain.torchtitan.config import TorchTitanEngineConfig
 from posttrain.torchtitan.engine import TorchTitanLanguageModelEngine
 
 LENGTHS = [7, 12, 3, 9]
-
-
-def _hf(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +40,7 @@ def test_logits_and_log_probs_equal_hf(model_type, tmp_path):
     eng = make_engine(model_dir, forward_only=True)
     batch = make_batch(LENGTHS)
     cu = batch.cu_seqlens.tolist()
-    hf = _hf(model_dir)
-    with torch.no_grad():
-        on_device = batch.to(eng.device)
-        meta = packed_metadata(cu, eng.device)
-        logits = eng.module(on_device.input_ids[None], on_device.position_ids[None], meta)[0].cpu()
-        ref = torch.cat([hf(batch.input_ids[a:b][None]).logits[0] for a, b in zip(cu[:-1], cu[1:])])
+    logits, ref = packed_and_hf_logits(eng, load_hf(model_dir), batch)
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
 
     with eng.eval_mode():
@@ -100,7 +88,7 @@ def test_token_accuracy_matches_hf_argmax(model_dir):
     from posttrain.core.batch import PackedBatch
     from posttrain.core.testing import argmax_hits, half_greedy_sequences
 
-    hf = _hf(model_dir)
+    hf = load_hf(model_dir)
     seqs = half_greedy_sequences(hf, LENGTHS + [20, 16])
     want = argmax_hits(hf, seqs)
     assert 0.3 < float(want.sum()) / (want.numel() - len(seqs)) < 0.8  # neither all hits nor none
@@ -130,7 +118,7 @@ def test_weight_stream_is_the_trained_hf_model(model_dir, tmp_path):
     stream, peft = eng.get_per_tensor_param(dtype="float32")
     assert peft is None
     state = dict(stream)
-    hf = _hf(model_dir)
+    hf = load_hf(model_dir)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     hf.tie_weights()

@@ -8,10 +8,9 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from titan_testing import make_batch, make_engine, pg_loss, save_tiny_model
+from titan_testing import load_hf, make_batch, make_engine, packed_and_hf_logits, pg_loss, save_tiny_model
 
 from posttrain.core.batch import PackedBatch
-from posttrain.torchtitan.attention import packed_metadata
 
 LENGTHS = [7, 12, 3, 9]
 MOE = dict(
@@ -30,12 +29,6 @@ def moe_dir(tmp_path_factory) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", **MOE)
 
 
-def _hf(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
 def _hf_log_probs(hf, batch: PackedBatch) -> torch.Tensor:
     """Per-token log-probs (0 at each document's first token) of HF's model, one document at a time."""
     cu = batch.cu_seqlens.tolist()
@@ -51,14 +44,7 @@ def _hf_log_probs(hf, batch: PackedBatch) -> torch.Tensor:
 def test_logits_equal_hf(moe_dir):
     eng = make_engine(moe_dir, forward_only=True)
     assert [b.moe_enabled for b in eng.module.layers.values()] == [True, False, True]
-    batch = make_batch(LENGTHS)
-    cu = batch.cu_seqlens.tolist()
-    hf = _hf(moe_dir)
-    with torch.no_grad():
-        on_device = batch.to(eng.device)
-        meta = packed_metadata(cu, eng.device)
-        logits = eng.module(on_device.input_ids[None], on_device.position_ids[None], meta)[0].cpu()
-        ref = torch.cat([hf(batch.input_ids[a:b][None]).logits[0] for a, b in zip(cu[:-1], cu[1:])])
+    logits, ref = packed_and_hf_logits(eng, load_hf(moe_dir), make_batch(LENGTHS))
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -84,7 +70,7 @@ def test_weight_stream_is_hf_per_expert(moe_dir, tmp_path):
     with eng.eval_mode():
         want = eng.infer_batch(batch)["model_output"]["log_probs"]
     with torch.no_grad():
-        ref = _hf_log_probs(_hf(str(tmp_path)), batch)
+        ref = _hf_log_probs(load_hf(str(tmp_path)), batch)
     assert not torch.equal(trained["model.layers.0.mlp.experts.1.up_proj.weight"],
                            disk["model.layers.0.mlp.experts.1.up_proj.weight"])  # fmt: skip
     torch.testing.assert_close(want, ref, rtol=1e-5, atol=1e-5)
@@ -115,7 +101,7 @@ def test_gradients_equal_hf(moe_dir):
         got = eng.forward_backward_batch(batch, pg_loss)
         grads = {k: p.grad.cpu() for k, p in eng.hf_module.named_parameters()}
     assert len(got["loss"]) > 1
-    hf = _hf(moe_dir)
+    hf = load_hf(moe_dir)
     logp = _hf_log_probs(hf, batch)
     mask = batch.loss_mask
     loss = (-logp * batch.fields["advantages"] * mask).sum() / mask.sum()

@@ -80,3 +80,23 @@ def make_engine(path: str, *, lr: float = 1e-3, model: dict | None = None, **eng
     )
     eng.initialize()
     return eng
+
+
+def load_hf(path: str) -> Any:
+    """The HF causal LM of ``path`` in fp32, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def packed_and_hf_logits(eng: Any, hf: Any, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the engine module's logits of ``batch`` as one packed row, HF's one document at a time), on the CPU."""
+    from posttrain.torchtitan.attention import packed_metadata
+
+    cu = batch.cu_seqlens.tolist()
+    with torch.no_grad():
+        on_device = batch.to(eng.device)
+        meta = packed_metadata(cu, eng.device)
+        logits = eng.module(on_device.input_ids[None], on_device.position_ids[None], meta)[0].cpu()
+        ref = torch.cat([hf(batch.input_ids[a:b][None]).logits[0] for a, b in zip(cu[:-1], cu[1:])])
+    return logits, ref

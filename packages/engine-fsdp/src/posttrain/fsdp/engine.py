@@ -27,29 +27,20 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from posttrain.core.batch import (
-    LossFn,
-    PackedBatch,
-    as_floats,
-    check_temperatures,
-    lockstep_count,
-    loss_context,
-    make_micro_batches,
-    restore_order,
-    run_micro_batches,
-    temperatures,
-)
+from posttrain.core.batch import PackedBatch, temperatures
 from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
+from posttrain.core.module_engine import ModuleEngineMixin, ensure_process_group
+from posttrain.core.optimizer import OptimizerMixin, build_adamw, move_grads, move_optimizer_state
+from posttrain.core.token_stats import HeadRequest, shifted_targets, token_outputs
 
 from . import layout as layouts
 from . import sharding
 from .config import FSDPEngineConfig
 from .inputs import ModelInputs, packed_inputs, padded_inputs
-from .logprobs import HeadRequest, PackedLogProbHead, align_to_tokens, shifted_targets
+from .logprobs import PackedLogProbHead
 from .modeling import (
     build_model,
     compile_decoder_layers,
@@ -67,17 +58,9 @@ from .weights import (
 )
 
 
-def ensure_process_group() -> bool:
-    """Initialise the default group under torchrun if nobody has; True when a group exists."""
-    if not dist.is_available():
-        return False
-    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    return dist.is_initialized()
-
-
-class FSDPEngine(BaseEngine):
-    """Shared machinery; subclasses set :attr:`value_model` and what the forward returns."""
+class FSDPEngine(ModuleEngineMixin, OptimizerMixin, BaseEngine):
+    """Shared machinery; subclasses set :attr:`value_model` and what the forward returns. The micro-batch loop
+    and the optimizer calls are engine-core's (:class:`ModuleEngineMixin`, :class:`OptimizerMixin`)."""
 
     value_model = False
 
@@ -154,29 +137,11 @@ class FSDPEngine(BaseEngine):
             init_rope_buffers(built.hf_model)
         self.module = module
         if not cfg.forward_only:
-            self._build_optimizer(fused=self._device.type == "cuda" and not layout.materialize_on_cpu)
+            fused = self._device.type == "cuda" and not layout.materialize_on_cpu
+            self.optimizer, self.lr_scheduler = build_adamw(module, self.optimizer_config, fused)
         self.apply_offload_config()
 
-    def _build_optimizer(self, fused: bool) -> None:
-        oc = self.optimizer_config
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params,
-            lr=oc.lr,
-            betas=tuple(oc.betas),
-            eps=oc.eps,
-            weight_decay=oc.weight_decay,
-            fused=fused or None,
-        )
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: oc.lr_multiplier(step)
-        )
-
     # ------------------------------------------------------------------ properties and layout
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
     def get_data_parallel_size(self) -> int:
         return self.layout.dp_size()
 
@@ -191,12 +156,6 @@ class FSDPEngine(BaseEngine):
 
     def disable_adapter(self) -> contextlib.AbstractContextManager[Any]:
         return self._peft_model.disable_adapter() if self.is_lora else contextlib.nullcontext()
-
-    def on_mode_enter(self, mode: str) -> None:
-        self.module.train(mode == "train")
-
-    def on_mode_exit(self, mode: str) -> None:
-        self._reshard()
 
     def _reshard(self) -> None:
         """Free parameters FSDP2 still holds gathered (the root's after forward, and every layer's when
@@ -213,9 +172,9 @@ class FSDPEngine(BaseEngine):
         if model and not keep_on_cpu:
             self.layout.move_params(self.module, device)
         if grad and not keep_on_cpu:
-            sharding.move_grads(params, device)
+            move_grads(params, device)
         if optimizer and self.optimizer is not None:
-            sharding.move_optimizer_state(self.optimizer, "cpu" if keep_on_cpu else device)
+            move_optimizer_state(self.optimizer, "cpu" if keep_on_cpu else device)
         if device.type == "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -229,74 +188,8 @@ class FSDPEngine(BaseEngine):
             return padded_inputs(mb)
         return packed_inputs(mb, cfg.pad_to_length_bucket if cfg.pad_to_length else None)
 
-    def _forward_micro(self, mb: PackedBatch) -> dict[str, torch.Tensor]:
-        """Per-token outputs of one micro-batch (already on the device)."""
-        raise NotImplementedError
-
-    def forward_backward_batch(
-        self, batch: PackedBatch, loss_fn: LossFn | None, forward_only: bool = False
-    ) -> dict[str, Any]:
-        if loss_fn is None and not forward_only:
-            raise ValueError("forward_backward_batch(forward_only=False) needs a loss_fn")
-        max_tokens, per_micro = self.engine_config.micro_batching(forward_only)
-        group = self.get_data_parallel_group()
-        parts = make_micro_batches(
-            batch,
-            max_tokens=max_tokens,
-            micro_batch_size=per_micro,
-            use_dynamic_bsz=self.engine_config.use_dynamic_bsz,
-            dp_group=None,  # counts are equalised below (core's all-reduce uses a CPU tensor, which NCCL rejects)
-        )
-        steps = self._lockstep_count(len(parts))
-        ctx = loss_context(batch, group)
-        check_temperatures(batch)
-        micro_batches = [batch.select(p) for p in parts]
-        # every copy queued up front (pinned, asynchronous): nothing in the loop waits for the device
-        on_device = [mb.to(self._device, non_blocking=True) for mb in micro_batches]
-        # the losses are read once after the loop: no host sync per micro-batch
-        forward = lambda i: (on_device[i], self._forward_micro(on_device[i]))  # noqa: E731
-        outputs, losses, metrics = run_micro_batches(len(on_device), forward, loss_fn, ctx, forward_only)
-        for _ in range(steps - len(micro_batches)):
-            self._filler_pass(forward_only)
-        if forward_only:
-            self._reshard()
-        target = batch.input_ids.device
-        model_output = {  # queued copies: the one host sync is reading the losses below
-            k: restore_order(parts, micro_batches, [o[k] for o in outputs]).to(target, non_blocking=True)
-            for k in outputs[0]
-        }
-        metrics_out = {k: as_floats(v) for k, v in metrics.items()}
-        loss = as_floats(losses)
-        if target.type == "cpu" and self._device.type == "cuda":
-            torch.cuda.current_stream(self._device).synchronize()  # the output copies (done by now if read)
-        return {"model_output": model_output, "loss": loss, "metrics": metrics_out}
-
-    def _lockstep_count(self, count: int) -> int:
-        """The largest micro-batch count over the data-parallel ranks (FSDP needs equal counts)."""
-        return lockstep_count(count, self.get_data_parallel_size(), self._device)
-
-    def _filler_pass(self, forward_only: bool) -> None:
-        """A 2-token pass with zero weight, so this rank joins the collectives of a micro-batch it lacks."""
-        filler = PackedBatch.from_sequences([[0, 0]]).to(self._device)
-        out = self._forward_micro(filler)
-        if not forward_only:
-            (sum(v.sum() for v in out.values()) * 0.0).backward()
-
-    def optimizer_zero_grad(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.module.zero_grad(set_to_none=True)
-
     def clip_grad_norm(self) -> float:
         return self.layout.clip_grad_norm(self.module, self.optimizer_config.clip_grad)
-
-    def apply_optimizer_step(self) -> None:
-        self.optimizer.step()
-
-    def lr_scheduler_step(self) -> float:
-        self.lr_scheduler.step()
-        return float(self.lr_scheduler.get_last_lr()[0])
 
     # ------------------------------------------------------------------ weights and checkpoints
     def get_per_tensor_param(
@@ -392,12 +285,7 @@ class FSDPLanguageModelEngine(FSDPEngine):
         finally:
             head.request = None
         stats = stats[: mb.num_tokens].float()
-        out = {"log_probs": align_to_tokens(stats[:, 0], mb.cu_seqlens)}
-        if with_entropy:
-            out["entropy"] = align_to_tokens(stats[:, 1], mb.cu_seqlens)
-        if with_accuracy:
-            out["correct"] = align_to_tokens(stats[:, -1], mb.cu_seqlens)
-        return out
+        return token_outputs(stats, mb.cu_seqlens, with_entropy, with_accuracy)
 
 
 class FSDPValueModelEngine(FSDPEngine):

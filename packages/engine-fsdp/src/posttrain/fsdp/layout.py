@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from posttrain.core.optimizer import grad_norm_and_clip
+
 from . import sharding
 from .config import FSDPEngineConfig
 
@@ -65,7 +67,7 @@ class PlainLayout:
 
     def clip_grad_norm(self, module: torch.nn.Module, max_norm: float) -> float:
         params = [p for p in module.parameters() if p.requires_grad]
-        return sharding.grad_norm_and_clip(params, max_norm, self._norm_group(), self.device)
+        return grad_norm_and_clip(params, max_norm, self._norm_group(), self.device)
 
     def _norm_group(self) -> Any:
         return None

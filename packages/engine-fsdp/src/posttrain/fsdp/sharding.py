@@ -1,23 +1,20 @@
-"""Sharding a HF model with FSDP2 or FSDP1, the global gradient norm, and moving state between devices.
+"""Sharding a HF model with FSDP2 or FSDP1, and moving FSDP1's flat parameters between devices.
 
 FSDP2 (``fully_shard``) wraps every decoder layer (the classes in the model's ``_no_split_modules``, or those
-named by ``wrap_policy.transformer_layer_cls_to_wrap``) and then the root, with a ``MixedPrecisionPolicy`` (parameters gathered in the compute dtype, gradients reduced in fp32),
-``reshard_after_forward`` and optionally ``CPUOffloadPolicy``. With ``0 < fsdp_size < world`` the mesh is 2-D
+named by ``wrap_policy.transformer_layer_cls_to_wrap``) and then the root, with a ``MixedPrecisionPolicy``
+(parameters gathered in the compute dtype, gradients reduced in fp32), ``reshard_after_forward`` and optionally
+``CPUOffloadPolicy``. With ``0 < fsdp_size < world`` the mesh is 2-D
 ``(ddp, fsdp)``: parameters are sharded inside groups of ``fsdp_size`` ranks and replicated across groups
 (HSDP). FSDP1 wraps the same decoder layers through ``ModuleWrapPolicy``, or every subtree of at least
 ``wrap_policy.min_num_params`` parameters through ``size_based_auto_wrap_policy`` when that is > 0.
 
-The gradient norm is computed from each rank's local gradient shards: the squared norms are summed and
-all-reduced over the shard dimension only (replicas hold equal shards), so it equals the norm of the full
-gradient. Clipping multiplies every gradient by ``min(1, max_norm / (norm + 1e-6))``, as
-``torch.nn.utils.clip_grad_norm_`` does.
+The global gradient norm and the optimizer-state and gradient moves are engine-core's
+(:mod:`posttrain.core.optimizer`), shared with the torchtitan engine.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -139,38 +136,6 @@ def fsdp1_auto_wrap_policy(layers: tuple[type, ...], min_num_params: int = 0) ->
     return ModuleWrapPolicy(set(layers))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def grad_norm_and_clip(
-    params: Iterable[torch.nn.Parameter], max_norm: float, shard_group: Any, comm_device: torch.device
-) -> float:
-    """Global L2 norm of the gradients (local shards summed over ``shard_group``); clip when ``max_norm > 0``.
-
-    One ``_foreach_norm`` per (device, dtype) group and one ``_foreach_mul_`` for the clip, so the cost is a
-    few kernel launches rather than a few per parameter; the only host sync is reading the norm."""
-    grads = [_local(p.grad).detach() for p in params if p.grad is not None]
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    total = torch.zeros((), dtype=torch.float32, device=comm_device)
-    for group in groups.values():
-        norms = torch._foreach_norm(group, 2.0)
-        total += torch.stack(norms).float().pow(2).sum().to(comm_device)
-    if shard_group is not None:
-        dist.all_reduce(total, group=shard_group)
-    norm = float(total.sqrt())
-    if max_norm > 0 and math.isfinite(norm):
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for group in groups.values():
-                torch._foreach_mul_(group, coef)
-    return norm
-
-
 def fsdp1_handles(module: torch.nn.Module) -> list[Any]:
     return list(getattr(module, "_all_handles", []))
 
@@ -184,18 +149,3 @@ def move_fsdp1_params(module: torch.nn.Module, device: torch.device | str) -> No
         flat = handle.flat_param
         handle.flat_param_to(torch.device(device), non_blocking=True)
         flat._local_shard = flat.data
-
-
-@torch.no_grad()
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:  # Adam's 0-d ``step`` stays put
-                state[key] = value.to(device, non_blocking=True)
-
-
-@torch.no_grad()
-def move_grads(params: Iterable[torch.nn.Parameter], device: torch.device | str) -> None:
-    for p in params:
-        if p.grad is not None:
-            p.grad = p.grad.to(device, non_blocking=True)

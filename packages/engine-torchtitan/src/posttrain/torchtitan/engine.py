@@ -34,37 +34,25 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from posttrain.core.batch import (
-    LossFn,
-    PackedBatch,
-    as_floats,
-    check_temperatures,
-    lockstep_count,
-    loss_context,
-    make_micro_batches,
-    restore_order,
-    run_micro_batches,
-    temperatures,
-)
+from posttrain.core.batch import PackedBatch, temperatures
 from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
+from posttrain.core.module_engine import ModuleEngineMixin, ensure_process_group
+from posttrain.core.optimizer import (
+    OptimizerMixin,
+    build_adamw,
+    grad_norm_and_clip,
+    move_grads,
+    move_optimizer_state,
+)
+from posttrain.core.token_stats import HeadRequest, shifted_targets, token_outputs
 
 from . import compat, modeling, moe, parallel
 from .attention import inner_attention_config, packed_metadata
 from .config import TorchTitanEngineConfig
-from .head import HeadRequest, align_to_tokens
 
 logger = logging.getLogger(__name__)
-
-
-def ensure_process_group() -> bool:
-    """Initialise the default group under torchrun if nobody has; True when a group exists."""
-    if not dist.is_available():
-        return False
-    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    return dist.is_initialized()
 
 
 class HFConfig(SimpleNamespace):
@@ -109,9 +97,11 @@ def read_hf_weights(model_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
-class TorchTitanLanguageModelEngine(BaseEngine):
+class TorchTitanLanguageModelEngine(ModuleEngineMixin, OptimizerMixin, BaseEngine):
     """Causal LM: ``log_probs`` per token, ``entropy`` when ``batch.meta['calculate_entropy']`` and ``correct``
-    (1.0 where the token is the argmax of the logits that predict it) when ``batch.meta['calculate_accuracy']``."""
+    (1.0 where the token is the argmax of the logits that predict it) when ``batch.meta['calculate_accuracy']``.
+    The micro-batch loop and the optimizer calls are engine-core's (:class:`ModuleEngineMixin`,
+    :class:`OptimizerMixin`), as the FSDP engine's."""
 
     computes_token_accuracy = True
     value_model = False
@@ -202,7 +192,9 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         self.module = model
         self._load_hf_weights()
         if not cfg.forward_only:
-            self._build_optimizer()
+            self.optimizer, self.lr_scheduler = build_adamw(
+                model, self.optimizer_config, self._device.type == "cuda"
+            )
         self.apply_offload_config()
 
     def _load_hf_weights(self) -> None:
@@ -226,26 +218,7 @@ class TorchTitanLanguageModelEngine(BaseEngine):
             self.hf_module, weights, options=StateDictOptions(full_state_dict=True, strict=False)
         )
 
-    def _build_optimizer(self) -> None:
-        oc = self.optimizer_config
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params,
-            lr=oc.lr,
-            betas=tuple(oc.betas),
-            eps=oc.eps,
-            weight_decay=oc.weight_decay,
-            fused=self._device.type == "cuda" or None,
-        )
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: oc.lr_multiplier(step)
-        )
-
     # ------------------------------------------------------------------ properties and layout
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
     def get_data_parallel_size(self) -> int:
         return self.parallel_dims.dp_replicate * self.parallel_dims.dp_shard if self.distributed else 1
 
@@ -263,12 +236,6 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         """TP rank 0 of each tensor-parallel group (every rank without TP)."""
         return not self.distributed or dist.get_rank() % self.engine_config.tp_size == 0
 
-    def on_mode_enter(self, mode: str) -> None:
-        self.module.train(mode == "train")
-
-    def on_mode_exit(self, mode: str) -> None:
-        self._reshard()
-
     def _reshard(self) -> None:
         """Free parameters FSDP2 still holds gathered once no backward follows."""
         if self.distributed:
@@ -285,9 +252,9 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         if model:
             self.module.to(device)
         if grad:
-            parallel.move_grads(list(self.module.parameters()), device)
+            move_grads(list(self.module.parameters()), device)
         if optimizer and self.optimizer is not None:
-            parallel.move_optimizer_state(self.optimizer, device)
+            move_optimizer_state(self.optimizer, device)
         if device.type == "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -299,11 +266,10 @@ class TorchTitanLanguageModelEngine(BaseEngine):
             return contextlib.nullcontext()
         return torch.autocast(self._device.type, dtype=compute)
 
-    def _forward_micro(self, mb: PackedBatch, cu_host: list[int]) -> dict[str, torch.Tensor]:
-        """Per-token outputs of one micro-batch (on the device; ``cu_host`` its boundaries on the host)."""
+    def _forward_micro(self, mb: PackedBatch) -> dict[str, torch.Tensor]:
+        """Per-token outputs of one micro-batch (on the device; its boundaries read from ``host_cu_seqlens``)."""
         ids = mb.input_ids
-        temp = temperatures(mb)
-        targets, inv_temp = torch.roll(ids, -1), torch.roll(temp.float(), -1).reciprocal()
+        targets, inv_temp = shifted_targets(ids, temperatures(mb))
         with_entropy = bool(mb.meta.get("calculate_entropy", False))
         with_accuracy = bool(mb.meta.get("calculate_accuracy", False))
         head = self.module.lm_head
@@ -317,86 +283,23 @@ class TorchTitanLanguageModelEngine(BaseEngine):
         )
         try:
             with self._autocast():
-                stats = self.module(ids[None], mb.position_ids[None], packed_metadata(cu_host, self._device))
+                stats = self.module(ids[None], mb.position_ids[None], self._packed_metadata(mb))
         finally:
             head.request = None
         if isinstance(stats, DTensor):  # the TP output layer's statistics, whole on every rank
             stats = stats.to_local()
-        stats = stats.float()
-        out = {"log_probs": align_to_tokens(stats[:, 0], mb.cu_seqlens)}
-        if with_entropy:
-            out["entropy"] = align_to_tokens(stats[:, 1], mb.cu_seqlens)
-        if with_accuracy:
-            out["correct"] = align_to_tokens(stats[:, -1], mb.cu_seqlens)
-        return out
+        return token_outputs(stats.float(), mb.cu_seqlens, with_entropy, with_accuracy)
 
-    def forward_backward_batch(
-        self, batch: PackedBatch, loss_fn: LossFn | None, forward_only: bool = False
-    ) -> dict[str, Any]:
-        if loss_fn is None and not forward_only:
-            raise ValueError("forward_backward_batch(forward_only=False) needs a loss_fn")
-        max_tokens, per_micro = self.engine_config.micro_batching(forward_only)
-        parts = make_micro_batches(
-            batch,
-            max_tokens=max_tokens,
-            micro_batch_size=per_micro,
-            use_dynamic_bsz=self.engine_config.use_dynamic_bsz,
-            dp_group=None,
-        )
-        steps = self._lockstep_count(len(parts))
-        ctx = loss_context(batch, self.get_data_parallel_group())
-        check_temperatures(batch)
-        micro_batches = [batch.select(p) for p in parts]
-
-        def forward(i: int) -> tuple[PackedBatch, dict[str, torch.Tensor]]:
-            mb = micro_batches[i].to(self._device)
-            return mb, self._forward_micro(mb, micro_batches[i].cu_seqlens.tolist())
-
-        outputs, losses, metrics = run_micro_batches(len(micro_batches), forward, loss_fn, ctx, forward_only)
-        for _ in range(steps - len(micro_batches)):
-            self._filler_pass(forward_only)
-        if forward_only:
-            self._reshard()
-        target = batch.input_ids.device
-        model_output = {
-            k: restore_order(parts, micro_batches, [o[k] for o in outputs]).to(target) for k in outputs[0]
-        }
-        return {
-            "model_output": model_output,
-            "loss": as_floats(losses),
-            "metrics": {k: as_floats(v) for k, v in metrics.items()},
-        }
-
-    def _lockstep_count(self, count: int) -> int:
-        """The largest micro-batch count over the data-parallel ranks (FSDP needs equal counts)."""
-        return lockstep_count(count, self.get_data_parallel_size(), self._device)  # TP ranks share theirs
-
-    def _filler_pass(self, forward_only: bool) -> None:
-        """A 2-token pass with zero weight, so this rank joins the collectives of a micro-batch it lacks."""
-        filler = PackedBatch.from_sequences([[0, 0]])
-        out = self._forward_micro(filler.to(self._device), filler.cu_seqlens.tolist())
-        if not forward_only:
-            (sum(v.sum() for v in out.values()) * 0.0).backward()
-
-    def optimizer_zero_grad(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.module.zero_grad(set_to_none=True)
+    def _packed_metadata(self, mb: PackedBatch) -> Any:
+        """torchtitan's varlen metadata of ``mb``'s documents, from the host copy of its boundaries."""
+        return packed_metadata(mb.host_cu_seqlens, self._device)
 
     def clip_grad_norm(self) -> float:
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.parallel_dims is not None and self.parallel_dims.tp_enabled:
             return parallel.dtensor_grad_norm_and_clip(params, self.optimizer_config.clip_grad)
         group = self.device_mesh.get_group("fsdp") if self.device_mesh is not None else None
-        return parallel.grad_norm_and_clip(params, self.optimizer_config.clip_grad, group, self._device)
-
-    def apply_optimizer_step(self) -> None:
-        self.optimizer.step()
-
-    def lr_scheduler_step(self) -> float:
-        self.lr_scheduler.step()
-        return float(self.lr_scheduler.get_last_lr()[0])
+        return grad_norm_and_clip(params, self.optimizer_config.clip_grad, group, self._device)
 
     # ------------------------------------------------------------------ weights and checkpoints
     def get_per_tensor_param(
@@ -453,9 +356,7 @@ class TorchTitanValueModelEngine(TorchTitanLanguageModelEngine):
     computes_token_accuracy = False
     value_model = True
 
-    def _forward_micro(self, mb: PackedBatch, cu_host: list[int]) -> dict[str, torch.Tensor]:
+    def _forward_micro(self, mb: PackedBatch) -> dict[str, torch.Tensor]:
         with self._autocast():
-            out = self.module(
-                mb.input_ids[None], mb.position_ids[None], packed_metadata(cu_host, self._device)
-            )
+            out = self.module(mb.input_ids[None], mb.position_ids[None], self._packed_metadata(mb))
         return {"values": out.reshape(-1).float()}

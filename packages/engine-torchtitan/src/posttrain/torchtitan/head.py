@@ -1,8 +1,9 @@
 """The output layer as a head that returns next-token log-probs (entropy, accuracy), never fp32 logits of a row.
 
 :class:`StatsHead` replaces torchtitan's ``lm_head`` (same ``weight`` parameter, so weight tying, FSDP units and
-names stay as they were). With a :class:`HeadRequest` set it returns, for hidden states ``h`` (T, D), targets
-``y[t] = input_ids[t+1]`` and inverse temperatures ``1/tau[t+1]``, chunk by chunk::
+names stay as they were). With a :class:`~posttrain.core.token_stats.HeadRequest` set it returns, for hidden
+states ``h`` (T, D), targets ``y[t] = input_ids[t+1]`` and inverse temperatures ``1/tau[t+1]``, chunk by chunk
+(:func:`posttrain.core.token_stats.next_token_stats`, as the FSDP engine's head)::
 
     z = (h W^T) / tau            # fp32, one chunk at a time
     log_prob[t] = z[y[t]] - logsumexp(z)
@@ -13,9 +14,9 @@ With gradients on and ``checkpoint``, each chunk's fp32 part is recomputed in ba
 parallelism the weight is torchtitan's vocabulary shard (``Shard(0)``, tied with the embedding's) and each rank
 computes the statistics of its slice: the max, the sum of exponentials, the target's logit and ``sum(p * z)`` are
 summed over the TP group (:func:`tp_sharding_config`), so no rank holds a whole vocabulary row; the argmax is the
-smallest vocabulary index that holds the group's maximum (two one-value-per-row all-reduces). :func:`align_to_tokens`
-moves the statistics onto the token they score (0 at each document's first token), the convention of the other
-engines.
+smallest vocabulary index that holds the group's maximum (two one-value-per-row all-reduces).
+:func:`posttrain.core.token_stats.align_to_tokens` moves the statistics onto the token they score (0 at each
+document's first token), the convention of the other engines.
 """
 
 from __future__ import annotations
@@ -26,47 +27,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from posttrain.core.token_stats import HeadRequest, Stats, local_chunk_fn, next_token_stats
 from torchtitan.models.common.linear import Linear
-
-
-@dataclass
-class HeadRequest:
-    """What :class:`StatsHead` computes for one forward."""
-
-    targets: torch.Tensor
-    """(T,) int64: the token each position predicts."""
-    inv_temperature: torch.Tensor
-    """(T,) float32: 1 / temperature of the distribution that produced each target."""
-    with_entropy: bool
-    """Also return the entropy of each predicted distribution."""
-    chunk_size: int
-    """Tokens per chunk of the vocabulary projection."""
-    with_accuracy: bool = False
-    """Also return whether each target is the argmax of its logits (1.0 / 0.0, the last column)."""
-    checkpoint: bool = True
-    """With gradients on, recompute each chunk's fp32 part in backward instead of keeping it."""
-
-
-Stats = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-"""(log_prob, entropy or None, correct or None) of one chunk."""
-
-
-def _chunk_stats(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    inv_temp: torch.Tensor,
-    with_entropy: bool,
-    with_accuracy: bool,
-) -> Stats:
-    z = logits.float() * inv_temp.unsqueeze(-1)
-    lse = torch.logsumexp(z, dim=-1)
-    log_prob = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None
-    correct = logits.detach().argmax(-1).eq(targets).to(log_prob.dtype) if with_accuracy else None
-    return log_prob, entropy, correct
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -94,7 +57,8 @@ def _chunk_stats_tp(
     group: Any,
     offset: int,
 ) -> Stats:
-    """:func:`_chunk_stats` of logits whose last dim is the vocabulary slice ``[offset, offset + V_local)``."""
+    """:func:`~posttrain.core.token_stats.chunk_stats` of logits whose last dim is the vocabulary slice
+    ``[offset, offset + V_local)``."""
     z = logits.float() * inv_temp.unsqueeze(-1)
     top = z.detach().amax(-1)
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
@@ -170,8 +134,7 @@ class StatsHead(Linear):
             rows = -(-self.weight.shape[0] // dist.get_world_size(self.tp_group))
             return partial(_chunk_stats_tp, group=self.tp_group, offset=dist.get_rank(self.tp_group) * rows)
         if self._stats_fn is None:
-            use = self.use_compile and device.type == "cuda"
-            self._stats_fn = torch.compile(_chunk_stats, dynamic=True) if use else _chunk_stats
+            self._stats_fn = local_chunk_fn(device, self.use_compile)
         return self._stats_fn
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -179,26 +142,6 @@ class StatsHead(Linear):
             if self.tp_group is not None:
                 raise ValueError("the tensor-parallel output layer returns log-probs only: set a HeadRequest")
             return super().forward(hidden)
-        req = self.request
         flat = hidden.reshape(-1, hidden.shape[-1])
-        fn = self._chunk_fn(flat.device)
         weight = self.weight.to_local() if self.tp_group is not None else self.weight
-        outs = []
-        for start in range(0, flat.shape[0], req.chunk_size):
-            end = start + req.chunk_size
-            logits = F.linear(flat[start:end], weight, self.bias)
-            args = (logits, req.targets[start:end], req.inv_temperature[start:end])
-            args += (req.with_entropy, req.with_accuracy)
-            if req.checkpoint and torch.is_grad_enabled():
-                stats = checkpoint(fn, *args, use_reentrant=False)
-            else:
-                stats = fn(*args)
-            outs.append(torch.stack([s for s in stats if s is not None], -1))
-        return torch.cat(outs, dim=0)
-
-
-def align_to_tokens(per_position: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Move statistics of 'the token after t' onto that token; each document's first token gets 0."""
-    aligned = torch.roll(per_position, 1, dims=0)
-    starts = cu_seqlens[:-1].to(device=aligned.device, dtype=torch.long)
-    return aligned.index_fill(0, starts, 0.0)
+        return next_token_stats(flat, weight, self.bias, self.request, self._chunk_fn(flat.device))

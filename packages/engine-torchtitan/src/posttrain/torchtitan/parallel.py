@@ -10,7 +10,6 @@ found), so :func:`build_parallel_dims` names the device for the time of the buil
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -136,41 +135,6 @@ def full_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(t, DTensor):
         return t.to(device).full_tensor()
     return t.detach().to(device)
-
-
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
-
-
-def move_grads(params: list[torch.Tensor], device: torch.device) -> None:
-    for p in params:
-        if p.grad is not None:
-            p.grad = p.grad.to(device, non_blocking=True)
-
-
-def grad_norm_and_clip(
-    params: list[torch.Tensor], max_norm: float, shard_group: Any, device: torch.device
-) -> float:
-    """Global L2 norm of the gradients (local shards' squares summed over ``shard_group``: HSDP replicas hold
-    the same shards); clip to ``max_norm`` when it is > 0. Without tensor parallelism only (see
-    :func:`dtensor_grad_norm_and_clip`)."""
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:
-        total += torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2).sum().to(device)
-    if shard_group is not None:
-        dist.all_reduce(total, group=shard_group)
-    norm = float(total.sqrt())
-    if max_norm > 0 and math.isfinite(norm):
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            torch._foreach_mul_(grads, coef)
-    return norm
 
 
 def dtensor_grad_norm_and_clip(params: list[torch.Tensor], max_norm: float) -> float:
