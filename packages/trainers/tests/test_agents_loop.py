@@ -6,6 +6,7 @@ loop, the parser, the tool runner and the environment are the real ones.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -28,6 +29,25 @@ def slow(seconds: float) -> str:
     return "done"
 
 
+BUSY = {"now": 0, "peak": 0}
+BUSY_LOCK = threading.Lock()
+
+
+def busy(seconds: float) -> str:
+    """Sleep while counting the calls asleep at once.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    with BUSY_LOCK:
+        BUSY["now"] += 1
+        BUSY["peak"] = max(BUSY["peak"], BUSY["now"])
+    time.sleep(seconds)
+    with BUSY_LOCK:
+        BUSY["now"] -= 1
+    return "done"
+
+
 def dump(n: int) -> str:
     """Return a long text.
 
@@ -43,7 +63,7 @@ class ToolsEnv(Environment):
     def __init__(self) -> None:
         from posttrain.envs.calculator import calculator
 
-        self.tools = (calculator, slow, dump)
+        self.tools = (calculator, slow, dump, busy)
 
 
 class ScriptedRollout(BaseRollout):
@@ -194,3 +214,27 @@ def test_async_loop_has_no_barrier_between_turns():
     assert len({seed for *_, seed in rollout.log}) == len(rollout.log)  # every request its own seed
     for e, sampled in zip(episodes, rollout.sampled):
         assert [i for i, m in zip(e.traj.ids, e.traj.mask) if m] == [i for s in sampled for i in s]
+
+
+@pytest.mark.parametrize("workers", [4, 24])
+def test_async_loop_runs_tools_of_as_many_episodes_at_once_as_tool_workers(workers):
+    """24 episodes each call a tool that sleeps 0.4 s: ``agent.tool_workers`` of them sleep at once, not the
+    size of asyncio's default executor (6 threads on a 2-core machine)."""
+    tok = qwen_tokenizer()
+    rollout_cfg = RolloutConfig(prompt_length=1536, response_length=512)
+    config = AgentConfig(env="calculator", loop="async", tool_timeout_s=30.0, tool_workers=workers)
+    loop = config.build(tok, rollout_cfg)
+    loop.environments.register("tools_test", "test_agents_loop:ToolsEnv")
+    rollout = AsyncScriptedRollout(
+        tok, [[call("busy", '{"seconds": 0.4}'), "#### 5"] for _ in range(24)], 0.0
+    )
+    prompts = [
+        Prompt([], "synthetic_arithmetic", "5", {"env": "tools_test"}, [{"role": "user", "content": f"q{i}"}])
+        for i in range(24)
+    ]
+    BUSY.update(now=0, peak=0)
+    episodes, _, _ = loop.run_episodes(rollout, prompts, rollout_cfg.sampling())
+    loop.close()
+    errors = ("malformed", "unknown_tool", "raised", "timeout")
+    assert all(e.done and e.turns == 2 and not any(e.stats[k] for k in errors) for e in episodes)
+    assert BUSY["peak"] == workers

@@ -32,8 +32,10 @@ class AgentConfig:
     """A tool result longer than this is cut to it and marked ``[truncated]``."""
     tool_timeout_s: float = 10.0
     """A tool call that has not returned this long after its submission is a ``timeout`` error."""
-    tool_workers: int = 16
-    """Threads that run tool calls."""
+    tool_workers: int = 256
+    """Tool calls that run at once (threads, started as needed); with ``loop=async`` also the episodes whose
+    tools and ``env.step`` run at once. Calls beyond it wait for a thread, so keep it at least the episodes of a
+    step (prompts x ``rollout.n``) when tools mostly wait (network, sleep)."""
     truncated_reward: float | None = 0.0
     """The score of a truncated episode; None scores it like a finished one (the reward function over its
     text)."""

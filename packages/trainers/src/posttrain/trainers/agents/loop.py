@@ -26,6 +26,7 @@ import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -85,6 +86,11 @@ class AgentLoop:
             max_tokens=config.max_tool_response_tokens,
             workers=config.tool_workers,
         )
+        self.step_pool = ThreadPoolExecutor(
+            max_workers=config.tool_workers, thread_name_prefix="posttrain-step"
+        )
+        """Where the async loop runs an episode's tools and ``env.step`` (asyncio's default executor would cap
+        the episodes in their tools at once at its own size, 6 to 32 threads, whatever ``agent.tool_workers`` says)."""
         self.environments = EnvironmentRegistry.from_entry_points()
         """Where ``agent.env`` and a row's ``extra_info.env`` are looked up (installed entry points)."""
         self.environments.get_environment_cls(config.env)  # an unknown name fails before any work
@@ -226,7 +232,9 @@ class AgentLoop:
             start = time.perf_counter()
             turn = self._take(e, sample)
             if turn is not None:  # tools and env.step on a worker thread: a slow one blocks no other episode
-                await asyncio.to_thread(self._tools_and_step, e, turn, turn_index)
+                await asyncio.get_running_loop().run_in_executor(
+                    self.step_pool, self._tools_and_step, e, turn, turn_index
+                )
             tool_s += time.perf_counter() - start
             if e.done:
                 break
@@ -277,6 +285,7 @@ class AgentLoop:
 
     def close(self) -> None:
         self.runner.close()
+        self.step_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def episode_metrics(episodes: Sequence[Episode], gen_s: float, tool_s: float) -> dict[str, list[float]]:
