@@ -288,7 +288,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--at", type=int, default=16384, help="token count the bytes are extrapolated to")
     p.add_argument("--bandwidth", type=float, default=3.5e12, help="bytes/s of a memory-bound kernel")
     p.add_argument("--launch-us", type=float, default=5.0, help="microseconds a kernel launch costs")
-    p.add_argument("--fsdp-arm", choices=("default", "hf_norm"), default="default", help="FSDP engine options")
+    p.add_argument(
+        "--fsdp-arm", choices=("default", "hf_norm"), default="default", help="FSDP engine options"
+    )
     p.add_argument("--arms", default="fsdp,torchtitan", help="comma-separated: fsdp, torchtitan")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)

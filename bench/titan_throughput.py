@@ -29,7 +29,6 @@ Shapes (``--shape``): ``1.7b`` Qwen3-1.7B (hidden 2048, 28 layers, 16 heads x 12
 On the GPU machine torchtitan and its small needs come as wheels: ``scripts/titan_wheels.sh`` downloads them.
 """
 
-
 from __future__ import annotations
 
 import argparse
