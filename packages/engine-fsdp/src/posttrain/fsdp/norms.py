@@ -1,8 +1,8 @@
 """HF's RMSNorm computed by one fused kernel, swapped in when the engine builds a model type it knows.
 
 The RMSNorm of Llama, Mistral, Qwen2 and Qwen3 (and their MoE variants) in transformers is
-``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).to(x.dtype)``: seven elementwise or reduction
-kernels forward, about seventeen backward, each reading or writing the whole fp32 tensor. A Qwen3 decoder layer
+``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).to(x.dtype)``: eight elementwise or reduction
+kernels forward, about sixteen backward, most of them reading or writing the whole tensor in fp32. A Qwen3 decoder layer
 runs four of them (two on the hidden state, ``q_norm`` and ``k_norm`` on the heads). :class:`FusedRMSNorm` computes
 ``weight * F.rms_norm(x)``: ``F.rms_norm`` without a weight normalises in fp32 and rounds to the input dtype, as
 HF's does, in one kernel each way on CUDA (``_fused_rms_norm``); the weight is multiplied afterwards, so the
