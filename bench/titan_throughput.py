@@ -1,20 +1,30 @@
 """Real-token MFU of the TorchTitan engine against the FSDP engine: same Qwen3 shape, same packed data, one launch.
 
-Both engines (``TorchTitanLanguageModelEngine`` and ``FSDPLanguageModelEngine``, FSDP2 over the launch's ranks,
-bf16 compute / fp32 master weights and reductions; fp32 with ``--shape tiny``) are built once from the same random
-HF checkpoint and trained in alternating timed blocks (``--rounds``; the arm that goes first swaps every round), each
-block ``--steps`` steps after ``--warmup`` untimed ones, on the same micro-batches: documents of lengths drawn
-uniformly from 64..4096 (8..64 for tiny) packed up to ``--tokens`` tokens per rank, a token-mean ``-log_prob`` loss.
+The arms (``--arms``, default ``fsdp,torchtitan``) are engines built once each from the same random HF checkpoint,
+FSDP2 over the launch's ranks, bf16 compute / fp32 master weights and reductions (fp32 with ``--shape tiny``), no
+recomputation (``model.enable_gradient_checkpointing=false``):
+
+- ``fsdp``: ``FSDPLanguageModelEngine`` with the engine's defaults;
+- ``fsdp_hf_norm``: the same with ``engine.fused_rms_norm=false`` (HF's RMSNorm modules, the engine before
+  ``fused_rms_norm``); ``fsdp_compiled`` / ``fsdp_hf_norm_compiled``: those with ``engine.compile_layers=true``;
+- ``torchtitan``: ``TorchTitanLanguageModelEngine`` (``--titan-compile``: its ``engine.compile``).
+
+Each engine waits in host memory and is moved to the device for its own timed blocks, so every arm runs with the
+same free memory. The arms run in turn (``--rounds``; the order rotates every round), each block ``--steps`` steps
+after ``--warmup`` untimed ones, on the same micro-batches: documents of lengths drawn uniformly from 64..4096
+(8..64 for tiny) packed up to ``--tokens`` tokens per rank, a token-mean ``-log_prob`` loss.
 
 Reported per arm (the median block, and every block): seconds per step, real tokens/s and MFU = model FLOPs / time /
 (matmul ceiling x ranks), FLOPs = 6 N tokens + 12 layers (heads x head_dim) sum(len^2) on real tokens (recomputation
-not counted), the ceiling a dense matmul measured first in the same process; the TorchTitan/FSDP MFU ratio.
+not counted), the ceiling a dense matmul measured first in the same process; each arm's MFU over the first arm's,
+and the TorchTitan/FSDP MFU ratio when both run.
 
 Shapes (``--shape``): ``1.7b`` Qwen3-1.7B (hidden 2048, 28 layers, 16 heads x 128, 8 KV heads, FFN 6144, vocab
 151936, tied), ``0.6b`` Qwen3-0.6B, ``tiny`` (2 layers, CPU/gloo when no GPU: a correctness run, no timing claims)::
 
-    uv run python bench/titan_throughput.py --shape tiny --out /tmp/titan_tiny.json      # CPU check
+    uv run python bench/titan_throughput.py --shape tiny --arms fsdp_hf_norm,fsdp,torchtitan   # CPU check
     python bench/titan_throughput.py --shape 1.7b --gpus 1 --out titan.json              # GPU machine
+    python bench/titan_throughput.py --shape 1.7b --gpus 1 --rounds 3 --arms fsdp_hf_norm,fsdp,torchtitan
 
 On the GPU machine torchtitan and its small needs come as wheels: ``scripts/titan_wheels.sh`` downloads them.
 """
@@ -43,7 +53,14 @@ SHAPES: dict[str, dict[str, Any]] = {
     "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128, intermediate_size=6144, vocab_size=151936),
 }  # fmt: skip
-ARMS = ("fsdp", "torchtitan")
+FSDP_ARMS: dict[str, dict[str, Any]] = {
+    "fsdp": {},
+    "fsdp_hf_norm": {"fused_rms_norm": False},
+    "fsdp_compiled": {"compile_layers": True},
+    "fsdp_hf_norm_compiled": {"fused_rms_norm": False, "compile_layers": True},
+}
+"""FSDP engine arms: the engine's defaults, and engine options a user sets the same way (``engine.<key>``)."""
+ARMS = (*FSDP_ARMS, "torchtitan")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=None, help="tokens per micro-batch and rank (default 16384)")
     p.add_argument("--titan-compile", action="store_true", help="torchtitan arm: engine.compile (per block)")
     p.add_argument(
+        "--arms",
+        default="fsdp,torchtitan",
+        help=f"comma-separated arms of {', '.join(ARMS)} (module docstring)",
+    )
+    p.add_argument(
         "--model-dir", default=None, help="reuse this HF checkpoint instead of writing a random one"
     )
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -67,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or (2 if tiny else 5)
     args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 2)
     args.tokens = args.tokens or (256 if tiny else 16384)
+    args.arms = args.arms.split(",")
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown or len(set(args.arms)) != len(args.arms):
+        p.error(f"--arms {','.join(args.arms)}: name each of {', '.join(ARMS)} at most once")
     return args
 
 
@@ -103,18 +129,20 @@ def build_engine(arm: str, args: argparse.Namespace, model_dir: str) -> Any:
     from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 
     common = dict(dtype="float32" if args.shape == "tiny" else "bfloat16", max_token_len_per_gpu=args.tokens)
-    if arm == "fsdp":
+    if arm in FSDP_ARMS:
         from posttrain.fsdp.config import FSDP2EngineConfig
         from posttrain.fsdp.engine import FSDPLanguageModelEngine as Engine
 
-        cfg: Any = FSDP2EngineConfig(**common)
+        cfg: Any = FSDP2EngineConfig(**common, **FSDP_ARMS[arm])
     else:
         from posttrain.torchtitan.config import TorchTitanEngineConfig
         from posttrain.torchtitan.engine import TorchTitanLanguageModelEngine as Engine
 
         cfg = TorchTitanEngineConfig(**common, compile=args.titan_compile)
-    eng = Engine(ModelConfig(path=model_dir), cfg, OptimizerConfig(lr=1e-5), CheckpointConfig())
+    model = ModelConfig(path=model_dir, enable_gradient_checkpointing=False)
+    eng = Engine(model, cfg, OptimizerConfig(lr=1e-5), CheckpointConfig())
     eng.initialize()
+    eng.to("cpu")  # parked in host memory until its block
     return eng
 
 
@@ -139,15 +167,50 @@ def loss_fn(out: dict[str, torch.Tensor], mb: Any, ctx: Any) -> tuple[torch.Tens
 
 
 def block(eng: Any, batches: list[Any], args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """One timed block: seconds per step, and real tokens / FLOPs summed over all ranks."""
+    """One timed block (the engine moved to ``device`` first and parked again after): seconds per step, and real
+    tokens summed over all ranks."""
     from train_throughput import timed_loop
 
+    eng.to(device)
     with eng.train_mode():
         sec, timed = timed_loop(lambda b: eng.train_batch(b, loss_fn), batches, args.warmup, device)
+    eng.to("cpu")
     lengths: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(lengths, [n for b in timed for n in b.seqlens])
     flat = [n for lens in lengths for n in lens]
     return {"sec": sec, "steps": len(timed), "lengths": flat}
+
+
+def num_params(shape: str) -> int:
+    """Parameters of the ``shape`` model (the tied embedding counted once)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config(shape)).parameters())
+
+
+def report(
+    blocks: dict[str, list[dict[str, Any]]], args: argparse.Namespace, ceiling: float
+) -> dict[str, Any]:
+    """Per arm: every block's s/step, real tokens/s and MFU, and the median MFU; MFU ratios to the first arm."""
+    world, params = dist.get_world_size(), num_params(args.shape)
+    result: dict[str, Any] = {"shape": args.shape, "ranks": world, "ceiling_tflops": ceiling / 1e12}
+    for arm, arm_blocks in blocks.items():
+        runs = []
+        for b in arm_blocks:
+            flops = model_flops(params, args.shape, b["lengths"]) / b["steps"] / b["sec"]
+            runs.append({"sec_per_step": round(b["sec"], 4), "real_tokens_per_s": round(sum(b["lengths"]) / b["steps"] / b["sec"], 1),
+                         "mfu": round(flops / (ceiling * world), 4)})  # fmt: skip
+        result[arm] = {"median_mfu": statistics.median(r["mfu"] for r in runs), "blocks": runs}
+    first = args.arms[0]
+    result[f"mfu_over_{first}"] = {
+        arm: round(result[arm]["median_mfu"] / result[first]["median_mfu"], 3) for arm in args.arms[1:]
+    }
+    if "fsdp" in blocks and "torchtitan" in blocks:
+        result["titan_over_fsdp_mfu"] = round(
+            result["torchtitan"]["median_mfu"] / result["fsdp"]["median_mfu"], 3
+        )
+    return result
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -160,30 +223,14 @@ def worker(args: argparse.Namespace) -> None:
     device = device or torch.device("cpu")
     dtype = torch.float32 if args.shape == "tiny" else torch.bfloat16
     ceiling = matmul_ceiling(device, dtype, args.shape == "tiny")
-    engines = {arm: build_engine(arm, args, args.model_dir) for arm in ARMS}
-    num_params = sum(p.numel() for p in engines["torchtitan"].hf_module.parameters())  # tied: counted once
+    engines = {arm: build_engine(arm, args, args.model_dir) for arm in args.arms}
     batches = make_batches(args, args.warmup + args.steps)
-    blocks: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
-    for r in range(args.rounds):
-        for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
+    blocks: dict[str, list[dict[str, Any]]] = {arm: [] for arm in args.arms}
+    for r in range(args.rounds):  # the order rotates every round
+        shift = r % len(args.arms)
+        for arm in args.arms[shift:] + args.arms[:shift]:
             blocks[arm].append(block(engines[arm], batches, args, device))
-    world = dist.get_world_size()
-    result: dict[str, Any] = {
-        "shape": args.shape,
-        "ranks": world,
-        "device": device.type,
-        "ceiling_tflops": ceiling / 1e12,
-    }
-    for arm in ARMS:
-        runs = []
-        for b in blocks[arm]:
-            flops = model_flops(num_params, args.shape, b["lengths"]) / b["steps"] / b["sec"]
-            runs.append({"sec_per_step": round(b["sec"], 4), "real_tokens_per_s": round(sum(b["lengths"]) / b["steps"] / b["sec"], 1),
-                         "mfu": round(flops / (ceiling * world), 4)})  # fmt: skip
-        result[arm] = {"median_mfu": statistics.median(r["mfu"] for r in runs), "blocks": runs}
-    result["titan_over_fsdp_mfu"] = round(
-        result["torchtitan"]["median_mfu"] / result["fsdp"]["median_mfu"], 3
-    )
+    result = {**report(blocks, args, ceiling), "device": device.type}
     if dist.get_rank() == 0:
         print(json.dumps(result, indent=2), flush=True)
         if args.result_file:

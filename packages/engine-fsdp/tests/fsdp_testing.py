@@ -43,6 +43,29 @@ def make_batch(lengths: list[int], seed: int = 0, with_temperature: bool = True)
     return PackedBatch.from_sequences(seqs, masks, fields, meta={"calculate_entropy": True})
 
 
+def hf_reference(path: str, batch, value_model: bool = False) -> dict[str, torch.Tensor]:
+    """Per-sequence HF forwards: next-token log-probs / entropy at temperature, or values."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    auto = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=torch.float32).eval()
+    out: dict[str, list[torch.Tensor]] = {"log_probs": [], "entropy": [], "values": []}
+    temps = batch.split_tokens(batch.fields["temperature"])
+    with torch.no_grad():
+        for ids, temp in zip(batch.split_tokens(batch.input_ids), temps):
+            logits = model(ids.unsqueeze(0)).logits[0].double()
+            if value_model:
+                out["values"].append(logits[:, 0])
+                continue
+            logp = torch.log_softmax(logits / temp.double().unsqueeze(-1), -1)
+            lp, ent = torch.zeros(len(ids), dtype=torch.float64), torch.zeros(len(ids), dtype=torch.float64)
+            lp[1:] = logp[:-1].gather(-1, ids[1:].unsqueeze(-1)).squeeze(-1)
+            ent[1:] = -(logp.exp() * logp).sum(-1)[:-1]
+            out["log_probs"].append(lp)
+            out["entropy"].append(ent)
+    return {k: torch.cat(v) for k, v in out.items() if v}
+
+
 def pg_loss(out: dict[str, torch.Tensor], mb: PackedBatch, ctx: LossContext) -> tuple[torch.Tensor, dict]:
     """Token-mean policy-gradient loss with an entropy bonus (global token normalisation)."""
     per_token = -out["log_probs"] * mb.fields["advantages"] - 0.01 * out.get("entropy", 0.0)

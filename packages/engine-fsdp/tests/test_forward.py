@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from fsdp_testing import full_grads, make_batch, make_engine, pg_loss, save_tiny_model, value_loss
+from fsdp_testing import (
+    full_grads,
+    hf_reference,
+    make_batch,
+    make_engine,
+    pg_loss,
+    save_tiny_model,
+    value_loss,
+)
 
 from posttrain.core.config import CheckpointConfig, EngineConfig, ModelConfig, OptimizerConfig
 
@@ -22,29 +30,6 @@ def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def value_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("value") / "model", value_model=True, tie=False)
-
-
-def hf_reference(path: str, batch, value_model: bool = False) -> dict[str, torch.Tensor]:
-    """Per-sequence HF forwards: next-token log-probs / entropy at temperature, or values."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-    auto = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
-    model = auto.from_pretrained(path, dtype=torch.float32).eval()
-    out: dict[str, list[torch.Tensor]] = {"log_probs": [], "entropy": [], "values": []}
-    temps = batch.split_tokens(batch.fields["temperature"])
-    with torch.no_grad():
-        for ids, temp in zip(batch.split_tokens(batch.input_ids), temps):
-            logits = model(ids.unsqueeze(0)).logits[0].double()
-            if value_model:
-                out["values"].append(logits[:, 0])
-                continue
-            logp = torch.log_softmax(logits / temp.double().unsqueeze(-1), -1)
-            lp, ent = torch.zeros(len(ids), dtype=torch.float64), torch.zeros(len(ids), dtype=torch.float64)
-            lp[1:] = logp[:-1].gather(-1, ids[1:].unsqueeze(-1)).squeeze(-1)
-            ent[1:] = -(logp.exp() * logp).sum(-1)[:-1]
-            out["log_probs"].append(lp)
-            out["entropy"].append(ent)
-    return {k: torch.cat(v) for k, v in out.items() if v}
 
 
 def test_log_probs_and_entropy_match_hf(lm_dir: str) -> None:

@@ -1,6 +1,7 @@
 """CUDA-only checks (run on the GPU machine): the variable-length attention kernel against per-sequence SDPA,
 bf16 engine log-probs against an fp32 HF forward, a one-process engine against FSDP2 with one rank (the varlen
-path, no fallback), the fp32 fallback's warning, and offload to host memory and back."""
+path, no fallback), the fp32 fallback's warning, the fused RMSNorm's CUDA kernels, and offload to host memory and
+back."""
 
 from __future__ import annotations
 
@@ -138,6 +139,51 @@ def test_compiled_layers_equal_eager(tmp_path) -> None:
     torch.testing.assert_close(lp1, lp0, atol=5e-2, rtol=0, msg=stats)
     assert diffs.max() <= 2 * lr * len(batches) * 1.05, stats
     assert diffs.mean() <= 0.05 * lr, stats
+
+
+def _norm_ops(norm: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[list, list[str]]:
+    """(output, input grad, weight grad) of one forward and backward, and the ATen ops they ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    names: list[str] = []
+    xi = x.clone().requires_grad_()
+    with Ops():
+        out = norm(xi)
+        out.backward(grad)
+    return [out, xi.grad, norm.weight.grad], names
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rms_norm_is_one_cuda_kernel_each_way(dtype: torch.dtype) -> None:
+    """``FusedRMSNorm`` on CUDA runs ``_fused_rms_norm`` forward and ``_fused_rms_norm_backward`` backward (plus the
+    weight multiply), none of HF's pow/mean/rsqrt, and gives HF's ``Qwen3RMSNorm`` results up to the fused kernel's
+    fp32 summation order (a bf16 rounding step at most)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from posttrain.fsdp.norms import FusedRMSNorm
+
+    hf = Qwen3RMSNorm(2048, eps=1e-6).to("cuda", dtype)
+    with torch.no_grad():
+        hf.weight.uniform_(0.5, 1.5)
+    fused = FusedRMSNorm(torch.nn.Parameter(hf.weight.detach().clone()), hf.variance_epsilon)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (3 * torch.randn(4096, 2048, device="cuda", generator=gen)).to(dtype)
+    grad = torch.randn(4096, 2048, device="cuda", generator=gen).to(dtype)
+    want, hf_ops = _norm_ops(hf, x, grad)
+    got, ops = _norm_ops(fused, x, grad)
+    assert {"_fused_rms_norm", "_fused_rms_norm_backward"} <= set(ops), ops
+    assert not {"pow", "mean", "rsqrt"} & set(ops), ops
+    assert len(ops) < len(hf_ops), (ops, hf_ops)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, w, g in zip(("output", "input grad", "weight grad"), want, got):
+        assert g.dtype == w.dtype
+        scale = float(w.float().abs().max())
+        torch.testing.assert_close(g.float(), w.float(), atol=tol * scale, rtol=tol, msg=name)
 
 
 def test_offload_to_host_and_back_is_bit_identical(tmp_path) -> None:

@@ -75,6 +75,11 @@ class FSDPEngineConfig(EngineConfig):
     compile_layers: bool = False
     """``torch.compile`` each decoder layer on CUDA (fuses norms, RoPE and the MLP's elementwise ops; dynamic
     token counts, so one compile serves every packed length). The first steps pay the compile time."""
+    fused_rms_norm: bool = True
+    """Swap the HF RMSNorm modules of llama, mistral, qwen2, qwen2_moe, qwen3 and qwen3_moe models for
+    :class:`posttrain.fsdp.norms.FusedRMSNorm` when the model is built (logged): HF's math and roundings through
+    ``torch.nn.functional.rms_norm``, one kernel each way on CUDA instead of eight forward and about sixteen
+    backward per norm. Other model types keep HF's modules (also logged). false: HF's modules for every model."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,8 +1,9 @@
 """Build the Hugging Face model an FSDP engine trains, and fill its weights shard by shard.
 
 ``build_model`` makes the HF model (causal LM, or token classification with one label for a value model) with
-the packed attention implementation, optionally wraps it in a peft LoRA model, replaces the causal LM's
-``lm_head`` with :class:`~posttrain.fsdp.logprobs.PackedLogProbHead` and turns on gradient checkpointing.
+the packed attention implementation, swaps its RMSNorm modules for fused ones (``engine.fused_rms_norm``,
+:mod:`posttrain.fsdp.norms`), optionally wraps it in a peft LoRA model, replaces the causal LM's ``lm_head`` with
+:class:`~posttrain.fsdp.logprobs.PackedLogProbHead` and turns on gradient checkpointing.
 
 Two ways to get weights:
 
@@ -155,6 +156,22 @@ def resolve_gradient_checkpointing(
     return dataclasses.replace(model_config, enable_gradient_checkpointing=bool(choice.value))
 
 
+def _fuse_rms_norms(model: torch.nn.Module, model_type: str) -> None:
+    """``engine.fused_rms_norm``: :func:`posttrain.fsdp.norms.fuse_rms_norms`, the outcome printed on rank 0."""
+    import sys
+
+    from .norms import FUSED_RMS_NORM_CLASSES, fuse_rms_norms
+
+    count = fuse_rms_norms(model, model_type)
+    if count:
+        line = f"{count} {FUSED_RMS_NORM_CLASSES[model_type]} modules -> FusedRMSNorm (F.rms_norm)"
+    else:
+        known = ", ".join(sorted(FUSED_RMS_NORM_CLASSES))
+        line = f"model_type={model_type!r} keeps HF's RMSNorm modules (fused for {known} only)"
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[posttrain] engine.fused_rms_norm: {line}", file=sys.stderr)
+
+
 def build_model(
     model_config: ModelConfig,
     engine_config: EngineConfig,
@@ -184,6 +201,8 @@ def build_model(
         torch.manual_seed(engine_config.seed)
         with torch.device(init_device):
             model = auto.from_config(config, **kwargs)
+    if isinstance(engine_config, FSDPEngineConfig) and engine_config.fused_rms_norm:
+        _fuse_rms_norms(model, config.model_type)
     module, peft_config = model, None
     if model_config.lora_rank > 0 or model_config.lora_adapter_path:
         from peft import get_peft_model
