@@ -17,10 +17,11 @@ with a ``calculator`` tool (posttrain-envs). SFT on tool-use traces (call, resul
 through the agent loop (docs/agents.md): each episode calls the tool, reads its result and answers; the
 environment scores the answer. The test-set reward is then the held-out success rate. The tiny model cannot
 multiply; what it must learn is to copy the operands into the call and the tool's result into the answer. Its
-own defaults: 800 SFT steps (the copying is learned late, after a plateau), 20 GRPO steps at lr 1e-4 warmed up
-over the first 10, with episodes sampled at temperature 0.5 (see docs/agents.md for why). GRPO does not start
-from the last SFT step but from the first SFT checkpoint (saved every 50 steps) whose greedy success on 50
-validation questions reaches ``sft_pick=0.5`` (:mod:`.demo_pick` says why); the log names the checkpoint and why.
+own defaults: SFT until the first checkpoint (one every 10 steps) whose greedy success on 50 validation questions
+reaches ``sft_pick=0.3``, at most 1200 steps (the copying is learned late, after a plateau, and then within 30-40
+steps; :mod:`.demo_pick` says why GRPO needs a checkpoint from that rise), then 20 GRPO steps from that
+checkpoint at lr 1e-4 warmed up over the first 10, with episodes sampled at temperature 0.5 (see
+docs/agents.md). The log names the checkpoint and why.
 
 Every knob is a ``key=value`` override of :class:`DemoConfig`, e.g. ``posttrain demo grpo_steps=40``;
 ``posttrain demo --help`` lists them.
@@ -42,14 +43,7 @@ from . import main_ppo, sft
 from .command import exit_code, fields_help
 from .data.convert import write_parquet
 from .data.synthetic import calculator_rows, largest_rows
-from .demo_pick import (
-    SAVE_EVERY,
-    check_sft_pick,
-    checkpoint_steps,
-    greedy_success,
-    hf_export,
-    pick_checkpoint,
-)
+from .demo_pick import SAVE_EVERY, Picker, check_sft_pick, greedy_success, hf_export, sft_until_picked
 from .model_init import init_model
 
 
@@ -68,16 +62,17 @@ class DemoConfig:
     num_test: int = 100
     """Test questions, never seen in training."""
     sft_steps: int | None = None
-    """SFT optimizer steps (16 conversations each); None: the task's (largest 100, calculator 800)."""
+    """SFT optimizer steps (16 conversations each), at most with ``sft_pick``; None: the task's (largest 100,
+    calculator 1200)."""
     grpo_steps: int | None = None
     """GRPO steps (16 prompts x 8 samples each, two optimizer steps of 8 prompts); None: the task's (largest
     40, calculator 20)."""
     grpo_lr: float | None = None
     """GRPO learning rate; None: the task's (largest 2e-4, calculator 1e-4)."""
     sft_pick: float | None = None
-    """GRPO starts from the first SFT checkpoint (one every 50 steps) whose greedy success on the ``num_val``
-    validation questions reaches this, else from the last SFT step; None: the task's (calculator 0.5, largest
-    none: the last SFT step, no validation questions)."""
+    """SFT saves a checkpoint every 10 steps and stops at the first whose greedy success on the ``num_val``
+    validation questions reaches this, a rate in (0, 1]; GRPO starts from it, or from the last SFT step when none
+    does. None: the task's (calculator 0.3; largest none: all ``sft_steps``, no validation questions)."""
     num_val: int = 50
     """Validation questions (neither trained on nor in the test set) that score the SFT checkpoints for
     ``sft_pick``."""
@@ -118,10 +113,10 @@ TASKS = {
     "largest": Task(largest_rows, sft_steps=100, grpo_steps=40, grpo_lr=2e-4),
     "calculator": Task(
         calculator_rows,
-        sft_steps=800,
+        sft_steps=1200,
         grpo_steps=20,
         grpo_lr=1e-4,
-        sft_pick=0.5,
+        sft_pick=0.3,
         sft_args=("data.max_length=192",),
         grpo_args=(
             "actor.optim.lr_warmup_steps=10",
@@ -152,7 +147,7 @@ def resolved(cfg: DemoConfig) -> DemoConfig:
     return replace(cfg, sft_steps=sft_steps, grpo_steps=grpo_steps, grpo_lr=grpo_lr, sft_pick=sft_pick)
 
 
-def _write_data(cfg: DemoConfig, out: Path) -> dict[str, Path]:
+def write_data(cfg: DemoConfig, out: Path) -> dict[str, Path]:
     """The task's parquet files by split: train, test and (with ``sft_pick``) val, the ``num_val`` questions
     after the test ones (so the train and test questions do not depend on ``num_val``)."""
     num_val = cfg.num_val if cfg.sft_pick is not None else 0
@@ -165,52 +160,50 @@ def _write_data(cfg: DemoConfig, out: Path) -> dict[str, Path]:
     return {s: write_parquet(rows, out / "data" / f"{s}.parquet") for s, rows in splits.items()}
 
 
-def _sft(cfg: DemoConfig, model: Path, data: list[str], out: Path) -> None:
-    """The SFT stage, saving every :data:`~.demo_pick.SAVE_EVERY` steps when a checkpoint is to be picked."""
-    save = [f"trainer.save_freq={SAVE_EVERY}"] if cfg.sft_pick is not None else []
-    sft.run(
-        [
-            "--config",
-            "sft_tiny",
-            f"model.path={model}",
-            *data,
-            f"trainer.total_training_steps={cfg.sft_steps}",
-            f"trainer.default_local_dir={out / 'sft'}",
-            "trainer.test_freq=-1",
-            *save,
-            "checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-            *TASKS[cfg.task].sft_args,
-        ]
-    )
-
-
-def _pick(cfg: DemoConfig, files: dict[str, Path], out: Path) -> tuple[int, Path]:
-    """(SFT step, its HF export) that GRPO starts from: the last step, or the ``sft_pick`` choice (logged)."""
+def _sft(cfg: DemoConfig, model: Path, files: dict[str, Path], out: Path) -> tuple[int, Path]:
+    """The SFT stage; (SFT step, its HF export) that GRPO starts from. With ``sft_pick`` it saves every
+    :data:`~.demo_pick.SAVE_EVERY` steps, scores each checkpoint on the validation questions and stops at the
+    first that reaches ``sft_pick`` (:mod:`.demo_pick`); the log says which and why."""
     sft_dir = out / "sft"
+    overrides = [
+        f"model.path={model}",
+        f"data.train_files=[{files['train']}]",
+        f"data.val_files=[{files['test']}]",
+        "trainer.resume_mode=disable",
+        f"trainer.total_training_steps={cfg.sft_steps}",
+        f"trainer.default_local_dir={sft_dir}",
+        "trainer.test_freq=-1",
+        "checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        *TASKS[cfg.task].sft_args,
+    ]
     if cfg.sft_pick is None:
+        sft.run(["--config", "sft_tiny", *overrides])
         return cfg.sft_steps, hf_export(sft_dir, cfg.sft_steps)
-    grpo_args = TASKS[cfg.task].grpo_args
 
     def score(step: int) -> float:
-        value = greedy_success(hf_export(sft_dir, step), files["val"], grpo_args)
+        value = greedy_success(hf_export(sft_dir, step), files["val"], TASKS[cfg.task].grpo_args)
         print(
-            f"[demo] SFT step {step}: greedy success {value:.2f} on {cfg.num_val} validation questions",
+            f"\n[demo] SFT step {step}: greedy success {value:.2f} on {cfg.num_val} validation questions",
             file=sys.stderr,
         )
         return value
 
-    pick = pick_checkpoint(checkpoint_steps(sft_dir), score, cfg.sft_pick)
+    every = [f"trainer.save_freq={SAVE_EVERY}", "checkpoint.max_ckpt_to_keep=1"]  # the pick is the last saved
+    pick = sft_until_picked([*overrides, *every], Picker(score, cfg.sft_pick))
     print(f"[demo] GRPO starts from SFT {pick.reason}", file=sys.stderr)
     return pick.step, hf_export(sft_dir, pick.step)
 
 
-def _grpo(cfg: DemoConfig, model: Path, data: list[str], out: Path) -> None:
+def _grpo(cfg: DemoConfig, model: Path, files: dict[str, Path], out: Path) -> None:
+    """The GRPO stage from ``model``, validated on the test questions before the first step and every 10."""
     main_ppo.run(
         [
             "--config",
             "grpo_tiny",
             f"model.path={model}",
-            *data,
+            f"data.train_files=[{files['train']}]",
+            f"data.val_files=[{files['test']}]",
+            "trainer.resume_mode=disable",
             "trainer.val_before_train=true",
             f"trainer.total_training_steps={cfg.grpo_steps}",
             f"trainer.default_local_dir={out / 'grpo'}",
@@ -238,18 +231,11 @@ def run(cfg: DemoConfig) -> dict[str, float]:
         for path in stale:
             shutil.rmtree(path)
     model = init_model(out / "model", size=cfg.model_size, seed=cfg.seed)
-    files = _write_data(cfg, out)
+    files = write_data(cfg, out)
     print(f"[demo] model {model}, data {out / 'data'} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
-    data = [
-        f"data.train_files=[{files['train']}]",
-        f"data.val_files=[{files['test']}]",
-        "trainer.resume_mode=disable",
-    ]
-    _sft(cfg, model, data, out)
-    print(f"[demo] SFT done ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
-    sft_step, sft_model = _pick(cfg, files, out)
-    print(f"[demo] GRPO from {sft_model} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
-    _grpo(cfg, sft_model, data, out)
+    sft_step, sft_model = _sft(cfg, model, files, out)
+    print(f"[demo] SFT done, GRPO from {sft_model} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
+    _grpo(cfg, sft_model, files, out)
     before, after = _last(out / "grpo" / "metrics.jsonl", "val/reward/mean")
     seconds = time.perf_counter() - start
     result = {"test_reward_sft": before, "test_reward_grpo": after, "sft_step": sft_step, "seconds": seconds}
