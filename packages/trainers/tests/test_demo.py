@@ -5,6 +5,10 @@ The run uses the demo's defaults (100 SFT steps, 40 GRPO steps, 100 held-out que
 the thread count picks the CPU kernels, and so the sampled tokens, which makes the run reproducible. Measured
 with torch 2.14 on CPU: SFT model 0.50 -> GRPO model 0.76 (the reward is still 0.48 at GRPO steps 10 to 30),
 so the required gain of 0.15 leaves a margin of 0.11 (one held-out question is 0.01).
+
+``--task calculator`` likewise (seed 0, one thread): SFT stops at step 480, the first checkpoint whose success on
+the 50 validation questions reaches ``sft_pick=0.3`` (0.34); held-out 0.41 -> 0.52 after 20 GRPO steps, so the
+required gain of 0.05 leaves a margin of 0.06. The picker and the early stop have quick tests of their own below.
 """
 
 from __future__ import annotations
@@ -20,17 +24,22 @@ from posttrain.trainers.demo_pick import Picker, hf_export, pick_checkpoint, sft
 from posttrain.trainers.logging import read_metrics
 
 MIN_GAIN = 0.15
+MIN_GAIN_CALCULATOR = 0.05
+
+
+def run_on_one_thread(cfg: DemoConfig) -> dict[str, float]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run(cfg)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
 def test_demo_grpo_improves_the_held_out_reward(tmp_path):
     cfg = resolved(DemoConfig(out_dir=str(tmp_path)))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        result = run(cfg)
-    finally:
-        torch.set_num_threads(threads)
+    result = run_on_one_thread(cfg)
     sft, grpo = result["test_reward_sft"], result["test_reward_grpo"]
     assert grpo >= sft + MIN_GAIN, f"GRPO did not raise the held-out reward: SFT {sft:.3f} -> GRPO {grpo:.3f}"
     sft_dir = tmp_path / "sft" / f"global_step_{cfg.sft_steps}" / "actor" / "huggingface"
@@ -39,6 +48,18 @@ def test_demo_grpo_improves_the_held_out_reward(tmp_path):
     assert [r["step"] for r in rows] == list(range(cfg.grpo_steps + 1)) and "reward/mean" in rows[-1]
     grpo_dir = tmp_path / "grpo" / f"global_step_{cfg.grpo_steps}"
     assert (tmp_path / "grpo" / "metrics.png").is_file() and grpo_dir.is_dir()
+
+
+@pytest.mark.slow
+def test_calculator_demo_grpo_raises_the_held_out_success_from_the_picked_checkpoint(tmp_path):
+    cfg = resolved(DemoConfig(task="calculator", out_dir=str(tmp_path)))
+    result = run_on_one_thread(cfg)
+    sft, grpo = result["test_reward_sft"], result["test_reward_grpo"]
+    assert grpo >= sft + MIN_GAIN_CALCULATOR, f"GRPO did not raise held-out success: {sft:.3f} -> {grpo:.3f}"
+    step = result["sft_step"]
+    assert step < cfg.sft_steps and step % 10 == 0  # stopped at a picked checkpoint, not at the cap
+    assert [p.name for p in (tmp_path / "sft").glob("global_step_*")] == [f"global_step_{step}"]
+    assert read_metrics(tmp_path / "sft" / "metrics.jsonl")[-1]["step"] == step
 
 
 # ---------------------------------------------------------------- the SFT checkpoint picker (sft_pick), quick
