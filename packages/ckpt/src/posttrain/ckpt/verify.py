@@ -30,9 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.core.checksum import tensor_checksums
-
 from . import dist as ckpt_dist
+from .batched import checksums_and_finite
 from .crc import span_crcs
 from .layout import DIST_CKPT, FORMAT, ROLE_MANIFEST, STEP_MANIFEST, read_json
 
@@ -73,7 +72,8 @@ def _shards(t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
 
 
 def tensor_records(chunks: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
-    """``{key: [dtype, shape, checksum, finite]}`` of local chunks (one host sync per device)."""
+    """``{key: [dtype, shape, checksum, finite]}`` of local chunks, the small ones checksummed in buckets
+    (:func:`posttrain.ckpt.batched.checksums_and_finite`)."""
     by_device: dict[torch.device, list[str]] = {}
     for key, t in chunks.items():
         if t.numel():
@@ -81,8 +81,7 @@ def tensor_records(chunks: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
     for keys in by_device.values():
         tensors = [chunks[k] for k in keys]
-        sums = tensor_checksums(tensors)
-        finite = [bool(f) for f in _finite_flags(tensors).tolist()]
+        sums, finite = checksums_and_finite(tensors)
         for key, t, s, f in zip(keys, tensors, sums, finite):
             out[key] = [str(t.dtype).removeprefix("torch."), list(t.shape), s, f]
     return out
