@@ -9,8 +9,9 @@ dropped before each load; the arms' order alternates from round to round. The me
 ``--rounds`` and the overheads are printed (and written with ``--json``).
 
 With ``--baseline COMMIT`` each round runs twice more, as a subprocess of this script with ``--rounds 1``: once
-with the baseline's ``packages/*/src`` (``git archive``) first on ``PYTHONPATH`` and once with this tree's, the
-two alternating; the medians of both are printed side by side (same venv, same machine, same run).
+with the baseline's ``packages/*/src`` (``git archive``) first on ``PYTHONPATH`` and once with this tree's, which
+goes first alternating; the medians of both are printed side by side (same venv, same machine, same run), with
+``--phases`` each one's phases too.
 
 ``--phases`` also times, per arm and round, the steps a save and a load go through (:data:`PHASES`: the
 tensor checksums, DCP's write and read, the file CRCs, the manifest, the commit's fsync, the load's wait for its
@@ -63,17 +64,21 @@ MEDIUM = {
 }
 ARMS = ("save", "save_verified", "load", "load_verified")
 PHASES = (
-    ("posttrain.ckpt.role", "gathered_records", "tensor checksums"),
-    ("torch.distributed.checkpoint", "save", "dcp write"),
-    ("posttrain.ckpt.role", "role_file_records", "file crcs"),
-    ("posttrain.ckpt.role", "write_json", "role manifest"),
-    ("posttrain.ckpt.manager", "file_record", "commit crcs"),
-    ("posttrain.ckpt.manager", "fsync_tree", "commit fsync"),
-    ("torch.distributed.checkpoint", "load", "dcp read"),
-    ("posttrain.ckpt.role", "check_loaded", "tensor checks"),
+    ("posttrain.ckpt.role", "gathered_records", "tensor checksums", "call"),
+    ("torch.distributed.checkpoint", "save", "dcp write", "call"),
+    ("posttrain.ckpt.role", "role_file_records", "file crcs", "call"),
+    ("posttrain.ckpt.role", "syncing", "fsync wait", "exit"),
+    ("posttrain.ckpt.role", "write_json", "role manifest", "call"),
+    ("posttrain.ckpt.manager", "file_record", "commit crcs", "call"),
+    ("posttrain.ckpt.manager", "fsync_tree", "commit fsync", "call"),
+    ("torch.distributed.checkpoint", "load", "dcp read", "call"),
+    ("posttrain.ckpt.role", "verified_read", "file check wait", "exit"),
+    ("posttrain.ckpt.role", "check_loaded", "tensor checks", "call"),
 )
-"""(module, function, phase) timed with ``--phases``; a function the module lacks is skipped. The load's
-``verified_read`` is timed from the end of its body (DCP's read) to its exit: the wait for the file check."""
+"""(module, function, phase, how) timed with ``--phases``; a function the module lacks is skipped (an older tree's
+sources with ``--baseline``). ``call``: the function's seconds; ``exit``: a context manager's, from the end of its
+body to its exit: ``syncing`` waits there for the fsyncs of the role's files that ran during the CRCs (a tree
+before it fsyncs inside DCP's write), ``verified_read`` for the file check that ran during DCP's read."""
 _phase_s: dict[str, float] = {}
 
 
@@ -109,13 +114,11 @@ def _timed_exit(cm, name: str):
 
 
 def install_phase_timers() -> None:
-    """Wrap the functions of :data:`PHASES` (and the load's ``verified_read``) so that their seconds add up."""
-    for module, attr, name in PHASES:
+    """Wrap the functions of :data:`PHASES` so that their seconds add up per phase."""
+    for module, attr, name, how in PHASES:
         mod = importlib.import_module(module)
         if hasattr(mod, attr):
-            setattr(mod, attr, _timed(getattr(mod, attr), name))
-    role = importlib.import_module("posttrain.ckpt.role")
-    role.verified_read = _timed_exit(role.verified_read, "file check wait")
+            setattr(mod, attr, (_timed if how == "call" else _timed_exit)(getattr(mod, attr), name))
 
 
 def timed_phases(fn, *args) -> tuple[float, dict[str, float]]:
@@ -126,14 +129,14 @@ def timed_phases(fn, *args) -> tuple[float, dict[str, float]]:
     return total, phases | {"rest": total - sum(phases.values())}
 
 
-def print_phases(phases: dict[str, list[dict[str, float]]]) -> None:
+def print_phases(phases: dict[str, list[dict[str, float]]], title: str = "") -> None:
     """Median seconds per phase (rows) and arm (columns)."""
     names = list(dict.fromkeys(n for rows in phases.values() for row in rows for n in row))
     names = [n for n in names if n != "rest"] + ["rest"]
-    print(f"{'phase (median s)':<18}" + "".join(f"{a:>15}" for a in ARMS))
+    print(f"{title + 'phase (median s)':<26}" + "".join(f"{a:>15}" for a in ARMS))
     for n in names:
         cells = [statistics.median(row.get(n, 0.0) for row in phases[a]) for a in ARMS]
-        print(f"{n:<18}" + "".join(f"{c:>15.3f}" for c in cells))
+        print(f"{n:<26}" + "".join(f"{c:>15.3f}" for c in cells))
 
 
 def save(root: Path, state: RoleState, step: int, verify: bool) -> float:
@@ -162,27 +165,45 @@ def overhead(secs: dict[str, float]) -> float:
 
 
 def against_baseline(args: argparse.Namespace) -> None:
-    """Rounds of this script (``--rounds 1``) with the baseline's sources and with this tree's, alternating."""
+    """Rounds of this script (``--rounds 1``) with the baseline's sources and with this tree's, their order
+    alternating round by round."""
     from config_show import _export
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     runs: dict[str, list[dict]] = {"baseline": [], "this tree": []}
+    phases: dict[str, dict[str, list]] = {arm: {k: [] for k in ARMS} for arm in runs}
     with tempfile.TemporaryDirectory() as tmp:
         envs = {"baseline": env | {"PYTHONPATH": _export(args.baseline, Path(tmp))}, "this tree": env}
-        for _ in range(args.rounds):
-            for arm, arm_env in envs.items():
+        for r in range(args.rounds):
+            for arm in ("baseline", "this tree") if r % 2 == 0 else ("this tree", "baseline"):
                 out = Path(tmp) / "round.json"
-                cmd = [sys.executable, __file__, "--shape", args.shape, "--rounds", "1"]
-                subprocess.run([*cmd, "--dir", str(args.dir), "--json", str(out)], env=arm_env, check=True)
-                runs[arm].append(json.loads(out.read_text())["median_s"])
-    keys = ARMS
-    print(f"{'arm':<10} " + " ".join(f"{k:>14}" for k in keys) + f" {'overhead':>9}")
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--shape",
+                    args.shape,
+                    "--rounds",
+                    "1",
+                    "--dir",
+                    str(args.dir),
+                ]
+                cmd += ["--json", str(out)] + (["--phases"] if args.phases else [])
+                subprocess.run(cmd, env=envs[arm], check=True)
+                result = json.loads(out.read_text())
+                runs[arm].append(result["median_s"])
+                for k, rows in result.get("phases_s", {}).items():
+                    phases[arm][k] += rows
+    print(f"{'arm':<10} " + " ".join(f"{k:>14}" for k in ARMS) + f" {'overhead':>9} {'of min':>9}")
     summary = {}
     for arm, rows in runs.items():
-        med = {k: statistics.median(r[k] for r in rows) for k in keys}
-        over = overhead(med)
-        summary[arm] = {"median_s": med, "save_load_overhead": over, "rounds": rows}
-        print(f"{arm:<10} " + " ".join(f"{med[k]:>14.3f}" for k in keys) + f" {over:>+9.1%}")
+        med = {k: statistics.median(r[k] for r in rows) for k in ARMS}
+        low = {k: min(r[k] for r in rows) for k in ARMS}
+        summary[arm] = {"median_s": med, "min_s": low, "save_load_overhead": overhead(med), "rounds": rows}
+        line = " ".join(f"{med[k]:>14.3f}" for k in ARMS)
+        print(f"{arm:<10} {line} {overhead(med):>+9.1%} {overhead(low):>+9.1%}")
+    for arm in runs if args.phases else ():
+        print_phases(phases[arm], f"{arm}: ")
+        summary[arm]["phases_s"] = phases[arm]
     if args.json:
         args.json.write_text(
             json.dumps({"baseline": args.baseline, "shape": args.shape, **summary}, indent=1)
