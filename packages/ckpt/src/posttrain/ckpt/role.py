@@ -213,25 +213,13 @@ def write_role_files(
 ) -> None:
     """Write a role's files from host (or device) state: the DCP ``sharded`` state, this rank's ``extra``, and on
     rank 0 the ``huggingface/`` metadata and ``full`` weights as safetensors (without ``lm_head`` when
-    ``tie_word_embeddings``; None reads it from ``info.hf_config``), then the manifest last. Collective over
+    ``tie_word_embeddings``; None reads it from ``info.hf_config``), then the manifest last, once every file of
+    the role is fsynced (each rank fsyncs its share while it computes that share's CRCs). Collective over
     ``group`` (the default group for a sync save, the async writer's gloo group on its thread). Engines with
     their own state collection (the Megatron portable save) write through this too."""
     role_dir.mkdir(parents=True, exist_ok=True)
     if sharded:
-        # no fsync inside DCP: the role's files are fsynced below, while their CRCs are computed
-        writer = dcp.FileSystemWriter(
-            str(role_dir / DIST_CKPT), thread_count=info.dcp_thread_count, sync_files=False
-        )
-        device = staging_device(sharded)  # device tensors are written from page-locked host copies
-        staging = HostStaging(device)
-        planner = None if device is None else StagingSavePlanner(staging)
-        try:
-            with ckpt_dist.single_process_dcp() as no_dist:
-                dcp.save(
-                    sharded, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist
-                )
-        finally:
-            staging.release()
+        _dcp_write(role_dir / DIST_CKPT, sharded, info.dcp_thread_count, group)
     if extra is not None:
         save_extra(role_dir / DIST_CKPT / EXTRA_DIR, rank, extra)
     if rank == 0:
@@ -256,6 +244,20 @@ def write_role_files(
         manifest["written_unix"] = time.time()
         write_json(role_dir / ROLE_MANIFEST, manifest)
     ckpt_dist.barrier(group)
+
+
+def _dcp_write(dcp_dir: Path, sharded: dict[str, Any], threads: int, group: dist.ProcessGroup | None) -> None:
+    """DCP's save of ``sharded`` into ``dcp_dir`` (collective), device tensors through page-locked host copies,
+    without DCP's own fsync: :func:`write_role_files` fsyncs the files while it computes their CRCs."""
+    writer = dcp.FileSystemWriter(str(dcp_dir), thread_count=threads, sync_files=False)
+    device = staging_device(sharded)
+    staging = HostStaging(device)
+    planner = None if device is None else StagingSavePlanner(staging)
+    try:
+        with ckpt_dist.single_process_dcp() as no_dist:
+            dcp.save(sharded, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
+    finally:
+        staging.release()
 
 
 def _version(dist_name: str) -> str | None:

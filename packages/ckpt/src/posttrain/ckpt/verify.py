@@ -5,11 +5,12 @@ A save records, in the role's ``manifest.json`` under ``checksums``:
 * ``tensors``: per stored tensor chunk (DCP key ``model.<name>`` / ``optimizer.state.<name>.exp_avg`` and the
   chunk's offsets), its dtype, shape and the row-hash checksum of its bytes
   (:func:`posttrain.core.checksum.tensor_checksums`, the one the weight sync verifies buckets with), computed
-  on the tensors' own device before the write;
+  on the tensors' own device before the write, small tensors in buckets (:mod:`posttrain.ckpt.batched`);
 * ``files``: per file of the role (DCP shards and ``.metadata``, extra state, ``huggingface/`` files), its size
   and the CRC-32 of each of its byte segments: in a DCP shard one segment per stored item (named by its key, from
-  DCP's metadata) and one per gap between them (headers), elsewhere the whole file. A changed byte is thus
-  named by file and tensor, a truncated file by its size, a deleted one by its absence.
+  DCP's metadata) and one per gap between them (headers), elsewhere the whole file, all of a rank's files hashed
+  on one thread pool in pieces (:mod:`posttrain.ckpt.crc`). A changed byte is thus named by file and tensor, a
+  truncated file by its size, a deleted one by its absence.
 
 The step's ``checkpoint.json`` records the trainer-state files (``data.pt``, ``data_rank_<r>.pt``) the same way.
 :func:`verify_role` and :func:`verify_step` re-read every recorded file (split over the ranks of a process group
