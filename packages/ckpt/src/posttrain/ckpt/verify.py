@@ -186,9 +186,28 @@ def _segments(path: Path, role_dir: Path, meta: Any = None) -> list[tuple[int, i
     items = []
     for index, info in meta.storage_data.items():
         if info.relative_path == path.name:
-            offsets = ",".join(map(str, index.offset)) if index.offset is not None else ""
-            items.append((info.offset, info.length, f"{index.fqn}@{offsets}" if offsets else index.fqn))
+            items.append((info.offset, info.length, _item_key(index)))
     return sorted(items)
+
+
+def _item_key(index: Any) -> str:
+    """The key a stored item's segment is recorded under: its FQN, with the chunk's offsets when it has them."""
+    offsets = ",".join(map(str, index.offset)) if index.offset is not None else ""
+    return f"{index.fqn}@{offsets}" if offsets else index.fqn
+
+
+def dcp_read_order(dcp_dir: Path) -> dict[str, int]:
+    """Where each stored item of a DCP checkpoint comes in a load of its whole state: DCP reads one file after the
+    other, in the order of their first items, and a file's items in the order of the state dict's keys. Empty
+    when the metadata cannot be read (the file check names that damage; the order only schedules the reads)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(dcp_dir)).read_metadata()
+    except Exception:  # missing, torn or foreign metadata: check the files in name order
+        return {}
+    position = {fqn: i for i, fqn in enumerate(meta.state_dict_metadata)}
+    return {_item_key(index): position.get(index.fqn, len(position)) for index in meta.storage_data}
 
 
 def _dcp_metadata(role_dir: Path, names: list[str]) -> Any:
@@ -259,9 +278,11 @@ def role_file_records(role_dir: Path, group: dist.ProcessGroup | None = None) ->
     return file_records(role_dir, listed_files(role_dir), group, role_dir)
 
 
-def check_files(base: Path, records: dict[str, list[Any]]) -> list[str]:
+def check_files(base: Path, records: dict[str, list[Any]], order: dict[str, int] | None = None) -> list[str]:
     """What is wrong with each ``base/<name>`` of ``records`` against its record (empty when all are intact); the
-    segments of the files of the recorded size are hashed on one thread pool."""
+    segments of the files of the recorded size are hashed on one thread pool, in name order or, with ``order``
+    (:func:`dcp_read_order`), in the order a DCP load reads them, so that a check running beside the load reads
+    ahead of it instead of elsewhere on the disk."""
     problems, whole = [], []
     for name, (size, _) in sorted(records.items()):
         path = base / name
@@ -271,14 +292,20 @@ def check_files(base: Path, records: dict[str, list[Any]]) -> list[str]:
             problems.append(f"{path}: {now} bytes, saved with {size} (torn or truncated)")
         else:
             whole.append(name)
-    crcs = span_crcs([(base / n, [(o, ln) for o, ln, _, _ in records[n][1]]) for n in whole])
+    order = order or {}
+    reads = {
+        n: sorted(range(len(records[n][1])), key=lambda i: order.get(records[n][1][i][3], -1)) for n in whole
+    }
+    whole.sort(key=lambda n: min((order[k] for *_, k in records[n][1] if k in order), default=-1))
+    crcs = span_crcs([(base / n, [tuple(records[n][1][i][:2]) for i in reads[n]]) for n in whole])
     for name, now in zip(whole, crcs):
+        crc_of = dict(zip(reads[name], now))
         problems += [
             f"{base / name}: bytes {o}-{o + n} ({_what(k)}) changed"
-            for (o, n, c, k), crc in zip(records[name][1], now)
-            if c != crc
+            for i, (o, n, c, k) in enumerate(records[name][1])
+            if c != crc_of[i]
         ]
-    return problems
+    return sorted(problems)
 
 
 def check_file(base: Path, name: str, record: list[Any]) -> list[str]:
@@ -330,7 +357,7 @@ def verified_read(role_dir: str | Path, what: str, group: dist.ProcessGroup | No
     rank, world = ckpt_dist.get_rank(group), ckpt_dist.get_world_size(group)
     mine = {n: records[n] for n in sorted(records)[rank::world]}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-ckpt-verify") as pool:
-        future = pool.submit(check_files, role_dir, mine)
+        future = pool.submit(lambda: check_files(role_dir, mine, dcp_read_order(role_dir / DIST_CKPT)))
         try:
             yield
         except BaseException:
