@@ -1,9 +1,11 @@
 """The pieces that make verification cheap give the same answers as the plain computations: span CRCs cut into
 pieces and combined equal ``zlib.crc32``, bucketed tensor checksums equal ``tensor_checksum`` and name every
-non-finite tensor, and a save fsyncs every file of the role before its manifest is written."""
+non-finite tensor, a save fsyncs every file of the role before its manifest is written, and the load's check in
+DCP's read order finds what the check in file order finds."""
 
 from __future__ import annotations
 
+import json
 import random
 import zlib
 from pathlib import Path
@@ -14,7 +16,7 @@ from ckpt_crash_worker import CONTENTS, step, tiny_model
 
 from posttrain.ckpt import RoleInfo, RoleState, crc, layout, save_role
 from posttrain.ckpt.batched import checksums_and_finite
-from posttrain.ckpt.verify import listed_files
+from posttrain.ckpt.verify import check_files, dcp_read_order, listed_files
 from posttrain.core.checksum import tensor_checksum
 
 
@@ -91,3 +93,23 @@ def test_save_fsyncs_every_role_file_before_its_manifest(
         save_role(role, RoleState(model=model, optimizer=opt), RoleInfo(), CONTENTS, 1, verify=verify)
         assert (role / "manifest.json").is_file()
         assert sorted(str(p.relative_to(role)) for p in synced if role in p.parents) == listed_files(role)
+
+
+def test_check_in_dcp_read_order_finds_the_same(tmp_path: Path) -> None:
+    """The load's check reads the segments in DCP's order (every stored item has a place in it) and reports what
+    the check in file order reports."""
+    model, opt = tiny_model()
+    step(model, opt, 1)
+    save_role(tmp_path, RoleState(model=model, optimizer=opt), RoleInfo(), CONTENTS, 1)
+    records = json.loads((tmp_path / "manifest.json").read_text())["checksums"]["files"]
+    order = dcp_read_order(tmp_path / "dist_ckpt")
+    keyed = {k for name, (_, segs) in records.items() for *_, k in segs if name.endswith(".distcp")}
+    assert keyed and set(order) == keyed and check_files(tmp_path, records, order) == []
+    shard, (_, segments) = next((n, r) for n, r in records.items() if n.endswith(".distcp"))
+    offset, length, _, key = segments[len(segments) // 2]
+    data = bytearray((tmp_path / shard).read_bytes())
+    data[offset + length // 2] ^= 0xFF
+    (tmp_path / shard).write_bytes(bytes(data))
+    found = check_files(tmp_path, records, order)
+    assert found == check_files(tmp_path, records) and len(found) == 1 and key.split("@")[0] in found[0]
+    assert dcp_read_order(tmp_path / "missing") == {}
