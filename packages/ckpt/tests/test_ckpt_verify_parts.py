@@ -53,7 +53,7 @@ def _tensors() -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("small", [16 << 20, 4096])
 def test_bucketed_checksums_equal_tensor_checksum(small: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("posttrain.ckpt.batched.SMALL", small)
+    monkeypatch.setattr("posttrain.ckpt.batched.SMALL", {"cpu": small})
     monkeypatch.setattr("posttrain.ckpt.batched.BUCKET", 2048)  # several buckets per dtype
     tensors = _tensors()
     sums, finite = checksums_and_finite(tensors)
@@ -63,7 +63,7 @@ def test_bucketed_checksums_equal_tensor_checksum(small: int, monkeypatch: pytes
 
 @pytest.mark.parametrize("small", [16 << 20, 4096])
 def test_bucketed_finiteness_names_each_tensor(small: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("posttrain.ckpt.batched.SMALL", small)
+    monkeypatch.setattr("posttrain.ckpt.batched.SMALL", {"cpu": small})
     tensors = _tensors()
     tensors[0][4, 2] = float("nan")
     tensors[2][1] = float("-inf")
