@@ -3,16 +3,22 @@
 Verified (the default of ``save_role``/``load_role``): the save computes every tensor's row-hash checksum on its
 device and refuses NaN/inf, then re-reads each written file for its segment CRCs; the load re-reads every file
 against them before DCP reads it, then checks the loaded tensors' checksums and finiteness. Unverified:
-``verify=False`` (no checksums recorded, none checked). Each round runs, interleaved, a verified and an
-unverified save (``CheckpointManager.stage`` + ``save_role`` + ``commit``) and a verified and an unverified
-load, the page cache of the files dropped before each load; the medians over ``--rounds`` and the overhead are
-printed (and written with ``--json``).
+``verify=False`` (no checksums recorded, none checked). Each round runs an unverified and a verified arm, each
+a save (``CheckpointManager.stage`` + ``save_role`` + ``commit``) and then a load, the page cache of the files
+dropped before each load; the arms' order alternates from round to round. The medians and minima over
+``--rounds`` and the overheads are printed (and written with ``--json``).
 
 With ``--baseline COMMIT`` each round runs twice more, as a subprocess of this script with ``--rounds 1``: once
-with the baseline's ``packages/*/src`` (``git archive``) first on ``PYTHONPATH`` and once with this tree's, the
-two alternating; the medians of both are printed side by side (same venv, same machine, same run).
+with the baseline's ``packages/*/src`` (``git archive``) first on ``PYTHONPATH`` and once with this tree's, which
+goes first alternating; the medians of both are printed side by side (same venv, same machine, same run), with
+``--phases`` each one's phases too.
 
-    python bench/ckpt_verify.py --shape small --rounds 3            # CPU, ~100 MB of state
+``--phases`` also times, per arm and round, the steps a save and a load go through (:data:`PHASES`: the
+tensor checksums, DCP's write and read, the file CRCs, the manifest, the commit's fsync, the load's wait for its
+file check and its tensor check), by wrapping those functions in this process; their medians are printed per arm.
+
+    python bench/ckpt_verify.py --shape small --rounds 3            # CPU, ~200 MB of state
+    python bench/ckpt_verify.py --shape medium --rounds 3 --phases   # CPU, ~1.9 GB, time per phase
     python bench/ckpt_verify.py --shape small --rounds 3 --baseline 1b3d3c9   # against an earlier verification
     python bench/ckpt_verify.py --shape 1.5b --rounds 3 --dir /tmp/ckpt_bench   # one GPU, ~18.5 GB
 """
@@ -20,6 +26,9 @@ two alternating; the medians of both are printed side by side (same venv, same m
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import importlib
 import json
 import os
 import shutil
@@ -46,6 +55,88 @@ SMALL = {
     "num_key_value_heads": 2,
     "vocab_size": 8192,
 }
+MEDIUM = {
+    **SMALL,
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 8,
+    "vocab_size": 32000,
+}
+ARMS = ("save", "save_verified", "load", "load_verified")
+PHASES = (
+    ("posttrain.ckpt.role", "gathered_records", "tensor checksums", "call"),
+    ("torch.distributed.checkpoint", "save", "dcp write", "call"),
+    ("posttrain.ckpt.role", "role_file_records", "file crcs", "call"),
+    ("posttrain.ckpt.role", "syncing", "fsync wait", "exit"),
+    ("posttrain.ckpt.role", "write_json", "role manifest", "call"),
+    ("posttrain.ckpt.manager", "file_record", "commit crcs", "call"),
+    ("posttrain.ckpt.manager", "fsync_tree", "commit fsync", "call"),
+    ("torch.distributed.checkpoint", "load", "dcp read", "call"),
+    ("posttrain.ckpt.role", "verified_read", "file check wait", "exit"),
+    ("posttrain.ckpt.role", "check_loaded", "tensor checks", "call"),
+)
+"""(module, function, phase, how) timed with ``--phases``; a function the module lacks is skipped (an older tree's
+sources with ``--baseline``). ``call``: the function's seconds; ``exit``: a context manager's, from the end of its
+body to its exit: ``syncing`` waits there for the fsyncs of the role's files that ran during the CRCs (a tree
+before it fsyncs inside DCP's write), ``verified_read`` for the file check that ran during DCP's read."""
+_phase_s: dict[str, float] = {}
+
+
+def _add(name: str, seconds: float) -> None:
+    _phase_s[name] = _phase_s.get(name, 0.0) + seconds
+
+
+def _timed(fn, name: str):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _add(name, time.perf_counter() - t0)
+
+    return wrapper
+
+
+def _timed_exit(cm, name: str):
+    @contextlib.contextmanager
+    def wrapper(*args, **kwargs):
+        body_done = 0.0
+        try:
+            with cm(*args, **kwargs):
+                yield
+                body_done = time.perf_counter()
+        finally:
+            if body_done:
+                _add(name, time.perf_counter() - body_done)
+
+    return wrapper
+
+
+def install_phase_timers() -> None:
+    """Wrap the functions of :data:`PHASES` so that their seconds add up per phase."""
+    for module, attr, name, how in PHASES:
+        mod = importlib.import_module(module)
+        if hasattr(mod, attr):
+            setattr(mod, attr, (_timed if how == "call" else _timed_exit)(getattr(mod, attr), name))
+
+
+def timed_phases(fn, *args) -> tuple[float, dict[str, float]]:
+    """``fn(*args)`` (seconds) and the seconds of each phase it went through; ``rest``: the remainder."""
+    _phase_s.clear()
+    total = fn(*args)
+    phases = dict(_phase_s)
+    return total, phases | {"rest": total - sum(phases.values())}
+
+
+def print_phases(phases: dict[str, list[dict[str, float]]], title: str = "") -> None:
+    """Median seconds per phase (rows) and arm (columns)."""
+    names = list(dict.fromkeys(n for rows in phases.values() for row in rows for n in row))
+    names = [n for n in names if n != "rest"] + ["rest"]
+    print(f"{title + 'phase (median s)':<26}" + "".join(f"{a:>15}" for a in ARMS))
+    for n in names:
+        cells = [statistics.median(row.get(n, 0.0) for row in phases[a]) for a in ARMS]
+        print(f"{n:<26}" + "".join(f"{c:>15.3f}" for c in cells))
 
 
 def save(root: Path, state: RoleState, step: int, verify: bool) -> float:
@@ -68,28 +159,51 @@ def load(role: Path, state: RoleState, verify: bool) -> float:
     return time.perf_counter() - t0
 
 
+def overhead(secs: dict[str, float]) -> float:
+    """Verified save + load over unverified save + load, minus one."""
+    return (secs["save_verified"] + secs["load_verified"]) / (secs["save"] + secs["load"]) - 1
+
+
 def against_baseline(args: argparse.Namespace) -> None:
-    """Rounds of this script (``--rounds 1``) with the baseline's sources and with this tree's, alternating."""
+    """Rounds of this script (``--rounds 1``) with the baseline's sources and with this tree's, their order
+    alternating round by round."""
     from config_show import _export
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     runs: dict[str, list[dict]] = {"baseline": [], "this tree": []}
+    phases: dict[str, dict[str, list]] = {arm: {k: [] for k in ARMS} for arm in runs}
     with tempfile.TemporaryDirectory() as tmp:
         envs = {"baseline": env | {"PYTHONPATH": _export(args.baseline, Path(tmp))}, "this tree": env}
-        for _ in range(args.rounds):
-            for arm, arm_env in envs.items():
+        for r in range(args.rounds):
+            for arm in ("baseline", "this tree") if r % 2 == 0 else ("this tree", "baseline"):
                 out = Path(tmp) / "round.json"
-                cmd = [sys.executable, __file__, "--shape", args.shape, "--rounds", "1"]
-                subprocess.run([*cmd, "--dir", str(args.dir), "--json", str(out)], env=arm_env, check=True)
-                runs[arm].append(json.loads(out.read_text())["median_s"])
-    keys = ("save", "save_verified", "load", "load_verified")
-    print(f"{'arm':<10} " + " ".join(f"{k:>14}" for k in keys) + f" {'overhead':>9}")
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--shape",
+                    args.shape,
+                    "--rounds",
+                    "1",
+                    "--dir",
+                    str(args.dir),
+                ]
+                cmd += ["--json", str(out)] + (["--phases"] if args.phases else [])
+                subprocess.run(cmd, env=envs[arm], check=True)
+                result = json.loads(out.read_text())
+                runs[arm].append(result["median_s"])
+                for k, rows in result.get("phases_s", {}).items():
+                    phases[arm][k] += rows
+    print(f"{'arm':<10} " + " ".join(f"{k:>14}" for k in ARMS) + f" {'overhead':>9} {'of min':>9}")
     summary = {}
     for arm, rows in runs.items():
-        med = {k: statistics.median(r[k] for r in rows) for k in keys}
-        over = (med["save_verified"] + med["load_verified"]) / (med["save"] + med["load"]) - 1
-        summary[arm] = {"median_s": med, "save_load_overhead": over, "rounds": rows}
-        print(f"{arm:<10} " + " ".join(f"{med[k]:>14.3f}" for k in keys) + f" {over:>+9.1%}")
+        med = {k: statistics.median(r[k] for r in rows) for k in ARMS}
+        low = {k: min(r[k] for r in rows) for k in ARMS}
+        summary[arm] = {"median_s": med, "min_s": low, "save_load_overhead": overhead(med), "rounds": rows}
+        line = " ".join(f"{med[k]:>14.3f}" for k in ARMS)
+        print(f"{arm:<10} {line} {overhead(med):>+9.1%} {overhead(low):>+9.1%}")
+    for arm in runs if args.phases else ():
+        print_phases(phases[arm], f"{arm}: ")
+        summary[arm]["phases_s"] = phases[arm]
     if args.json:
         args.json.write_text(
             json.dumps({"baseline": args.baseline, "shape": args.shape, **summary}, indent=1)
@@ -98,45 +212,72 @@ def against_baseline(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=["tiny", "small", "1.5b"], default="small")
+    ap.add_argument("--shape", choices=["tiny", "small", "medium", "1.5b"], default="small")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/ckpt_verify_bench"))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(
         "--baseline", default=None, help="commit whose verification runs alternately with this tree's"
     )
+    ap.add_argument("--phases", action="store_true", help="also time each phase of the save and the load")
     args = ap.parse_args()
     if args.baseline:
         return against_baseline(args)
-    SHAPES["small"] = SMALL
+    SHAPES["small"], SHAPES["medium"] = SMALL, MEDIUM
+    if args.phases:
+        install_phase_timers()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, opt, sched = build(args.shape, device)
     state = RoleState(model=model, optimizer=opt, lr_scheduler=sched)
     nbytes = sum(p.numel() * 4 * 3 for p in model.parameters())
-    times: dict[str, list[float]] = {k: [] for k in ("save", "save_verified", "load", "load_verified")}
-    shutil.rmtree(args.dir, ignore_errors=True)
-    for r in range(args.rounds):
-        for verify in (False, True):  # interleaved: the disk's and the machine's drift fall on both alike
-            root = args.dir / ("verified" if verify else "plain")
-            suffix = "_verified" if verify else ""
-            times[f"save{suffix}"].append(save(root, state, r + 1, verify))
-            times[f"load{suffix}"].append(load(root / f"global_step_{r + 1}" / "actor", state, verify))
-        print({k: round(v[-1], 3) for k, v in times.items()}, flush=True)
+    times, phases = rounds(args, state)
     med = {k: statistics.median(v) for k, v in times.items()}
+    low = {k: min(v) for k, v in times.items()}
     out = {
         "shape": args.shape,
         "device": str(device),
         "state_gb": nbytes / 1e9,
         "median_s": med,
+        "min_s": low,
         "save_overhead": med["save_verified"] / med["save"] - 1,
         "load_overhead": med["load_verified"] / med["load"] - 1,
-        "save_load_overhead": (med["save_verified"] + med["load_verified"]) / (med["save"] + med["load"]) - 1,
+        "save_load_overhead": overhead(med),
+        "save_load_overhead_of_min": overhead(low),
         "rounds": times,
     }
-    print(json.dumps({k: v for k, v in out.items() if k != "rounds"}, indent=1))
+    if phases:
+        print_phases(phases)
+        out["phases_s"] = phases
+    print(json.dumps({k: v for k, v in out.items() if k not in ("rounds", "phases_s")}, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def rounds(
+    args: argparse.Namespace, state: RoleState
+) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
+    """``args.rounds`` rounds of a save and a load per arm, the arms' order alternating round by round (the disk's
+    and the machine's drift, and whichever arm finds the other's pages cached, fall on both alike); seconds per
+    arm and, with ``--phases``, seconds per phase."""
+    times: dict[str, list[float]] = {k: [] for k in ARMS}
+    phases: dict[str, list[dict[str, float]]] = {k: [] for k in ARMS} if args.phases else {}
+    shutil.rmtree(args.dir, ignore_errors=True)
+    for r in range(args.rounds):
+        for verify in (False, True) if r % 2 == 0 else (True, False):
+            root = args.dir / ("verified" if verify else "plain")
+            suffix = "_verified" if verify else ""
+            role = root / f"global_step_{r + 1}" / "actor"
+            for arm, fn, fn_args in (
+                (f"save{suffix}", save, (root, state, r + 1, verify)),
+                (f"load{suffix}", load, (role, state, verify)),
+            ):
+                total, split = timed_phases(fn, *fn_args)
+                times[arm].append(total)
+                if args.phases:
+                    phases[arm].append(split)
+        print({k: round(v[-1], 3) for k, v in times.items()}, flush=True)
+    return times, phases
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 then dies (``os._exit``) at that point while saving step 2; the exit codes go to ``<root>/exit_codes.json``.
 Forking after the imports keeps the cost of importing torch to one process.
 
-Points: ``mid-write`` (the first fsync of a DCP shard file), ``before-rename`` (the rename of the staging
-directory), ``before-tracker`` (the rename that would update latest_checkpointed_iteration.txt).
+Points: ``mid-write`` (the first fsync, once DCP has written the shards), ``before-rename`` (the rename of the
+staging directory), ``before-tracker`` (the rename that would update latest_checkpointed_iteration.txt).
 """
 
 from __future__ import annotations

@@ -19,9 +19,12 @@ fsynced staging directory, so a ``global_step_<N>`` directory with a readable ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +97,16 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def syncing(paths: list[Path]) -> Iterator[None]:
+    """fsync ``paths`` on background threads (up to 16 at once) while the body runs; wait for them at its end."""
+    with ThreadPoolExecutor(max(1, min(16, len(paths))), thread_name_prefix="posttrain-ckpt-fsync") as pool:
+        futures = [pool.submit(fsync_path, path) for path in paths]
+        yield
+        for future in futures:
+            future.result()
 
 
 def fsync_tree(root: Path) -> None:

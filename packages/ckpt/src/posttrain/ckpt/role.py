@@ -37,7 +37,17 @@ from posttrain.core.config.checkpoint import check_contents
 from . import dist as ckpt_dist
 from .extra import capture_extra, load_extra, save_extra
 from .hf import HF_LAYOUT, write_hf_metadata, write_safetensors
-from .layout import DIST_CKPT, EXTRA_DIR, FORMAT, FORMAT_VERSION, HF_DIR, ROLE_MANIFEST, read_json, write_json
+from .layout import (
+    DIST_CKPT,
+    EXTRA_DIR,
+    FORMAT,
+    FORMAT_VERSION,
+    HF_DIR,
+    ROLE_MANIFEST,
+    read_json,
+    syncing,
+    write_json,
+)
 from .lora import is_lora_state, merge_lora, peft_config_of
 from .snapshot import snapshot_to_host
 from .staging import HostStaging, StagingSavePlanner, staging_device
@@ -45,6 +55,7 @@ from .tied import drop_aliases, fill_aliases, tied_aliases
 from .verify import (
     check_loaded,
     gathered_records,
+    listed_files,
     raise_if,
     refuse_non_finite,
     role_file_records,
@@ -202,22 +213,13 @@ def write_role_files(
 ) -> None:
     """Write a role's files from host (or device) state: the DCP ``sharded`` state, this rank's ``extra``, and on
     rank 0 the ``huggingface/`` metadata and ``full`` weights as safetensors (without ``lm_head`` when
-    ``tie_word_embeddings``; None reads it from ``info.hf_config``), then the manifest last. Collective over
+    ``tie_word_embeddings``; None reads it from ``info.hf_config``), then the manifest last, once every file of
+    the role is fsynced (each rank fsyncs its share while it computes that share's CRCs). Collective over
     ``group`` (the default group for a sync save, the async writer's gloo group on its thread). Engines with
     their own state collection (the Megatron portable save) write through this too."""
     role_dir.mkdir(parents=True, exist_ok=True)
     if sharded:
-        writer = dcp.FileSystemWriter(str(role_dir / DIST_CKPT), thread_count=info.dcp_thread_count)
-        device = staging_device(sharded)  # device tensors are written from page-locked host copies
-        staging = HostStaging(device)
-        planner = None if device is None else StagingSavePlanner(staging)
-        try:
-            with ckpt_dist.single_process_dcp() as no_dist:
-                dcp.save(
-                    sharded, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist
-                )
-        finally:
-            staging.release()
+        _dcp_write(role_dir / DIST_CKPT, sharded, info.dcp_thread_count, group)
     if extra is not None:
         save_extra(role_dir / DIST_CKPT / EXTRA_DIR, rank, extra)
     if rank == 0:
@@ -228,18 +230,34 @@ def write_role_files(
                 tie = bool(getattr(info.hf_config, "tie_word_embeddings", False))
             manifest["hf_files"] = write_safetensors(role_dir / HF_DIR, full, tie_word_embeddings=tie)
     ckpt_dist.barrier(group)
-    checksums = manifest.get("checksums")
-    if checksums is not None or manifest.get("verify", True):
-        if checksums is None:  # a caller that collected the state itself (the Megatron portable save)
-            checksums = {"tensors": gathered_records(sharded or {}, group)}
-            refuse_non_finite(checksums["tensors"], f"refusing to save {role_dir}")
-        checksums["files"] = role_file_records(role_dir, group)
-        manifest["checksums"] = checksums
+    share = listed_files(role_dir)[ckpt_dist.get_rank(group) :: ckpt_dist.get_world_size(group)]
+    with syncing([role_dir / name for name in share]):  # the disk writes while the CRCs are computed
+        checksums = manifest.get("checksums")
+        if checksums is not None or manifest.get("verify", True):
+            if checksums is None:  # a caller that collected the state itself (the Megatron portable save)
+                checksums = {"tensors": gathered_records(sharded or {}, group)}
+                refuse_non_finite(checksums["tensors"], f"refusing to save {role_dir}")
+            checksums["files"] = role_file_records(role_dir, group)
+            manifest["checksums"] = checksums
     manifest.pop("verify", None)
     if rank == 0:
         manifest["written_unix"] = time.time()
         write_json(role_dir / ROLE_MANIFEST, manifest)
     ckpt_dist.barrier(group)
+
+
+def _dcp_write(dcp_dir: Path, sharded: dict[str, Any], threads: int, group: dist.ProcessGroup | None) -> None:
+    """DCP's save of ``sharded`` into ``dcp_dir`` (collective), device tensors through page-locked host copies,
+    without DCP's own fsync: :func:`write_role_files` fsyncs the files while it computes their CRCs."""
+    writer = dcp.FileSystemWriter(str(dcp_dir), thread_count=threads, sync_files=False)
+    device = staging_device(sharded)
+    staging = HostStaging(device)
+    planner = None if device is None else StagingSavePlanner(staging)
+    try:
+        with ckpt_dist.single_process_dcp() as no_dist:
+            dcp.save(sharded, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
+    finally:
+        staging.release()
 
 
 def _version(dist_name: str) -> str | None:

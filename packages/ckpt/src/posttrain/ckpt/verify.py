@@ -5,11 +5,12 @@ A save records, in the role's ``manifest.json`` under ``checksums``:
 * ``tensors``: per stored tensor chunk (DCP key ``model.<name>`` / ``optimizer.state.<name>.exp_avg`` and the
   chunk's offsets), its dtype, shape and the row-hash checksum of its bytes
   (:func:`posttrain.core.checksum.tensor_checksums`, the one the weight sync verifies buckets with), computed
-  on the tensors' own device before the write;
+  on the tensors' own device before the write, small tensors in buckets (:mod:`posttrain.ckpt.batched`);
 * ``files``: per file of the role (DCP shards and ``.metadata``, extra state, ``huggingface/`` files), its size
   and the CRC-32 of each of its byte segments: in a DCP shard one segment per stored item (named by its key, from
-  DCP's metadata) and one per gap between them (headers), elsewhere the whole file. A changed byte is thus
-  named by file and tensor, a truncated file by its size, a deleted one by its absence.
+  DCP's metadata) and one per gap between them (headers), elsewhere the whole file, all of a rank's files hashed
+  on one thread pool in pieces (:mod:`posttrain.ckpt.crc`). A changed byte is thus named by file and tensor, a
+  truncated file by its size, a deleted one by its absence.
 
 The step's ``checkpoint.json`` records the trainer-state files (``data.pt``, ``data_rank_<r>.pt``) the same way.
 :func:`verify_role` and :func:`verify_step` re-read every recorded file (split over the ranks of a process group
@@ -22,9 +23,6 @@ finding.
 from __future__ import annotations
 
 import contextlib
-import mmap
-import os
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,12 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.core.checksum import tensor_checksums
-
 from . import dist as ckpt_dist
+from .batched import checksums_and_finite
+from .crc import span_crcs
 from .layout import DIST_CKPT, FORMAT, ROLE_MANIFEST, STEP_MANIFEST, read_json
-
-_PARALLEL_BYTES = 64 << 20  # files this large have their segments' CRCs computed on a thread pool
 
 METADATA = ".metadata"
 """DCP's metadata file in ``dist_ckpt/``."""
@@ -77,7 +73,8 @@ def _shards(t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
 
 
 def tensor_records(chunks: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
-    """``{key: [dtype, shape, checksum, finite]}`` of local chunks (one host sync per device)."""
+    """``{key: [dtype, shape, checksum, finite]}`` of local chunks, the small ones checksummed in buckets
+    (:func:`posttrain.ckpt.batched.checksums_and_finite`)."""
     by_device: dict[torch.device, list[str]] = {}
     for key, t in chunks.items():
         if t.numel():
@@ -85,8 +82,7 @@ def tensor_records(chunks: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
     for keys in by_device.values():
         tensors = [chunks[k] for k in keys]
-        sums = tensor_checksums(tensors)
-        finite = [bool(f) for f in _finite_flags(tensors).tolist()]
+        sums, finite = checksums_and_finite(tensors)
         for key, t, s, f in zip(keys, tensors, sums, finite):
             out[key] = [str(t.dtype).removeprefix("torch."), list(t.shape), s, f]
     return out
@@ -178,24 +174,53 @@ def check_records(
 
 
 # ------------------------------------------------------------------ files
-def _segments(path: Path, role_dir: Path) -> list[tuple[int, int, str | None]]:
-    """(offset, length, item key) of the stored items of a DCP shard file, from the DCP metadata."""
+def _segments(path: Path, role_dir: Path, meta: Any = None) -> list[tuple[int, int, str | None]]:
+    """(offset, length, item key) of the stored items of a DCP shard file, from the DCP metadata (``meta``: that
+    metadata already read, else it is read here)."""
     if path.parent.name != DIST_CKPT or path.parent.parent != role_dir or path.suffix != ".distcp":
         return []
-    from torch.distributed.checkpoint import FileSystemReader
+    if meta is None:
+        from torch.distributed.checkpoint import FileSystemReader
 
-    meta = FileSystemReader(str(path.parent)).read_metadata()
+        meta = FileSystemReader(str(path.parent)).read_metadata()
     items = []
     for index, info in meta.storage_data.items():
         if info.relative_path == path.name:
-            offsets = ",".join(map(str, index.offset)) if index.offset is not None else ""
-            items.append((info.offset, info.length, f"{index.fqn}@{offsets}" if offsets else index.fqn))
+            items.append((info.offset, info.length, _item_key(index)))
     return sorted(items)
 
 
-def file_record(path: Path, items: list[tuple[int, int, str | None]]) -> list[Any]:
-    """``[size, [[offset, length, crc32, item or None], ...]]`` of one file, covering every byte once."""
-    size = path.stat().st_size
+def _item_key(index: Any) -> str:
+    """The key a stored item's segment is recorded under: its FQN, with the chunk's offsets when it has them."""
+    offsets = ",".join(map(str, index.offset)) if index.offset is not None else ""
+    return f"{index.fqn}@{offsets}" if offsets else index.fqn
+
+
+def dcp_read_order(dcp_dir: Path) -> dict[str, int]:
+    """Where each stored item of a DCP checkpoint comes in a load of its whole state: DCP reads one file after the
+    other, in the order of their first items, and a file's items in the order of the state dict's keys. Empty
+    when the metadata cannot be read (the file check names that damage; the order only schedules the reads)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(dcp_dir)).read_metadata()
+    except Exception:  # missing, torn or foreign metadata: check the files in name order
+        return {}
+    position = {fqn: i for i, fqn in enumerate(meta.state_dict_metadata)}
+    return {_item_key(index): position.get(index.fqn, len(position)) for index in meta.storage_data}
+
+
+def _dcp_metadata(role_dir: Path, names: list[str]) -> Any:
+    """The DCP metadata of ``role_dir/dist_ckpt`` when ``names`` hold one of its shards, else None."""
+    if not any(n.startswith(f"{DIST_CKPT}/") and n.endswith(".distcp") for n in names):
+        return None
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(role_dir / DIST_CKPT)).read_metadata()
+
+
+def _cuts(size: int, items: list[tuple[int, int, str | None]]) -> list[tuple[int, int, str | None]]:
+    """``items`` and the gaps around them: (offset, length, item or None) covering ``size`` bytes once."""
     cuts, pos = [], 0
     for offset, length, key in items:
         if offset > pos:
@@ -204,26 +229,27 @@ def file_record(path: Path, items: list[tuple[int, int, str | None]]) -> list[An
         pos = offset + length
     if pos < size or not cuts:
         cuts.append((pos, size - pos, None))
-    with open(path, "rb") as f:
-        view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if size else memoryview(b"")
-        try:
-            crcs = _crcs(view, [(o, n) for o, n, _ in cuts])
-            return [size, [[o, n, c, k] for (o, n, k), c in zip(cuts, crcs)]]
-        finally:
-            view.release()
+    return cuts
 
 
-def _crcs(view: memoryview, spans: list[tuple[int, int]]) -> list[int]:
-    """CRC-32 of each span of ``view``, the spans of a large file on a thread pool (zlib releases the GIL)."""
-    total = sum(n for _, n in spans)
-    if total < _PARALLEL_BYTES or (os.cpu_count() or 1) < 2:
-        return [zlib.crc32(view[o : o + n]) for o, n in spans]
-    workers = min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="posttrain-ckpt-crc") as pool:
-        return list(pool.map(lambda span: zlib.crc32(view[span[0] : span[0] + span[1]]), spans))
+def records_of(files: list[tuple[Path, list[tuple[int, int, str | None]]]]) -> list[list[Any]]:
+    """:func:`file_record` of each ``(path, items)``, every file's segments hashed on one thread pool
+    (:func:`posttrain.ckpt.crc.span_crcs`)."""
+    cuts = [_cuts(path.stat().st_size, items) for path, items in files]
+    crcs = span_crcs([(path, [(o, n) for o, n, _ in c]) for (path, _), c in zip(files, cuts)])
+    return [
+        [sum(n for _, n, _ in c), [[o, n, crc, k] for (o, n, k), crc in zip(c, now)]]
+        for c, now in zip(cuts, crcs)
+    ]
 
 
-def _listed(role_dir: Path) -> list[str]:
+def file_record(path: Path, items: list[tuple[int, int, str | None]]) -> list[Any]:
+    """``[size, [[offset, length, crc32, item or None], ...]]`` of one file, covering every byte once."""
+    return records_of([(path, items)])[0]
+
+
+def listed_files(role_dir: Path) -> list[str]:
+    """The files of a role directory, relative to it, sorted: all but its manifest and temporary files."""
     return sorted(
         str(p.relative_to(role_dir))
         for p in role_dir.rglob("*")
@@ -237,32 +263,54 @@ def file_records(
     """:func:`file_record` of ``base/<name>`` for each name, the files split over the ranks of ``group``
     (collective when a process group exists)."""
     rank, world = ckpt_dist.get_rank(group), ckpt_dist.get_world_size(group)
-    mine = {n: file_record(base / n, _segments(base / n, role_dir or base)) for n in names[rank::world]}
+    names = names[rank::world]
+    role_dir = role_dir or base
+    meta = _dcp_metadata(role_dir, names) if base == role_dir else None
+    found = records_of([(base / n, _segments(base / n, role_dir, meta)) for n in names])
     merged: dict[str, list[Any]] = {}
-    for part in gather(mine, group):
+    for part in gather(dict(zip(names, found)), group):
         merged.update(part)
     return merged
 
 
 def role_file_records(role_dir: Path, group: dist.ProcessGroup | None = None) -> dict[str, list[Any]]:
     """Checksums of every file of a written role directory but its manifest (collective)."""
-    return file_records(role_dir, _listed(role_dir), group, role_dir)
+    return file_records(role_dir, listed_files(role_dir), group, role_dir)
+
+
+def check_files(base: Path, records: dict[str, list[Any]], order: dict[str, int] | None = None) -> list[str]:
+    """What is wrong with each ``base/<name>`` of ``records`` against its record (empty when all are intact); the
+    segments of the files of the recorded size are hashed on one thread pool, in name order or, with ``order``
+    (:func:`dcp_read_order`), in the order a DCP load reads them, so that a check running beside the load reads
+    ahead of it instead of elsewhere on the disk."""
+    problems, whole = [], []
+    for name, (size, _) in sorted(records.items()):
+        path = base / name
+        if not path.is_file():
+            problems.append(f"{path}: missing (recorded with {size} bytes)")
+        elif (now := path.stat().st_size) != size:
+            problems.append(f"{path}: {now} bytes, saved with {size} (torn or truncated)")
+        else:
+            whole.append(name)
+    order = order or {}
+    reads = {
+        n: sorted(range(len(records[n][1])), key=lambda i: order.get(records[n][1][i][3], -1)) for n in whole
+    }
+    whole.sort(key=lambda n: min((order[k] for *_, k in records[n][1] if k in order), default=-1))
+    crcs = span_crcs([(base / n, [tuple(records[n][1][i][:2]) for i in reads[n]]) for n in whole])
+    for name, now in zip(whole, crcs):
+        crc_of = dict(zip(reads[name], now))
+        problems += [
+            f"{base / name}: bytes {o}-{o + n} ({_what(k)}) changed"
+            for i, (o, n, c, k) in enumerate(records[name][1])
+            if c != crc_of[i]
+        ]
+    return sorted(problems)
 
 
 def check_file(base: Path, name: str, record: list[Any]) -> list[str]:
     """What is wrong with ``base/name`` against its record (empty when intact)."""
-    path = base / name
-    if not path.is_file():
-        return [f"{path}: missing (recorded with {record[0]} bytes)"]
-    size = path.stat().st_size
-    if size != record[0]:
-        return [f"{path}: {size} bytes, saved with {record[0]} (torn or truncated)"]
-    found = file_record(path, [(o, n, k) for o, n, _, k in record[1] if k is not None])
-    return [
-        f"{path}: bytes {o}-{o + n} ({_what(k)}) changed"
-        for (o, n, c, k), (_, _, now, _) in zip(record[1], found[1])
-        if c != now
-    ]
+    return check_files(base, {name: record})
 
 
 def _what(key: str | None) -> str:
@@ -276,8 +324,7 @@ def verify_files(
 ) -> list[str]:
     """:func:`check_file` of every recorded file, split over the ranks of ``group`` (collective)."""
     rank, world = ckpt_dist.get_rank(group), ckpt_dist.get_world_size(group)
-    names = sorted(records)
-    mine = [p for n in names[rank::world] for p in check_file(base, n, records[n])]
+    mine = check_files(base, {n: records[n] for n in sorted(records)[rank::world]})
     return sorted(p for part in gather(mine, group) for p in part)
 
 
@@ -308,9 +355,9 @@ def verified_read(role_dir: str | Path, what: str, group: dist.ProcessGroup | No
         raise_if(verify_role(role_dir, group), what)
     records = (manifest.get("checksums") or {}).get("files", {})
     rank, world = ckpt_dist.get_rank(group), ckpt_dist.get_world_size(group)
-    mine = sorted(records)[rank::world]
+    mine = {n: records[n] for n in sorted(records)[rank::world]}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-ckpt-verify") as pool:
-        future = pool.submit(lambda: [p for n in mine for p in check_file(role_dir, n, records[n])])
+        future = pool.submit(lambda: check_files(role_dir, mine, dcp_read_order(role_dir / DIST_CKPT)))
         try:
             yield
         except BaseException:
