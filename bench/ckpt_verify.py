@@ -14,8 +14,8 @@ goes first alternating; the medians of both are printed side by side (same venv,
 ``--phases`` each one's phases too.
 
 ``--load-schedules N`` then loads the last verified checkpoint N more times per schedule of the load's file
-check (as it is, without its WILLNEED read-ahead, in name order instead of DCP's read order; and unverified), to
-see which one DCP's read suffers least from on the disk at hand.
+check (as it is; with WILLNEED read-ahead; in name order instead of DCP's read order; and unverified), to see
+which one DCP's read suffers least from on the disk at hand.
 
 ``--phases`` also times, per arm and round, the steps a save and a load go through (:data:`PHASES`: the
 tensor checksums, DCP's write and read, the file CRCs, the manifest, the commit's fsync, the load's wait for its
@@ -274,26 +274,27 @@ def main() -> None:
 
 def load_schedules(role: Path, state: RoleState, n: int) -> dict[str, dict[str, float]]:
     """``n`` rounds of a load of ``role`` per schedule, the schedules' order alternating: unverified; verified as
-    it is (the file check reads the segments in DCP's read order, each 16 MiB piece asked for with WILLNEED);
-    verified without the WILLNEED; verified in name order. Medians of the load's seconds and of DCP's read."""
+    it is (the file check reads the segments in DCP's read order, without read-ahead hints); verified with
+    ``POSIX_FADV_WILLNEED`` on each 16 MiB piece; verified in name order. Medians of the load's seconds and of
+    DCP's read."""
     from posttrain.ckpt import verify
 
     install_phase_timers()
-    real_advise, real_order = os.posix_fadvise, verify.dcp_read_order
+    real_crcs, real_order = verify.span_crcs, verify.dcp_read_order
     schedules = {
-        "unverified": (False, real_advise, real_order),
-        "verified": (True, real_advise, real_order),
-        "no WILLNEED": (True, lambda *_: None, real_order),
-        "name order": (True, real_advise, lambda _: {}),
+        "unverified": (False, real_crcs, real_order),
+        "verified": (True, real_crcs, real_order),
+        "WILLNEED": (True, functools.partial(real_crcs, read_ahead=True), real_order),
+        "name order": (True, real_crcs, lambda _: {}),
     }
     runs: dict[str, list[tuple[float, float]]] = {k: [] for k in schedules}
     for r in range(n):
         for name in schedules if r % 2 == 0 else reversed(schedules):
-            checked, os.posix_fadvise, verify.dcp_read_order = schedules[name]
+            checked, verify.span_crcs, verify.dcp_read_order = schedules[name]
             try:
                 total, split = timed_phases(load, role, state, checked)
             finally:
-                os.posix_fadvise, verify.dcp_read_order = real_advise, real_order
+                verify.span_crcs, verify.dcp_read_order = real_crcs, real_order
             runs[name].append((total, split.get("dcp read", 0.0)))
     out = {
         k: {"load_s": statistics.median(t for t, _ in v), "dcp_read_s": statistics.median(d for _, d in v)}
