@@ -13,6 +13,10 @@ with the baseline's ``packages/*/src`` (``git archive``) first on ``PYTHONPATH``
 goes first alternating; the medians of both are printed side by side (same venv, same machine, same run), with
 ``--phases`` each one's phases too.
 
+``--load-schedules N`` then loads the last verified checkpoint N more times per schedule of the load's file
+check (as it is; with WILLNEED read-ahead; in name order instead of DCP's read order; and unverified), to see
+which one DCP's read suffers least from on the disk at hand.
+
 ``--phases`` also times, per arm and round, the steps a save and a load go through (:data:`PHASES`: the
 tensor checksums, DCP's write and read, the file CRCs, the manifest, the commit's fsync, the load's wait for its
 file check and its tensor check), by wrapping those functions in this process; their medians are printed per arm.
@@ -80,6 +84,7 @@ sources with ``--baseline``). ``call``: the function's seconds; ``exit``: a cont
 body to its exit: ``syncing`` waits there for the fsyncs of the role's files that ran during the CRCs (a tree
 before it fsyncs inside DCP's write), ``verified_read`` for the file check that ran during DCP's read."""
 _phase_s: dict[str, float] = {}
+_installed: list[bool] = []
 
 
 def _add(name: str, seconds: float) -> None:
@@ -114,7 +119,10 @@ def _timed_exit(cm, name: str):
 
 
 def install_phase_timers() -> None:
-    """Wrap the functions of :data:`PHASES` so that their seconds add up per phase."""
+    """Wrap the functions of :data:`PHASES` so that their seconds add up per phase (once per process)."""
+    if _installed:
+        return
+    _installed.append(True)
     for module, attr, name, how in PHASES:
         mod = importlib.import_module(module)
         if hasattr(mod, attr):
@@ -220,6 +228,13 @@ def main() -> None:
         "--baseline", default=None, help="commit whose verification runs alternately with this tree's"
     )
     ap.add_argument("--phases", action="store_true", help="also time each phase of the save and the load")
+    ap.add_argument(
+        "--load-schedules",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then N rounds of loads of the last verified checkpoint per schedule of the load's file check",
+    )
     args = ap.parse_args()
     if args.baseline:
         return against_baseline(args)
@@ -248,10 +263,46 @@ def main() -> None:
     if phases:
         print_phases(phases)
         out["phases_s"] = phases
+    if args.load_schedules:
+        role = args.dir / "verified" / f"global_step_{args.rounds}" / "actor"
+        out["load_schedules"] = load_schedules(role, state, args.load_schedules)
     print(json.dumps({k: v for k, v in out.items() if k not in ("rounds", "phases_s")}, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def load_schedules(role: Path, state: RoleState, n: int) -> dict[str, dict[str, float]]:
+    """``n`` rounds of a load of ``role`` per schedule, the schedules' order alternating: unverified; verified as
+    it is (the file check reads the segments in DCP's read order, without read-ahead hints); verified with
+    ``POSIX_FADV_WILLNEED`` on each 16 MiB piece; verified in name order. Medians of the load's seconds and of
+    DCP's read."""
+    from posttrain.ckpt import verify
+
+    install_phase_timers()
+    real_crcs, real_order = verify.span_crcs, verify.dcp_read_order
+    schedules = {
+        "unverified": (False, real_crcs, real_order),
+        "verified": (True, real_crcs, real_order),
+        "WILLNEED": (True, functools.partial(real_crcs, read_ahead=True), real_order),
+        "name order": (True, real_crcs, lambda _: {}),
+    }
+    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in schedules}
+    for r in range(n):
+        for name in schedules if r % 2 == 0 else reversed(schedules):
+            checked, verify.span_crcs, verify.dcp_read_order = schedules[name]
+            try:
+                total, split = timed_phases(load, role, state, checked)
+            finally:
+                verify.span_crcs, verify.dcp_read_order = real_crcs, real_order
+            runs[name].append((total, split.get("dcp read", 0.0)))
+    out = {
+        k: {"load_s": statistics.median(t for t, _ in v), "dcp_read_s": statistics.median(d for _, d in v)}
+        for k, v in runs.items()
+    }
+    for k, v in out.items():
+        print(f"load schedule {k:<12} load {v['load_s']:8.3f} s   DCP read {v['dcp_read_s']:8.3f} s")
+    return out
 
 
 def rounds(

@@ -27,14 +27,18 @@ def test_crc32_combine_equals_zlib() -> None:
         assert crc.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
 
 
-def test_span_crcs_in_pieces_equal_zlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_span_crcs_in_pieces_equal_zlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read_ahead: bool
+) -> None:
     monkeypatch.setattr(crc, "PIECE", 1000)  # spans of several pieces, pieces of several spans' sizes
     data = random.Random(1).randbytes(123_457)
     (tmp_path / "a").write_bytes(data)
     (tmp_path / "empty").write_bytes(b"")
     spans = [(0, 0), (0, 5000), (5000, 100_000), (105_000, 18_456), (123_456, 1)]
     got = crc.span_crcs(
-        [(tmp_path / "a", spans), (tmp_path / "empty", [(0, 0)]), (tmp_path / "a", [(0, len(data))])]
+        [(tmp_path / "a", spans), (tmp_path / "empty", [(0, 0)]), (tmp_path / "a", [(0, len(data))])],
+        read_ahead,
     )
     assert got == [[zlib.crc32(data[o : o + n]) for o, n in spans], [0], [zlib.crc32(data)]]
 

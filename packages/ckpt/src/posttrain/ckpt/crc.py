@@ -1,12 +1,12 @@
 """CRC-32 of byte spans of many files, on a pool of threads, in pieces of at most :data:`PIECE` bytes.
 
 Each span (a stored item of a DCP shard, a gap between items, a whole small file) is cut into pieces; the pieces
-of every file given run on one thread pool (``zlib.crc32`` releases the GIL), in file order, so that one large
-tensor's span does not keep one thread busy while the others idle, and a cold file is read front to back by
-several threads at once. Each piece asks the kernel for its pages before hashing them (``POSIX_FADV_WILLNEED``:
-large asynchronous reads instead of one page fault at a time; a no-op for pages already cached). A span's CRC is
-its pieces' CRCs combined (:func:`crc32_combine`, zlib's ``crc32_combine``), equal to ``zlib.crc32`` of the
-span's bytes.
+of every file given run on one thread pool (``zlib.crc32`` releases the GIL), in the order given, so that one
+large tensor's span does not keep one thread busy while the others idle, and a cold file is read by several
+threads at once. With ``read_ahead`` each piece asks the kernel for its pages before hashing them
+(``POSIX_FADV_WILLNEED``: large asynchronous reads instead of a page fault at a time; a no-op for pages already
+cached). A span's CRC is its pieces' CRCs combined (:func:`crc32_combine`, zlib's ``crc32_combine``), equal to
+``zlib.crc32`` of the span's bytes.
 """
 
 from __future__ import annotations
@@ -83,16 +83,19 @@ def _pieces(spans: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return out
 
 
-def span_crcs(files: list[tuple[Path, list[tuple[int, int]]]]) -> list[list[int]]:
-    """``zlib.crc32`` of each ``(offset, length)`` span of each ``(path, spans)``, every span inside its file."""
+def span_crcs(files: list[tuple[Path, list[tuple[int, int]]]], read_ahead: bool = True) -> list[list[int]]:
+    """``zlib.crc32`` of each ``(offset, length)`` span of each ``(path, spans)``, every span inside its file, read
+    file by file and span by span; ``read_ahead``: ask for each piece's pages first (see the module docstring)."""
     out: list[list[int]] = []
     with ThreadPoolExecutor(max_workers=threads(), thread_name_prefix="posttrain-ckpt-crc") as pool:
         for start in range(0, len(files), _OPEN_FILES):
-            out += _span_crcs(files[start : start + _OPEN_FILES], pool)
+            out += _span_crcs(files[start : start + _OPEN_FILES], pool, read_ahead)
     return out
 
 
-def _span_crcs(files: list[tuple[Path, list[tuple[int, int]]]], pool: ThreadPoolExecutor) -> list[list[int]]:
+def _span_crcs(
+    files: list[tuple[Path, list[tuple[int, int]]]], pool: ThreadPoolExecutor, read_ahead: bool
+) -> list[list[int]]:
     with contextlib.ExitStack() as stack:
         fds, views = [], []
         for path, _ in files:
@@ -108,7 +111,7 @@ def _span_crcs(files: list[tuple[Path, list[tuple[int, int]]]], pool: ThreadPool
 
         def crc(job: tuple[int, int, int, int]) -> int:
             f, _, offset, length = job
-            if length > mmap.PAGESIZE and hasattr(os, "posix_fadvise"):
+            if read_ahead and length > mmap.PAGESIZE and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fds[f], offset, length, os.POSIX_FADV_WILLNEED)
             return zlib.crc32(views[f][offset : offset + length])
 

@@ -280,9 +280,10 @@ def role_file_records(role_dir: Path, group: dist.ProcessGroup | None = None) ->
 
 def check_files(base: Path, records: dict[str, list[Any]], order: dict[str, int] | None = None) -> list[str]:
     """What is wrong with each ``base/<name>`` of ``records`` against its record (empty when all are intact); the
-    segments of the files of the recorded size are hashed on one thread pool, in name order or, with ``order``
-    (:func:`dcp_read_order`), in the order a DCP load reads them, so that a check running beside the load reads
-    ahead of it instead of elsewhere on the disk."""
+    segments of the files of the recorded size are hashed on one thread pool, in name order with read-ahead or,
+    with ``order`` (:func:`dcp_read_order`: a DCP load reads the same files meanwhile), in the order that load
+    reads them and without read-ahead hints, so that the check follows the load's reads instead of competing with
+    them elsewhere on the disk."""
     problems, whole = [], []
     for name, (size, _) in sorted(records.items()):
         path = base / name
@@ -292,12 +293,13 @@ def check_files(base: Path, records: dict[str, list[Any]], order: dict[str, int]
             problems.append(f"{path}: {now} bytes, saved with {size} (torn or truncated)")
         else:
             whole.append(name)
-    order = order or {}
+    beside_load, order = order is not None, order or {}
     reads = {
         n: sorted(range(len(records[n][1])), key=lambda i: order.get(records[n][1][i][3], -1)) for n in whole
     }
     whole.sort(key=lambda n: min((order[k] for *_, k in records[n][1] if k in order), default=-1))
-    crcs = span_crcs([(base / n, [tuple(records[n][1][i][:2]) for i in reads[n]]) for n in whole])
+    spans = [(base / n, [tuple(records[n][1][i][:2]) for i in reads[n]]) for n in whole]
+    crcs = span_crcs(spans, read_ahead=not beside_load)
     for name, now in zip(whole, crcs):
         crc_of = dict(zip(reads[name], now))
         problems += [
