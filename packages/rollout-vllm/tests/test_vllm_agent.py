@@ -161,3 +161,42 @@ def test_async_agent_loop_on_vllm_keeps_sampled_ids_and_has_no_barrier(tool_user
     assert waits[0] and waits[1], f"no fast or no slow episode reached a second turn: {waits}"
     # no barrier: a fast episode asks for its next turn at once; the slow ones wait for their tool
     assert max(waits[0]) < SLOW_S / 2 <= SLOW_S <= min(waits[1]), waits
+
+
+def test_batched_agent_loop_samples_each_episode_of_a_task_on_its_own(tool_user):
+    """``agent.loop=batched`` sends the n episodes of a task as n equal prompts in one seeded call: each must draw
+    its own tokens (one seed for every request gave the whole GRPO group the same trajectory: no advantage)."""
+    from transformers import AutoTokenizer
+
+    from posttrain.rollout_vllm.config import VLLMRolloutConfig
+    from posttrain.rollout_vllm.rollout import VLLMRollout
+    from posttrain.trainers.agents.config import AgentConfig
+    from posttrain.trainers.rl.dataset import Prompt
+
+    tok = AutoTokenizer.from_pretrained(tool_user)
+    config = VLLMRolloutConfig(
+        executor="server",
+        dtype="float32",
+        prompt_length=96,
+        response_length=160,
+        temperature=1.0,
+        n=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        engine_kwargs={"block_size": 32},
+    )
+    rollout = VLLMRollout(config, tool_user)
+    agent = AgentConfig(env="calculator", loop="batched", max_turns=1, max_tokens_per_turn=96)
+    loop = agent.build(tok, config)
+    question = 'What is 57 * 86? Use the calculator, then output the answer after "####".'
+    task = Prompt([], "synthetic_calculator", "4902", {}, [{"role": "user", "content": question}])
+    sampling = config.sampling()
+    sampling.seed = 3
+    try:
+        runs = [loop.run_episodes(rollout, [task], sampling)[0] for _ in range(2)]
+    finally:
+        loop.close()
+        rollout.release()
+    first, again = ([tuple(e.traj.ids) for e in episodes] for episodes in runs)
+    assert len(set(first)) > 1, "the episodes of one task sampled the same tokens"
+    assert first == again, "the same seed should replay the same episodes"

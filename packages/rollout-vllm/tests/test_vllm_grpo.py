@@ -78,7 +78,8 @@ def test_grpo_with_the_vllm_rollout_syncs_every_step_and_matches_the_actor(asset
         assert row["timing_s/update_weights"] > 0 and row["sync/tensors"] > 0
         # vLLM sampled with the weights the actor then scored (after step 1's update): float32 on both sides
         assert row["rollout/logprob_diff/max"] < 1e-3, row["rollout/logprob_diff/max"]
-    assert rows[1]["actor/grad_norm"] > 0  # the actor did move between the steps
+    # step 1 moved the actor: step 2 sampled with synced, changed weights
+    assert rows[0]["actor/grad_norm"] > 0
 
 
 def test_a_lora_actor_syncs_its_adapter_alone_into_vllm_with_lora(assets):
@@ -96,7 +97,9 @@ def test_a_lora_actor_syncs_its_adapter_alone_into_vllm_with_lora(assets):
         [r["sync/megabytes"] for r in rows],
         full_mb,
     )
-    assert rows[1]["actor/grad_norm"] > 0  # step 2 moved the adapter: step 3 samples with the synced one
+    # an earlier step moved the adapter (the tiny model's digit rewards are sparse: a step may have no signal),
+    # so step 3 samples with a synced adapter that differs from the initial one
+    assert any(r["actor/grad_norm"] > 0 for r in rows[:2]), [r["actor/grad_norm"] for r in rows]
     assert rows[2]["rollout/logprob_diff/max"] < 1e-3, rows[2]["rollout/logprob_diff/max"]
 
 

@@ -94,6 +94,15 @@ def test_sampled_log_probs_are_those_of_the_tempered_distribution(rollout, engin
         check_logprobs(model, s, 0.7)
 
 
+def test_equal_prompts_of_one_seeded_call_sample_on_their_own(rollout):
+    """vLLM seeds each request: one seed for all would give equal prompts equal samples."""
+    call = SamplingConfig(temperature=1.0, max_new_tokens=12, seed=11)
+    first = [tuple(s.response_ids) for s in rollout.generate([PROMPTS[0]] * 4, call)]
+    assert len(set(first)) == 4, first
+    again = [tuple(s.response_ids) for s in rollout.generate([PROMPTS[0]] * 4, call)]
+    assert again == first, "the same seed should replay the same samples"
+
+
 def test_lora_adapter_syncs_as_adapter(rollout, model_dir):
     lora_engine = make_engine(model_dir, lora_rank=8, lr=3e-2)
     stream, peft = lora_engine.get_per_tensor_param(base_sync_done=False)

@@ -50,12 +50,20 @@ class SamplingConfig(SamplingKnobs):
     stop_token_ids: list[int] = field(default_factory=list)
     """Generation stops after any of these (the eos token is always one)."""
     seed: int | None = None
-    """Seed for this batch's sampling (None: the rollout's own generator)."""
+    """Seed for this call's sampling (None: the rollout's own generator). The call's prompts draw independently:
+    two equal prompts in one call (the n episodes of one agent task) get different samples. A rollout that seeds
+    each request (vLLM) gives prompt ``i`` the seed :meth:`prompt_seed` ``(i)``."""
 
     def __post_init__(self) -> None:
         self._check_sampling("")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+    def prompt_seed(self, index: int) -> int | None:
+        """The seed of the call's prompt ``index`` (None when the call has none)."""
+        if self.seed is None:
+            return None
+        return (self.seed * 1_000_003 + index * 104_729) % (2**31)
 
 
 @dataclass(kw_only=True)

@@ -157,12 +157,16 @@ class AsyncFront:
         return asyncio.wrap_future(fut)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Any, lora: Any = None) -> list[Any]:
+        """``params``: one ``SamplingParams`` for every prompt, or a list of one per prompt (as ``LLM.generate``)."""
+        each = params if isinstance(params, list) else [params] * len(prompts)
         self._enter()
         try:
 
             async def run_all() -> list[Any]:
                 return list(
-                    await asyncio.gather(*(self._one(p, params, lora) for p in tokens_prompts(prompts)))
+                    await asyncio.gather(
+                        *(self._one(p, q, lora) for p, q in zip(tokens_prompts(prompts), each))
+                    )
                 )
 
             return self._run(run_all())

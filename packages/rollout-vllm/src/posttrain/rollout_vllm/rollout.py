@@ -284,8 +284,14 @@ class VLLMRollout(BaseRollout):
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
         self._check_ready()
+        params: Any = self.sampling_params(sampling)
+        if sampling.seed is not None:  # vLLM seeds each request: equal prompts would sample equal tokens
+            params = [
+                self.sampling_params(dataclasses.replace(sampling, seed=sampling.prompt_seed(i)))
+                for i in range(len(prompts))
+            ]
         with self._filling_prefix_cache():
-            outputs = self.engine.generate(prompts, self.sampling_params(sampling), self._lora_request)
+            outputs = self.engine.generate(prompts, params, self._lora_request)
         return [s for i, out in enumerate(outputs) for s in samples_of(i, out)]
 
     async def agenerate(
