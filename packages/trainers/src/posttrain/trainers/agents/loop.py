@@ -218,7 +218,7 @@ class AgentLoop:
             context = e.traj.context()
             seed = None
             if sampling.seed is not None:  # one request per episode: each needs its own seed
-                seed = (sampling.seed * 1_000_003 + k * 104_729 + turn_index * 7919) % (2**31)
+                seed = (sampling.prompt_seed(k) + turn_index * 7919) % (2**31)
             call = dataclasses.replace(
                 sampling,
                 n=1,
