@@ -20,17 +20,33 @@
 # The work: the 0.5B-shaped model and 256-token digit prompts under /tmp/rl_bench (rewritten with data_source
 # openai/gsm8k so verl's default reward scores them), 128 prompts x 5 responses up to 1,024 tokens a step,
 # mini-batches of 64 prompts, lr 1e-6, KL loss (low_var_kl, 0.001), bf16.
-# verl's own performance settings for one GPU (its perf tuning guide, docs/perf/perf_tuning.rst): remove padding
-# (packed sequences), dynamic batch size with token budgets (ppo 16,384 tokens per GPU as posttrain's preset,
-# log-prob passes 32,768), chunked prefill, vLLM CUDA graphs (enforce_eager=False), free_cache_engine (vLLM sleeps
-# while the actor trains), no parameter or optimizer offload (the model fits), vLLM at 0.6 of the memory and
-# max_num_seqs 1024 (every sequence of a step at once; verl's default is 256), gradient checkpointing off (what
-# posttrain's policy chooses for this shape on an H200). One substitution: verl's default attention for the actor
-# and reference is HF's flash_attention_2, which needs the flash-attn package, and flash-attn has no wheel for
-# torch 2.11 + CUDA 13 (the image). bench/verl_torch_varlen.py registers the same packed computation with torch's
-# varlen flash kernel (what posttrain's FSDP engine runs) and verl loads it through its own `model.external_lib`
-# hook; the script checks it against SDPA on the GPU first. VERL_ATTN=sdpa runs HF's SDPA over a block-diagonal
-# mask instead (slow: step 1's actor phases took over 2 minutes).
+# verl's own performance settings for one GPU (its perf tuning guide docs/perf/perf_tuning.rst, the config defaults
+# in verl/trainer/config/*.yaml, examples/grpo_trainer/run_qwen3_4b_fsdp.sh): remove padding (packed sequences),
+# dynamic batch size with token budgets (ppo 16,384 tokens per GPU as posttrain's preset, at least the guide's
+# 2 x (prompt + response); the forward-only log-prob passes 2x that, 32,768), verl's fused output head
+# (model.use_fused_kernels, backend torch: log-probs and entropy from the hidden states in 512-token chunks),
+# chunked prefill, vLLM CUDA graphs (enforce_eager=False) captured up to the 640 sequences of a step
+# (rollout.cudagraph_capture_sizes; vLLM's own default stops at 512, so 640 running sequences decoded without
+# graphs), free_cache_engine (vLLM sleeps while the actor trains), no parameter or optimizer offload (the model
+# fits; verl keeps the forward-only reference's parameters on the CPU whatever the setting), FSDP forward
+# prefetch and deferred gradient sync over micro-batches (the guide's FSDP items), vLLM at 0.6 of the memory
+# and max_num_seqs 1024, gradient checkpointing off (what posttrain's policy chooses for this shape on an H200;
+# the guide's checkpointing tip is for memory), verl's default V1 trainer (`trainer.use_v1=False` selects the
+# deprecated ray_trainer path, which runs the same engine workers).
+# Why the fused head: verl computes log-probs with flash-attn's Triton cross-entropy when flash-attn imports
+# (verl/utils/torch_functional.py:35-39, 95-101) and otherwise with logprobs_from_logits_v2, a Python loop over
+# every token row (torch_functional.py:173-205): 818k tokens a step, three times (old log-probs, reference,
+# update with its backward), which is what made verl's step 1 actor phases 54 + 54 + 174 s with the GPU ~30%
+# busy. verl's own environment has flash-attn 2.8.3 for torch 2.11 + CUDA 13 (pyproject.toml's fsdp extra, from
+# verl's wheelhouse index, not PyPI); the bundle (scripts/verl_parts.sh) has none, so the fused head is the verl
+# setting that takes the loop out. VERL_FUSED=triton picks verl's Triton kernel instead, VERL_FUSED=off the
+# plain path (only sensible with flash-attn installed); VERL_CUDAGRAPH_MAX (640) sets the largest decode graph.
+# One substitution: verl's default attention for the actor and reference is HF's flash_attention_2, which needs
+# the flash-attn package, and flash-attn has no PyPI wheel for torch 2.11 + CUDA 13 (the image).
+# bench/verl_torch_varlen.py registers the same packed computation with torch's varlen flash kernel (what
+# posttrain's FSDP engine runs) and verl loads it through its own `model.external_lib` hook; the script checks it
+# against SDPA on the GPU first. VERL_ATTN=sdpa runs HF's SDPA over a block-diagonal mask instead (slow: step 1's
+# actor phases took over 2 minutes).
 # Per-step metrics land in $OUT/verl.log (verl's console logger prints timing_s/gen, timing_s/step and
 # perf/throughput each step).
 set -uo pipefail
@@ -54,6 +70,11 @@ pq.write_table(t, sys.argv[2])
 PY
 cp "$data/train.parquet" "$data/test.parquet"
 attn="${VERL_ATTN:-torch_varlen}"
+fused="${VERL_FUSED:-torch}"  # verl's fused output head backend: torch (hf_model.yaml's default), triton, or off
+# vLLM's default decode graphs (1, 2, 4, 8..248 by 8, 256..512 by 16: the 51 sizes the log showed) extended by 16s
+# to the 640 sequences a step runs (128 prompts x 5), as posttrain's rollout does (max_cudagraph_capture_size)
+cg_max="${VERL_CUDAGRAPH_MAX:-640}"
+cg="[1,2,4,$(seq -s, 8 8 248),$(seq -s, 256 16 "$cg_max")]"
 if [ "$attn" = torch_varlen ]; then python3 bench/verl_torch_varlen.py || exit 1; fi
 timeout "${VERL_TIMEOUT:-570}" python3 -m verl.trainer.main_ppo \
   algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False \
@@ -61,6 +82,9 @@ timeout "${VERL_TIMEOUT:-570}" python3 -m verl.trainer.main_ppo \
   data.max_prompt_length=512 data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation=error \
   actor_rollout_ref.model.path="$model" actor_rollout_ref.model.use_remove_padding=True \
   actor_rollout_ref.model.enable_gradient_checkpointing=False \
+  `# verl/trainer/config/model/hf_model.yaml:60-68; perf_tuning.rst "fused kernels optimize the output head"` \
+  actor_rollout_ref.model.use_fused_kernels="$([ "$fused" = off ] && echo False || echo True)" \
+  actor_rollout_ref.model.fused_kernel_options.impl_backend="$([ "$fused" = off ] && echo torch || echo "$fused")" \
   actor_rollout_ref.model.external_lib="$([ "$attn" = torch_varlen ] && echo verl_torch_varlen || echo null)" \
   +actor_rollout_ref.model.override_config.attn_implementation="$attn" \
   actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.actor.optim.lr=1e-6 \
@@ -69,10 +93,16 @@ timeout "${VERL_TIMEOUT:-570}" python3 -m verl.trainer.main_ppo \
   actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl \
   actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.actor.fsdp_config.param_offload=False \
   actor_rollout_ref.actor.fsdp_config.optimizer_offload=False actor_rollout_ref.ref.fsdp_config.param_offload=False \
+  `# perf_tuning.rst "Forward prefetch in FSDP training backend"; verl/utils/fsdp_utils.py honors it for fsdp2` \
+  actor_rollout_ref.actor.fsdp_config.forward_prefetch=True \
+  `# perf_tuning.rst "Reduce FSDP gradient synchronization"; FSDPEngineConfig's default (workers/config/engine.py)` \
+  actor_rollout_ref.actor.fsdp_config.use_no_sync_for_gradient_accumulation=True \
   actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768 \
   actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
   actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5 \
   actor_rollout_ref.rollout.max_num_seqs=1024 actor_rollout_ref.rollout.enforce_eager=False \
+  `# perf_tuning.rst "Balance performance and memory using cudagraph_capture_sizes"; rollout/rollout.yaml:54-58` \
+  actor_rollout_ref.rollout.cudagraph_capture_sizes="$cg" \
   actor_rollout_ref.rollout.free_cache_engine=True actor_rollout_ref.rollout.enable_chunked_prefill=True \
   actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768 \
   trainer.critic_warmup=0 trainer.logger='["console"]' trainer.project_name=verl-bench trainer.experiment_name=readme \
