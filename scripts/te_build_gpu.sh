@@ -34,17 +34,31 @@ PY=${PYTHON:-python3}
 
 site_env() { echo "export PYTHONPATH=${SITE}:\${PYTHONPATH:-}"; }
 
-install_small() {
-  # the carried pure-Python wheels, only those whose module the image lacks
-  local pairs=(setuptools:setuptools wheel:wheel einops:einops nvdlfw_inspect:nvdlfw_inspect
-               importlib_metadata:importlib_metadata zipp:zipp)
-  for pair in "${pairs[@]}"; do
+install_missing() {
+  # DIR MOD:STEM...: install DIR/STEM-*.whl for each module the image lacks (pip --no-deps --target SITE)
+  local dir=$1 pair; shift
+  for pair in "$@"; do
     local mod=${pair%%:*} stem=${pair##*:}
     if ! PYTHONPATH="$SITE" "$PY" -c "import $mod" 2>/dev/null; then
-      "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$STASH"/"$stem"-*.whl
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$dir"/"$stem"-*.whl
       echo "installed $stem (the image lacks it)"
     fi
   done
+}
+
+install_small() {
+  # the carried pure-Python wheels, only those whose module the image lacks
+  install_missing "$STASH" setuptools:setuptools wheel:wheel einops:einops nvdlfw_inspect:nvdlfw_inspect \
+    importlib_metadata:importlib_metadata zipp:zipp
+}
+
+install_runtime_deps() {
+  # te_build_cpu.sh's OUT_DIR/deps: what `import transformer_engine.pytorch` needs besides torch (pydantic,
+  # onnxscript, onnx), only those the image lacks; dependencies before dependents
+  [ -d "$1/deps" ] || return 0
+  install_missing "$1/deps" typing_inspection:typing_inspection annotated_types:annotated_types \
+    pydantic_core:pydantic_core pydantic:pydantic google.protobuf:protobuf ml_dtypes:ml_dtypes onnx:onnx \
+    onnx_ir:onnx_ir onnxscript:onnxscript
 }
 
 install_core() {
@@ -100,7 +114,17 @@ EOF
 }
 
 install_wheel() {
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --upgrade "$1"/transformer_engine_torch-*.whl
+  # The wheel holds transformer_engine/wheel_lib/transformer_engine_torch*.so: `pip install --target SITE --upgrade`
+  # would replace SITE/transformer_engine (the core library and the Python package) by that one folder, so install
+  # it into a scratch target and merge. A wheel split in parts (te_build_cpu.sh, over 47 MiB) is joined first.
+  local d="$1" tmp; tmp=$(mktemp -d)
+  if ! ls "$d"/transformer_engine_torch-*.whl >/dev/null 2>&1 && ls "$d"/*.whl.part.0 >/dev/null 2>&1; then
+    local p0; p0=$(ls "$d"/*.whl.part.0); cat "${p0%.0}".? > "$tmp/$(basename "${p0%.part.0}")"; d="$tmp"
+  fi
+  if [ -f "$1/wheel.sha256" ]; then (cd "$d" && sha256sum -c "$(cd "$1" && pwd)/wheel.sha256"); fi
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$tmp/t" "$d"/transformer_engine_torch-*.whl
+  rm -rf "$SITE"/transformer_engine_torch-*.dist-info
+  cp -a "$tmp/t/." "$SITE/"; rm -rf "$tmp"
 }
 
 status() {
@@ -126,6 +150,7 @@ case "${1:-}" in
   start) start ;;
   status) status ;;
   env) site_env ;;
-  install) install_core; install_wheel "${2:?wheel dir}"; check ;;
+  install) w=$(cd "${2:?wheel dir}" && pwd)  # absolute: install_core changes directory
+    install_core; install_runtime_deps "$w"; install_wheel "$w"; check ;;
   *) echo "usage: $0 start|status|env|install WHEEL_DIR (see the header)" >&2; exit 2 ;;
 esac
