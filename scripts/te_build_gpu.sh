@@ -9,8 +9,10 @@
 #                                         # the import + te.Linear check, copy the wheel to $OUT (split in 15 MiB
 #                                         # parts when over 16 MiB) with its sha256
 #   eval "$(bash scripts/te_build_gpu.sh env)"   # PYTHONPATH export that makes transformer_engine importable
-#   bash scripts/te_build_gpu.sh install WHEEL_DIR   # on a fresh machine: install a wheel built earlier (its parts
-#                                         # joined) instead of building
+#   bash scripts/te_build_gpu.sh install WHEEL_DIR   # on a fresh machine: install a wheel built earlier instead
+#                                         # of building: WHEEL_DIR holds the wheel or its parts (*.whl.part.N), and
+#                                         # optionally wheel.sha256 and deps/ (scripts/te_build_cpu.sh's
+#                                         # .te-parts/prebuilt: pydantic, onnx, ... for the modules the image lacks)
 #
 # The build: the sdist's setup.py makes one CppExtension (33 C++ files, host compiler, no nvcc kernels) and
 #   NVTE_PYTORCH_FORCE_BUILD=TRUE  skips its attempt to download a prebuilt wheel from GitHub (no network there)
@@ -53,10 +55,11 @@ install_small() {
 }
 
 install_runtime_deps() {
-  # te_build_cpu.sh's OUT_DIR/deps: what `import transformer_engine.pytorch` needs besides torch (pydantic,
+  # te_build_cpu.sh's OUT_DIR/deps: what `import transformer_engine.pytorch` needs besides torch (packaging, pydantic,
   # onnxscript, onnx), only those the image lacks; dependencies before dependents
   [ -d "$1/deps" ] || return 0
-  install_missing "$1/deps" typing_inspection:typing_inspection annotated_types:annotated_types \
+  (cd "$1/deps" && sha256sum --quiet -c SHA256SUMS)
+  install_missing "$1/deps" packaging:packaging typing_inspection:typing_inspection annotated_types:annotated_types \
     pydantic_core:pydantic_core pydantic:pydantic google.protobuf:protobuf ml_dtypes:ml_dtypes onnx:onnx \
     onnx_ir:onnx_ir onnxscript:onnxscript
 }
