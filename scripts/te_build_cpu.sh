@@ -2,7 +2,8 @@
 # Build Transformer Engine 2.20.2's PyTorch extension (transformer-engine-torch, source only) HERE, on a CPU
 # machine, against exactly the lent GPU machine's torch (2.11.0+cu130), so that the GPU machine only installs it:
 #
-#   bash scripts/te_build_cpu.sh [OUT_DIR]   # default OUT_DIR .te-parts/prebuilt (ignored by git); needs PyPI
+#   bash scripts/te_build_cpu.sh [OUT_DIR]   # default OUT_DIR .te-parts/prebuilt (ignored by git); needs PyPI; run it
+#                                            # after scripts/te_parts.sh, which empties .te-parts/
 #
 # then on the GPU machine, after the six core-wheel parts of scripts/te_parts.sh went to /tmp/stash (carry
 # ".te-parts/prebuilt" with the last one): bash scripts/te_build_gpu.sh install .te-parts/prebuilt
