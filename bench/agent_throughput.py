@@ -15,10 +15,8 @@ sleeping ``--tool-latency`` plus a uniform ``[0, --tool-jitter]`` draw, like a t
 
 Variants (``--rollout vllm`` only): ``--variant NAME=JSON`` (repeatable; default ``default={}``) runs posttrain's
 two arms once per variant, each over its own freshly built vLLM engine whose ``VLLMRolloutConfig.engine_kwargs``
-is the JSON. posttrain applies engine_kwargs last, as a shallow ``dict.update``: a key there replaces posttrain's
-whole argument (a ``compilation_config`` replaces the one posttrain sets when ``max_num_seqs`` > 512, so this script
-adds that ``max_cudagraph_capture_size`` back). E.g. ``full_graphs={"compilation_config": {"cudagraph_mode":
-"FULL"}}``: vLLM's default FULL_AND_PIECEWISE runs steps that mix prefills with decodes (nearly every step of the
+is the JSON (its keys win over posttrain's; a ``compilation_config`` is merged into posttrain's). E.g.
+``full_graphs={"compilation_config": {"cudagraph_mode": "FULL"}}``: vLLM's default FULL_AND_PIECEWISE runs steps that mix prefills with decodes (nearly every step of the
 async arm) with piecewise CUDA graphs, attention outside the graph; FULL captures whole graphs for them too where
 the attention backend allows (FlashAttention 3 on Hopper).
 
@@ -59,7 +57,6 @@ cores::
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import random
 import sys
@@ -265,10 +262,6 @@ def build_rollout(args, model_dir: str, engine_kwargs: dict[str, Any]):
 
         dtype = "bfloat16" if args.device == "cuda" else "float32"
         max_seqs = max(8, args.questions * args.n)
-        engine_kwargs = copy.deepcopy(engine_kwargs)  # the report keeps the variant as given
-        compilation = engine_kwargs.get("compilation_config")
-        if isinstance(compilation, dict) and max_seqs > 512:  # what posttrain's own compilation_config says
-            compilation.setdefault("max_cudagraph_capture_size", max_seqs)
         cfg = VLLMRolloutConfig(
             executor="server",
             dtype=dtype,

@@ -127,3 +127,20 @@ def test_config_transports_are_the_transport_modules_and_import_without_torch():
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
         == "False\n"
     )
+
+
+def test_engine_kwargs_merge_a_compilation_config_into_posttrains():
+    """``rollout.engine_kwargs`` wins key by key; its ``compilation_config`` keeps posttrain's capture size."""
+    from posttrain.rollout_vllm.rollout import with_user_kwargs
+
+    ours = {"max_num_seqs": 640, "compilation_config": {"max_cudagraph_capture_size": 640}}
+    merged = with_user_kwargs(ours, {"block_size": 32, "compilation_config": {"cudagraph_mode": "FULL"}})
+    assert merged == {
+        "max_num_seqs": 640,
+        "block_size": 32,
+        "compilation_config": {"max_cudagraph_capture_size": 640, "cudagraph_mode": "FULL"},
+    }
+    mine = {"compilation_config": {"max_cudagraph_capture_size": 1024}}
+    assert with_user_kwargs(ours, mine)["compilation_config"] == {"max_cudagraph_capture_size": 1024}
+    assert with_user_kwargs({"max_num_seqs": 8}, mine) == {"max_num_seqs": 8, **mine}
+    assert ours == {"max_num_seqs": 640, "compilation_config": {"max_cudagraph_capture_size": 640}}

@@ -59,7 +59,7 @@ class VLLMRolloutConfig(RolloutConfig):
     a sleep (the trainer's cycle) or with the cache off the sync skips the reset."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for vLLM's ``LLM`` / ``AsyncEngineArgs`` (e.g. ``block_size``); they win over the
-    arguments built from the fields above."""
+    arguments built from the fields above, key by key; a ``compilation_config`` dict is merged into posttrain's."""
     lora_name: str = "posttrain"
     """Name of the LoRA adapter synced from the trainer (vLLM started with LoRA: ``model.lora_rank`` > 0)."""
     lora_int_id: int = 1

@@ -101,6 +101,17 @@ def eos_token_ids(model_path: str) -> list[int]:
     return sorted(ids)
 
 
+def with_user_kwargs(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """``rollout.engine_kwargs`` over posttrain's engine arguments: theirs win, key by key, and a
+    ``compilation_config`` dict is merged into posttrain's (so ``{"cudagraph_mode": "FULL"}`` keeps the decode-graph
+    capture size posttrain sets above 512 sequences, unless it names one itself)."""
+    merged = {**ours, **theirs}
+    mine, given = ours.get("compilation_config"), theirs.get("compilation_config")
+    if isinstance(mine, dict) and isinstance(given, dict):
+        merged["compilation_config"] = {**mine, **given}
+    return merged
+
+
 class VLLMRollout(BaseRollout):
     """A vLLM engine that generates token ids with log-probs and takes verified weight syncs."""
 
@@ -247,8 +258,7 @@ class VLLMRollout(BaseRollout):
                 distributed_executor_backend="external_launcher",
                 data_parallel_size=world // cfg.tensor_model_parallel_size,
             )
-        kwargs.update(cfg.engine_kwargs)
-        return kwargs
+        return with_user_kwargs(kwargs, cfg.engine_kwargs)
 
     # ------------------------------------------------------------------ generation
     def sampling_params(self, sampling: SamplingConfig) -> Any:
