@@ -30,7 +30,9 @@ TRL's steps after ``--trl-warmup`` untimed ones):
 - ``wall_s`` (weight sync outside the clock in every arm), ``model_tokens`` (sampled tokens only) and
   ``tokens_per_s_per_gpu``; ``gpu_idle_s``: the seconds with no generation request in flight (waiting for tools
   or the loop); ``gpu_busy_s`` = wall - idle; ``tokens_per_busy_s`` = tokens / busy seconds, how efficiently the
-  engine generates while it has work (a host-side clock: a request in flight counts as busy).
+  engine generates while it has work (a host-side clock: a request in flight counts as busy). With the vLLM
+  rollout also ``requests``, ``mean_in_flight``, ``itl_ms``, ``queue_ms``, ``prefill_ms``, ``front_ms`` and
+  ``prefix_hit`` (bench/request_log.py): tokens/s ~ requests in flight / time per decode step.
 - ``distinct_per_task``: the mean over prompts of the number of distinct trajectories among its ``--n`` episodes
   (``--n`` when every episode of a GRPO group differs); turns per episode, tool calls and errors (malformed calls
   included), truncated episodes.
@@ -68,6 +70,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import request_log  # noqa: E402  (per-request timings of vLLM's server executor)
 import trl_agent  # noqa: E402  (the TRL arm; imports nothing heavy until it runs)
 
 
@@ -223,10 +226,15 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts) -> dict[str, float]
     sampling = rollout_cfg.sampling()
     sampling.seed = 1
     timed = Timed(rollout)
+    log = request_log.attach(rollout)
     start = time.perf_counter()
-    episodes, _, _ = agent.run_episodes(timed, prompts, sampling)
-    end = time.perf_counter()
-    agent.close()
+    try:
+        episodes, _, _ = agent.run_episodes(timed, prompts, sampling)
+    finally:
+        end = time.perf_counter()
+        agent.close()
+        if log is not None:
+            log.detach()
     wall, busy = end - start, timed.busy_s(start, end)
     tokens = sum(sum(e.traj.mask) for e in episodes)
     groups: dict[int, set[tuple[int, ...]]] = {}
@@ -246,6 +254,7 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts) -> dict[str, float]
             e.stats[k] for e in episodes for k in ("malformed", "unknown_tool", "raised", "timeout")
         ),
         "truncated": sum(e.truncated is not None for e in episodes),
+        **(log.summary(busy) if log is not None else {}),
     }
 
 
@@ -379,7 +388,9 @@ def summary(report: dict[str, Any]) -> str:
     for name, v in report["variants"].items():
         arms = ", ".join(
             f"{arm} {m['tokens_per_s_per_gpu']:.0f} tok/s/GPU (busy {m['gpu_busy_s']:.2f} of {m['wall_s']:.2f} s, "
-            f"{m['tokens_per_busy_s']:.0f} tok/busy-s, {m['distinct_per_task']:.2f} distinct/task)"
+            f"{m['tokens_per_busy_s']:.0f} tok/busy-s, {m['distinct_per_task']:.2f} distinct/task"
+            + (f", {m['mean_in_flight']:.0f} in flight, itl {m['itl_ms']:.2f} ms" if "itl_ms" in m else "")
+            + ")"
             for arm, m in v["mean"].items()
         )
         ratios = [f"async/barrier {v['async_speedup']:.2f}x"] if "async_speedup" in v else []
