@@ -10,7 +10,8 @@ engine core queued and scheduled it, and when it produced its first and last tok
   token-weighted: the time of one decode step as requests see it;
 - ``queue_ms``, ``prefill_ms``: mean queued-to-scheduled and scheduled-to-first-token times;
 - ``front_ms``: mean host lifetime less the engine-core lifetime (queued to last token): input processing,
-  the hand-offs between processes and threads, and output processing;
+  the hand-offs between processes and threads, and output processing; ``front_in_ms`` is its part before
+  the engine core queued the request, ``front_out_ms`` the part after the last token;
 - ``prefix_hit``: prompt tokens served from the prefix cache over all prompt tokens.
 
 So ``tokens/s ~ mean_in_flight / itl``: an arm that generates slowly either holds fewer requests in flight
@@ -55,9 +56,9 @@ class RequestLog:
             out["itl_ms"] = 1e3 * decode / steps if steps else 0.0
             out["queue_ms"] = 1e3 * _mean([m.scheduled_ts - m.queued_ts for _, _, m, _ in timed])
             out["prefill_ms"] = 1e3 * _mean([m.first_token_ts - m.scheduled_ts for _, _, m, _ in timed])
-            out["front_ms"] = 1e3 * _mean(
-                [(stop - start) - (m.last_token_ts - m.queued_ts) for start, stop, m, _ in timed]
-            )
+            out["front_in_ms"] = 1e3 * _mean([m.queued_ts - start for start, _, m, _ in timed])
+            out["front_out_ms"] = 1e3 * _mean([stop - m.last_token_ts for _, stop, m, _ in timed])
+            out["front_ms"] = out["front_in_ms"] + out["front_out_ms"]
             prompt = sum(len(o.prompt_token_ids or ()) for _, _, _, o in timed)
             cached = sum(o.num_cached_tokens or 0 for _, _, _, o in timed)
             out["prefix_hit"] = cached / prompt if prompt else 0.0

@@ -5,7 +5,7 @@
 #   bash scripts/gpu_checks.sh tests|megatron|train|megathru|sync|push|ckpt|vllm|vllmsync   # there, with .whl carried;
 #   results under $OUT (or ./gpu-out). vllm and vllmsync need the vLLM parts unpacked in /tmp/stash first.
 #   bash scripts/gpu_checks.sh rl [bench/rl_throughput.py flags]   # GRPO steps; vLLM from /tmp/stash (vllm_parts.sh)
-#   bash scripts/gpu_checks.sh readme [overrides]   # examples/grpo_fsdp.sh itself, on the model/data of `rl --work readme`
+#   SHAPE=0.5b bash scripts/gpu_checks.sh readme [overrides]   # examples/grpo_fsdp.sh itself, work `rl --work readme`
 #   bash scripts/gpu_checks.sh trl [bench/trl_grpo.py flags]       # the TRL peer; .trl-wheels carried too
 #   bash scripts/gpu_checks.sh agents [bench/agent_throughput.py flags]   # async vs barrier agent loop, 0.5B, 256
 #       episodes, vLLM's default graphs and cudagraph_mode FULL; vLLM from /tmp/stash; AGENT_TRL=1 adds TRL's
@@ -112,13 +112,17 @@ case "${1:-tests}" in
       "$@" 2>&1 | tee "$out/rl.log" | grep -v '^{'
     rl_report ;;
   readme)
-    # examples/grpo_fsdp.sh as the README runs it (grpo_gsm8k + vllm_gpu, torchrun), on the model and prompts that
-    # `rl --work readme` made first (same machine): 128 prompts x 5 responses up to 1,024 tokens, mini-batch 64
+    # examples/grpo_fsdp.sh as the README runs it (grpo_gsm8k + vllm_gpu, torchrun) on the work of
+    # `rl --work readme` (128 prompts x 5 responses up to 1,024 tokens, mini-batch 64) for the model shape SHAPE
+    # (0.5b; 1.5b too): its random-init model and prompts are made under /tmp/rl_bench unless there already
+    # (scripts/verl_grpo.sh runs verl on the same files afterwards)
     rl_env; shift
+    shape="${SHAPE:-0.5b}"
+    f=$(cd bench && python3 -c "from pathlib import Path; import rl_runs as r; w = Path('/tmp/rl_bench')
+print(r.prepare_data(w, r.prepare_model(w, '$shape', None), r.WORKS['readme'], 640))" | tail -1) || exit 1
     d=/tmp/rl_bench/readme-data; mkdir -p "$d"
-    f=$(ls /tmp/rl_bench/data/0.5b-vdefault-p256-r*.parquet | tail -1)
     ln -sf "$f" "$d/train.parquet"; ln -sf "$f" "$d/test.parquet"; rm -rf /tmp/rl_bench/readme-run
-    MODEL_PATH=/tmp/rl_bench/models/0.5b-vdefault DATA_DIR="$d" SAVE_PATH=/tmp/rl_bench/readme-run ROLLOUT=vllm \
+    MODEL_PATH="/tmp/rl_bench/models/$shape-vdefault" DATA_DIR="$d" SAVE_PATH=/tmp/rl_bench/readme-run ROLLOUT=vllm \
       timeout "${RL_TIMEOUT:-575}" bash examples/grpo_fsdp.sh data.train_batch_size=128 actor.ppo_mini_batch_size=64 \
       trainer.total_training_steps="${STEPS:-4}" trainer.val_before_train=false trainer.save_freq=-1 trainer.test_freq=-1 "$@" 2>&1 \
       | tee "$out/readme.log" | grep -E "posttrain\]|Error|error" | head -20

@@ -2,8 +2,8 @@
 # verl 0.9.1's GRPO (`python -m verl.trainer.main_ppo`, FSDP2 actor, vLLM 0.24 rollout) on the work of posttrain's
 # `bench/rl_throughput.py --work readme` (same model, prompts, lengths and batch), for the lent GPU machine:
 #
-#   bash scripts/verl_grpo.sh [verl overrides ...]    # there, after the verl parts (scripts/verl_parts.sh) and a
-#                                                     # `gpu_checks.sh rl --work readme` run that made the model/data
+#   SHAPE=0.5b bash scripts/verl_grpo.sh [verl overrides ...]   # there, after the verl parts (scripts/verl_parts.sh)
+#       # and a `SHAPE=... gpu_checks.sh readme` run (posttrain's arm) that made the model and prompts of that shape
 #
 #   bash scripts/verl_grpo.sh trainer.v1.trainer_mode=colocate_async trainer.v1.colocate_async.num_warmup_batches=1
 #       # verl's asynchronous mode that fits one GPU (its one-step-off and fully-async recipes need a rollout pool
@@ -17,7 +17,7 @@
 #   (OUT=/tmp/verl-out STEPS=3 VERL_TIMEOUT=1500 setsid nohup bash scripts/verl_grpo.sh >/tmp/verl.txt 2>&1 &)
 #   grep -c "step:" /tmp/verl-out/verl.log     # in the next calls
 #
-# The work: the 0.5B-shaped model and 256-token digit prompts under /tmp/rl_bench (rewritten with data_source
+# The work: the SHAPE-shaped model (0.5b, or 1.5b) and 256-token digit prompts under /tmp/rl_bench (rewritten with data_source
 # openai/gsm8k so verl's default reward scores them), 128 prompts x 5 responses up to 1,024 tokens a step,
 # mini-batches of 64 prompts, lr 1e-6, KL loss (low_var_kl, 0.001), bf16.
 # verl's own performance settings for one GPU (its perf tuning guide docs/perf/perf_tuning.rst, the config defaults
@@ -55,8 +55,9 @@ out="${OUT:-gpu-out}"; mkdir -p "$out"
 eval "$(bash /tmp/vstash/unpack.sh)"
 export PYTHONPATH="$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"  # verl_torch_varlen, for verl's Ray workers too
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-model=/tmp/rl_bench/models/0.5b-vdefault
-src=$(ls /tmp/rl_bench/data/0.5b-vdefault-p256-r*.parquet | tail -1)
+model=/tmp/rl_bench/models/${SHAPE:-0.5b}-vdefault
+src=$(ls "/tmp/rl_bench/data/${SHAPE:-0.5b}-vdefault-p256-r"*.parquet | tail -1) || {
+  echo "verl_grpo.sh: no prompts for SHAPE=${SHAPE:-0.5b} under /tmp/rl_bench/data: run SHAPE=${SHAPE:-0.5b} bash scripts/gpu_checks.sh readme first" >&2; exit 1; }
 data=/tmp/rl_bench/verl-data; mkdir -p "$data"
 python3 - "$src" "$data/train.parquet" <<'PY'
 import sys
