@@ -45,7 +45,9 @@ rl_report() {
   fi
 }
 nvidia-smi -L | tee "$out/gpus.txt"
-git rev-parse --short HEAD 2>/dev/null | tee "$out/commit.txt" || true
+# the device tool copies the working tree but may carry older git metadata: say when the files differ from HEAD
+{ git rev-parse --short HEAD 2>/dev/null && { git diff --quiet HEAD 2>/dev/null || echo "(the files differ from it)"; }
+} | tee "$out/commit.txt" || true
 case "${1:-tests}" in
   tests)
     # one pytest per package: each tests/ folder has its own conftest module
