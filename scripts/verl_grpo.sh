@@ -17,8 +17,8 @@
 #   (OUT=/tmp/verl-out STEPS=3 VERL_TIMEOUT=1500 setsid nohup bash scripts/verl_grpo.sh >/tmp/verl.txt 2>&1 &)
 #   grep -c "step:" /tmp/verl-out/verl.log     # in the next calls
 #
-# The work: the SHAPE-shaped model (0.5b, or 1.5b) and 256-token digit prompts under /tmp/rl_bench (rewritten with data_source
-# openai/gsm8k so verl's default reward scores them), 128 prompts x 5 responses up to 1,024 tokens a step,
+# The work: the model of shape SHAPE (0.5b, or 1.5b) and 256-token digit prompts under /tmp/rl_bench (rewritten
+# with data_source openai/gsm8k so verl's default reward scores them), 128 prompts x 5 responses up to 1,024 tokens a step,
 # mini-batches of 64 prompts, lr 1e-6, KL loss (low_var_kl, 0.001), bf16.
 # verl's own performance settings for one GPU (its perf tuning guide docs/perf/perf_tuning.rst, the config defaults
 # in verl/trainer/config/*.yaml, examples/grpo_trainer/run_qwen3_4b_fsdp.sh): remove padding (packed sequences),
