@@ -19,8 +19,8 @@ class AgentConfig:
     """Tool-call format: ``hermes`` (``<tool_call>{json}</tool_call>``, Qwen2.5) or ``llama3_json``."""
     loop: str = "batched"
     """``batched``: one generate call per turn over every live episode (any rollout; the CPU default). ``async``:
-    each episode advances on its own through ``rollout.agenerate`` (the vLLM rollout with ``rollout.executor=server``),
-    no barrier between turns."""
+    each episode advances on its own through ``rollout.agenerate`` (the vLLM rollout with ``rollout.executor=server``;
+    the HF rollout serves one request at a time), no barrier between turns; ``trainer.mode=stream`` needs it."""
     max_turns: int = 4
     """Assistant turns per episode; an episode still calling tools after the last one is truncated."""
     max_tokens_per_turn: int | None = None

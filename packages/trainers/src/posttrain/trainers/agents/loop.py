@@ -7,9 +7,11 @@ parsed for tool calls (:mod:`.parsers`), every live episode's calls run at once 
 and ``env.step`` answers. Its tool results and observation are rendered incrementally and appended with mask 0.
 With ``agent.loop=batched`` there is a barrier at every turn (one batched generate over the live episodes; any
 rollout). With ``agent.loop=async`` every episode advances on its own: it awaits ``rollout.agenerate`` for its
-turn (the vLLM rollout with ``rollout.executor=server``: vLLM's ``AsyncLLM`` batches whatever requests are in flight),
-runs its tools and ``env.step`` on a worker thread, and asks for its next turn at once, so a slow episode or tool holds back no other.
-Each request then samples with its own seed (the step's seed mixed with the episode and the turn).
+turn (the vLLM rollout with ``rollout.executor=server``: vLLM's ``AsyncLLM`` batches whatever requests are in
+flight; the HF rollout decodes them one at a time), runs its tools and ``env.step`` on a worker thread, and asks
+for its next turn at once, so a slow episode or tool holds back no other. Each request then samples with its own
+seed (the step's seed mixed with the episode and the turn). ``trainer.mode=stream`` plays the same episodes
+(:meth:`AgentLoop.play`) in a pool that runs across batches (:mod:`.stream`).
 
 An episode ends when the environment says done, or is *truncated*: its turn hit ``rollout`` length limits or
 ``agent.max_episode_tokens``, the environment's answer would not fit, or it still calls tools after
@@ -25,7 +27,7 @@ import asyncio
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,6 +40,9 @@ from .config import AgentConfig
 from .parsers import make_parser
 from .tito import ChatRenderer, Trajectory
 from .tools import ERROR_KINDS, ToolRunner
+
+Generate = Callable[[list[int], SamplingConfig, int], Awaitable[list[RolloutSample]]]
+"""``(context ids, sampling, prompt index) -> [sample]``: one request of one episode's turn (``rollout.agenerate``)."""
 
 
 @dataclasses.dataclass
@@ -207,12 +212,15 @@ class AgentLoop:
                 f"{type(rollout).__name__} has none; use rollout.name=vllm with rollout.executor=server, or agent.loop=batched"
             )
         totals = await asyncio.gather(
-            *(self._episode(k, e, rollout, sampling) for k, e in enumerate(episodes))
+            *(self.play(k, e, rollout.agenerate, sampling) for k, e in enumerate(episodes))
         )
         return sum(t[0] for t in totals), sum(t[1] for t in totals)
 
-    async def _episode(self, k: int, e: Episode, rollout: Any, sampling: SamplingConfig):
-        """One episode's turns: generate, then its tools on a worker thread, with no wait for other episodes."""
+    async def play(self, k: int, e: Episode, generate: Generate, sampling: SamplingConfig):
+        """Episode ``k`` of its call (seeds: ``sampling.prompt_seed(k)`` plus the turn): generate, then its tools
+        on a worker thread, with no wait for other episodes; (seconds generating, seconds in tools and the
+        environment). ``generate`` is ``rollout.agenerate``, or what the episode stream
+        (:mod:`.stream`) puts in front of it."""
         gen_s = tool_s = 0.0
         for turn_index in range(self.config.max_turns):
             context = e.traj.context()
@@ -227,7 +235,7 @@ class AgentLoop:
                 max_new_tokens=min(self.turn_tokens, self.context_limit - len(context)),
             )
             start = time.perf_counter()
-            (sample,) = await rollout.agenerate(context, call, e.index)
+            (sample,) = await generate(context, call, e.index)
             gen_s += time.perf_counter() - start
             start = time.perf_counter()
             turn = self._take(e, sample)
@@ -247,6 +255,11 @@ class AgentLoop:
         """(samples grouped by prompt, scores, data sources, per-sample extras) as the RL trainer's
         ``sample_and_score`` returns them; ``rewards`` is its reward manager."""
         episodes, gen_s, tool_s = self.run_episodes(rollout, prompts, sampling)
+        return self.rollouts_of(episodes, gen_s, tool_s, rewards)
+
+    def rollouts_of(self, episodes: Sequence[Episode], gen_s: float, tool_s: float, rewards):
+        """Finished episodes -> (samples, scores, data sources, per-sample extras), in the episodes' order;
+        ``gen_s`` and ``tool_s`` are the seconds generating and in tools behind them (for the metrics)."""
         scores = self.score(episodes, rewards)
         samples = [
             RolloutSample(
