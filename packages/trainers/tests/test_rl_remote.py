@@ -256,3 +256,25 @@ def test_a_worker_on_the_trainers_gpu_takes_weights_over_cuda_ipc(model_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_a_worker_on_another_gpu_takes_weights_over_nccl(model_path):
     _gpu_push_and_generate(model_path, "cuda:1", "cuda:0", nccl=True)
+
+
+def test_the_worker_leaves_the_trainers_torchrun_world():
+    """What torchrun exports for the trainer's ranks is gone from the worker's environment, the elastic agent's
+    store flag included (with it, torch 2.11's tcp:// rendezvous in the worker, vLLM's world of one, waits for a
+    store nobody serves); the rest stays."""
+    from posttrain.trainers.rl.remote import leave_world
+
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "PATH": "/usr/bin",
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
+    gone = leave_world(env)
+    assert env == {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0"}
+    assert "TORCHELASTIC_USE_AGENT_STORE" in gone and len(gone) == 7

@@ -62,7 +62,20 @@ _TORCHRUN_VARS = (
     "ROLE_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "GROUP_WORLD_SIZE",
+    "ROLE_NAME",
 )
+"""torchrun's variables of the trainer's world; every ``TORCHELASTIC_*`` variable goes too (:func:`leave_world`)."""
+
+
+def leave_world(environ: dict[str, str]) -> list[str]:
+    """Remove the trainer world's torchrun variables from ``environ`` (the worker's ``os.environ``); the names
+    removed. ``TORCHELASTIC_USE_AGENT_STORE=True`` matters most: on torch 2.11 any ``tcp://`` rendezvous in a
+    process that has it (vLLM's own world of one) connects as a client to a store nobody serves and hangs."""
+    gone = [k for k in environ if k in _TORCHRUN_VARS or k.startswith("TORCHELASTIC_")]
+    for key in gone:
+        del environ[key]
+    return gone
 
 
 def physical_gpu(device: torch.device | str) -> str:
@@ -158,8 +171,7 @@ def worker_main(
     """The worker process: build the rollout (on the physical GPU ``gpu``, or the CPU), report ready, join the
     pair (bytes over NCCL with ``nccl``), then serve calls until ``close`` (or the trainer's end of the pipe
     closes)."""
-    for key in _TORCHRUN_VARS:
-        os.environ.pop(key, None)
+    leave_world(os.environ)
     device = "cpu"
     if gpu is not None:  # before anything starts CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"], device = gpu, "cuda:0"
