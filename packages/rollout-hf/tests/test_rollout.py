@@ -112,6 +112,29 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir):
     ]
 
 
+def test_agenerate_equals_generate_for_the_same_prompt_seed_and_sampling(tiny_model_dir):
+    """Requests awaited together (one prompt each, as the agent loop sends them) decode one at a time on the
+    rollout's request thread and give exactly the samples of ``generate`` over that prompt alone."""
+    import asyncio
+
+    rollout = make_rollout(tiny_model_dir)
+    calls = [SamplingConfig(temperature=1.0, n=2, max_new_tokens=8, seed=20 + i) for i in range(len(PROMPTS))]
+
+    async def requests():
+        return await asyncio.gather(
+            *(rollout.agenerate(p, c, i) for i, (p, c) in enumerate(zip(PROMPTS, calls)))
+        )
+
+    answers = asyncio.run(requests())
+    for i, (prompt, call, got) in enumerate(zip(PROMPTS, calls, answers)):
+        want = rollout.generate([prompt], call)
+        assert [s.prompt_index for s in got] == [i, i]
+        for g, w in zip(got, want):
+            assert g.prompt_ids == w.prompt_ids and g.response_ids == w.response_ids
+            assert g.finish_reason == w.finish_reason and torch.equal(g.log_probs, w.log_probs)
+    rollout.release()
+
+
 def test_stop_tokens_end_a_response(tiny_model_dir):
     rollout = make_rollout(tiny_model_dir)
     free = rollout.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=10))

@@ -91,6 +91,7 @@ def installed_config_classes() -> set[type]:
 COMPANIONS = {
     "rollout_placement": {"mode": "one_step_off"},
     "rollout_devices": {"mode": "one_step_off", "rollout_placement": "process"},
+    "stream_episodes": {"mode": "stream"},
     "cap": {"mode": "tis"},
     "cap_low": {"mode": "mis"},
 }

@@ -6,7 +6,9 @@ the rollout seed without touching the global RNG) and the reported log-probs are
 :mod:`posttrain.rollout_hf.sampling`. Prompts are repeated ``n`` times (prompt 0's samples first), left-padded into
 one batch with positions that start at 0 on each prompt's first real token, prefilled once into a static KV cache,
 then decoded one token per step until every row has produced a stop token (eos always counts) or
-``max_new_tokens`` tokens; the loop stays on the device (no host sync per token). The HF rollout's own keys
+``max_new_tokens`` tokens; the loop stays on the device (no host sync per token). :meth:`HFRollout.agenerate`
+serves one prompt per request (the agent loop's ``agent.loop=async`` and ``trainer.mode=stream``) through the
+same path, one request at a time. The HF rollout's own keys
 (:class:`~posttrain.rollout_hf.config.HFRolloutConfig`: ``rollout.cache``, ``rollout.compile``...) set the cache
 kind and the ``torch.compile`` of the decode step. With
 ``rollout.return_routed_experts`` (MoE models) each sample also carries the experts every MoE layer chose for
@@ -24,9 +26,13 @@ and until a sync completes the rollout refuses to generate. A LoRA actor may str
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
+import threading
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -124,10 +130,38 @@ class HFRollout(BaseRollout):
         self._pieces: dict[int, int] = {}
         """Tensors received per parameter in this sync (a fused expert parameter takes one per expert)."""
         self._adapters = AdapterMerger()
+        self._lock = threading.Lock()
+        """Held by every decode: one model decodes one batch at a time, whichever thread calls."""
+        self._requests: ThreadPoolExecutor | None = None
+        """The thread :meth:`agenerate` decodes on (started by the first request)."""
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
         """``sampling.n`` samples per prompt, prompt 0's first; see the module docstring for the log-probs."""
+        with self._lock:
+            return self._generate(prompts, sampling)
+
+    async def agenerate(
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, prompt_index: int = 0
+    ) -> list[RolloutSample]:
+        """One prompt's ``sampling.n`` samples, awaitable from any event loop (``agent.loop=async``,
+        ``trainer.mode=stream``): :meth:`generate` over ``[prompt_ids]`` on the rollout's request thread, with
+        ``prompt_index`` set. Requests are serialized: one decodes at a time, in the order they came, with no
+        batching across episodes (one HF model decodes one batch at a time), so a request's samples equal those
+        of ``generate`` for the same prompt, seed and sampling. The request thread takes the torch intra-op
+        thread count of the thread that made the first request."""
+        if self._requests is None:
+            threads = torch.get_num_threads()
+            self._requests = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="posttrain-hf-request",
+                initializer=lambda: torch.set_num_threads(threads),
+            )
+        loop = asyncio.get_running_loop()
+        samples = await loop.run_in_executor(self._requests, self.generate, [list(prompt_ids)], sampling)
+        return [dataclasses.replace(s, prompt_index=prompt_index) for s in samples]
+
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
         if self._weights_error is not None:
             raise RuntimeError(
                 f"the HF rollout has no valid weights: {self._weights_error}; run update_weights with every "
@@ -229,6 +263,16 @@ class HFRollout(BaseRollout):
         loaded). Without ``peft_config`` (or with it
         and ``base_sync_done=False``, LoRA's base weights) the stream is every weight under HF names; with
         ``peft_config`` and ``base_sync_done=True`` it is the LoRA adapter only, merged by :mod:`.lora`."""
+        with self._lock:  # never under a decode
+            return self._update_weights(weights, peft_config, base_sync_done, version)
+
+    def _update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        peft_config: dict[str, Any] | None,
+        base_sync_done: bool,
+        version: int | None,
+    ) -> SyncReport:
         if self._asleep:
             raise RuntimeError("the HF rollout is asleep: call wake_up(['weights']) before update_weights()")
         adapter_only = peft_config is not None and base_sync_done
@@ -289,9 +333,12 @@ class HFRollout(BaseRollout):
             self._asleep = False
 
     def release(self) -> None:
-        """Drop the model; the rollout cannot be used afterwards."""
-        self._decoder.reset()
-        self.model = None
+        """Drop the model (after the decode in progress); the rollout cannot be used afterwards."""
+        if self._requests is not None:
+            self._requests.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._decoder.reset()
+            self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -103,6 +103,7 @@ class PostTrainConfig(SFTConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.rollout = resolve_rollout(self.rollout)
+        self.trainer.check_agent(self.agent)
 
 
 ENGINE_HINT = (

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from posttrain.core.rollout import SamplingConfig
 from posttrain.core.weight_sync import WeightSyncError
 
 from .step_metrics import extra_means
@@ -133,16 +134,22 @@ class RolloutSampler:
             weights,
         )
 
-    def sample_and_score(
-        self, prompts: list, step: int, *, validate: bool = False, rollout_cfg: Any = None
-    ) -> tuple[list, list[float], list, dict]:
-        """(samples grouped by prompt, scores, data sources, per-sample reward extras), sampled with the seed of
-        ``step`` and the sampling knobs of ``rollout_cfg`` (default: the run's ``rollout``)."""
+    def sampling(self, step: int, *, validate: bool = False, rollout_cfg: Any = None) -> SamplingConfig:
+        """The sampling of ``step``: the knobs of ``rollout_cfg`` (default: the run's ``rollout``), the step's seed,
+        the tokenizer's eos as the stop token."""
         rollout_cfg = rollout_cfg or self.rollout_cfg
         sampling = rollout_cfg.sampling(validate=validate)
         sampling.seed = step_seed(self.trainer_seed, rollout_cfg.seed, step, self.dp_rank)
         eos = self.tokenizer.eos_token_id
         sampling.stop_token_ids = [eos] if eos is not None else []
+        return sampling
+
+    def sample_and_score(
+        self, prompts: list, step: int, *, validate: bool = False, rollout_cfg: Any = None
+    ) -> tuple[list, list[float], list, dict]:
+        """(samples grouped by prompt, scores, data sources, per-sample reward extras), sampled with the seed of
+        ``step`` and the sampling knobs of ``rollout_cfg`` (default: the run's ``rollout``)."""
+        sampling = self.sampling(step, validate=validate, rollout_cfg=rollout_cfg)
         if self.agent is not None:  # multi-turn episodes with an environment (posttrain.trainers.agents)
             return self.agent.sample_and_score(self.rollout, prompts, sampling, self.rewards)
         samples = self.rollout.generate([p.ids for p in prompts], sampling)

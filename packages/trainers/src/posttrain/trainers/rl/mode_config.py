@@ -2,7 +2,7 @@
 and where the rollout runs: ``trainer.rollout_placement``, ``trainer.rollout_devices``.
 
 :meth:`RolloutModeConfig.build_rollout_source` builds the object the trainer takes each step's rollouts from (one
-class per way of interleaving, in :mod:`.modes`). Mixed into the RL trainers'
+class per way of interleaving, in :mod:`.modes` and, for ``stream``, :mod:`.streaming`). Mixed into the RL trainers'
 :class:`~posttrain.trainers.trainer_config.RLTrainerConfig`, so the keys sit under ``trainer``. Kept free of heavy
 imports: the config tree imports it.
 """
@@ -15,8 +15,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .generation import RolloutSampler, WeightSync
     from .modes import Draw, RolloutSource
+    from .streaming import StreamRollouts
 
-MODES = ("sync", "one_step_off", "async")
+MODES = ("sync", "one_step_off", "async", "stream")
+STREAM_AHEAD = 2
+"""stream: batches queued beyond the one a step trains."""
 STALE_POLICIES = ("wait", "drop")
 PLACEMENTS = ("colocated", "process")
 
@@ -27,19 +30,28 @@ class RolloutModeConfig:
 
     mode: str = "sync"
     """sync (generate, then train on it, every step), one_step_off (step k+1's rollout is generated while step k
-    trains: every sample is one policy version old) or async (the rollout runs up to max_staleness versions
-    ahead). Only this config reads it (it picks the class :meth:`build_rollout_source` builds); SFT has no such key."""
+    trains: every sample is one policy version old), async (the rollout runs up to max_staleness versions
+    ahead) or stream (agent episodes only: a pool keeps stream_episodes episodes in flight across batches, the
+    next batch's starting while this batch's stragglers finish; a step trains the groups that finished first;
+    not bitwise reproducible; see :mod:`.streaming`). Only this config reads it (it picks the class :meth:`build_rollout_source` builds); SFT has no such key."""
     max_staleness: int = 1
-    """async: the most policy versions a sample may lag the policy it trains (0 reproduces sync bitwise;
+    """async and stream: the most policy versions a sample may lag the policy it trains (0 reproduces sync bitwise;
     one_step_off is async with 1 and stale_policy=wait)."""
     stale_policy: str = "wait"
     """async: wait (the rollout generates batch j with version j - max_staleness, waiting for it: nothing is
     discarded) or drop (the rollout runs one batch further ahead and a group found staler than max_staleness is
-    discarded and replaced by a fresher one: generation is spent to keep the rollout busy)."""
+    discarded and replaced by a fresher one: generation is spent to keep the rollout busy). stream ignores it and
+    drops: a group staler than max_staleness, as old as its oldest turn, is discarded and replaced."""
     rollout_threads: int = 1
-    """one_step_off / async: torch intra-op threads of the rollout's thread, or of the rollout process with
+    """one_step_off / async / stream: torch intra-op threads of the rollout's thread (stream: of the episode
+    pool's thread, which the HF rollout's request thread takes over), or of the rollout process with
     rollout_placement=process (0: torch's default, every core). On a CPU, 1 keeps the rollout from
     oversubscribing the cores the trainer's ops use."""
+
+    stream_episodes: int = 0
+    """stream: episodes in flight at most; 0: one batch's episodes (prompts per rank x rollout.n). A prompt's
+    group starts when its rollout.n episodes fit (first in, first out); an episode counts from its start to its
+    end, its tool waits included."""
 
     rollout_placement: str = "colocated"
     """colocated (the rollout lives in each trainer process, on the actor's device) or process (one_step_off /
@@ -71,6 +83,20 @@ class RolloutModeConfig:
                 "it generates while the trainer trains; set trainer.mode=one_step_off (or async), or "
                 "trainer.rollout_placement=colocated"
             )
+        if self.rollout_placement == "process" and self.mode == "stream":
+            raise ValueError(
+                "trainer.rollout_placement=process with trainer.mode=stream: the episode pool runs in the "
+                "trainer's process over a rollout it calls per request; set trainer.rollout_placement=colocated"
+            )
+        if self.stream_episodes < 0:
+            raise ValueError(
+                f"trainer.stream_episodes={self.stream_episodes} must be >= 0 (0 = one batch's episodes)"
+            )
+        if self.stream_episodes and self.mode != "stream":
+            raise ValueError(
+                f"trainer.stream_episodes={self.stream_episodes} with trainer.mode={self.mode}: only the "
+                "stream's episode pool reads it; set trainer.mode=stream or leave trainer.stream_episodes at 0"
+            )
         if self.rollout_devices and self.rollout_placement != "process":
             raise ValueError(
                 f"trainer.rollout_devices={list(self.rollout_devices)} with trainer.rollout_placement="
@@ -89,11 +115,29 @@ class RolloutModeConfig:
         if self.max_staleness < 0:
             raise ValueError(f"trainer.max_staleness={self.max_staleness} must be >= 0 (0 = sync)")
 
+    def check_agent(self, agent: Any) -> None:
+        """Refuse stream mode without agent episodes to stream, or without the asynchronous loop whose turns the
+        pool plays (``agent`` is the run's :class:`~posttrain.trainers.agents.config.AgentConfig`)."""
+        if self.mode != "stream":
+            return
+        if agent.env is None:
+            raise ValueError(
+                "trainer.mode=stream streams agent episodes: set agent.env (e.g. agent.env=calculator with "
+                "agent.loop=async), or use trainer.mode=async for single-turn rollouts"
+            )
+        if agent.loop != "async":
+            raise ValueError(
+                f"trainer.mode=stream with agent.loop={agent.loop}: the pool plays the asynchronous loop's "
+                "episodes, one request per turn; set agent.loop=async"
+            )
+
     @property
     def lookahead(self) -> int:
         """Batches the rollout generates ahead of the one being trained (0 in sync mode)."""
         if self.mode == "sync":
             return 0
+        if self.mode == "stream":
+            return STREAM_AHEAD
         if self.mode == "one_step_off":
             return 1
         return self.max_staleness + (1 if self.stale_policy == "drop" else 0)
@@ -123,11 +167,26 @@ class RolloutModeConfig:
         total_steps: int,
         n: int,
         free_cache: bool,
-    ) -> RolloutSource:
+    ) -> RolloutSource | StreamRollouts:
         """The trainer's rollout source: :class:`~.modes.SyncRollouts` for sync, :class:`~.modes.RolloutAhead`
-        (generating ``lookahead`` batches ahead on a background thread) for one_step_off and async."""
+        (generating ``lookahead`` batches ahead on a background thread) for one_step_off and async,
+        :class:`~.streaming.StreamRollouts` (the episode pool) for stream."""
         from .modes import RolloutAhead, SyncRollouts
 
+        if self.mode == "stream":
+            from .streaming import StreamRollouts
+
+            return StreamRollouts(
+                max_episodes=self.stream_episodes or prompts_per_rank * n,
+                bound=self.staleness_bound,
+                threads=self.rollout_threads,
+                sampler=sampler,
+                weights=weights,
+                draw=draw,
+                replicas=replicas,
+                prompts_per_rank=prompts_per_rank,
+                total_steps=total_steps,
+            )
         if self.mode == "sync":
             return SyncRollouts(sampler=sampler, weights=weights, draw=draw, free_cache=free_cache)
         return RolloutAhead(
