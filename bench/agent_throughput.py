@@ -1,6 +1,7 @@
-"""Multi-turn agent throughput: the asynchronous agent loop against the same loop with a barrier at every turn.
+"""Multi-turn agent throughput: the asynchronous agent loop and the episode stream against the same loop with a
+barrier at every turn.
 
-Both arms play the same episodes of the ``calculator`` environment (posttrain-envs) over one rollout: "What is
+Every arm plays the same episodes of the ``calculator`` environment (posttrain-envs) over one rollout: "What is
 a * b + c * d?", up to ``--max-turns`` assistant turns (two products, their sum, the answer), every tool call
 sleeping ``--tool-latency`` plus a uniform ``[0, --tool-jitter]`` draw, like a tool behind a network.
 
@@ -8,13 +9,20 @@ sleeping ``--tool-latency`` plus a uniform ``[0, --tool-jitter]`` draw, like a t
   ``AsyncLLM``, ``rollout.executor=server``), runs its tools on a worker thread and asks for its next turn at once.
 - ``barrier`` (``agent.loop=batched``): one ``rollout.generate`` over every live episode per turn, then every
   episode's tools, then the next turn.
+- ``stream`` (``trainer.mode=stream``'s pool, bench/agent_stream.py): the async loop's episodes with one batch's
+  episodes in flight across batches; the next batch's groups start as this batch's episodes end.
+
+A pass of an arm plays ``--batches`` batches of the questions (batch ``b`` with seed ``1 + b``): async and
+barrier one batch after another (the step's batch as the trainer's sync and one-step-off modes generate it),
+stream as one pool that takes a batch's worth of finished groups at a time and pauses as for a weight push
+between them.
 
 - ``trl`` (``--trl``): TRL 1.16's ``GRPOTrainer(environment_factory=...)`` on the same env, tasks, model, limits
   and sampling, GRPO steps in its own subprocess after posttrain's arms (bench/trl_agent.py says what it
   measures and how). ``over_trl`` is each posttrain arm's tokens/s/GPU over TRL's.
 
 Variants (``--rollout vllm`` only): ``--variant NAME=JSON`` (repeatable; default ``default={}``) runs posttrain's
-two arms once per variant, each over its own freshly built vLLM engine whose ``VLLMRolloutConfig.engine_kwargs``
+arms once per variant, each over its own freshly built vLLM engine whose ``VLLMRolloutConfig.engine_kwargs``
 is the JSON (its keys win over posttrain's; a ``compilation_config`` is merged into posttrain's). E.g.
 ``full_graphs={"compilation_config": {"cudagraph_mode": "FULL"}}``: vLLM's default FULL_AND_PIECEWISE runs steps that mix prefills with decodes (nearly every step of the
 async arm) with piecewise CUDA graphs, attention outside the graph; FULL captures whole graphs for them too where
@@ -36,10 +44,12 @@ TRL's steps after ``--trl-warmup`` untimed ones):
 - ``distinct_per_task``: the mean over prompts of the number of distinct trajectories among its ``--n`` episodes
   (``--n`` when every episode of a GRPO group differs); turns per episode, tool calls and errors (malformed calls
   included), truncated episodes.
-- per variant ``async_speedup`` (async tokens/s over the barrier's) and ``ceiling`` = barrier wall / barrier busy
+- the stream arm's ``episodes_in_flight``, ``requests_in_flight`` (time-weighted means over the pass) and
+  ``gate_wait_s`` (request-seconds held at the push gate);
+- per variant ``async_speedup`` and ``stream_speedup`` (tokens/s over the barrier's) and ``ceiling`` = barrier wall / barrier busy
   seconds: the speedup async would reach with no idle time and the barrier's generation efficiency.
 
-The first variant's ``runs``, ``mean`` and ``async_speedup`` are also at the top level. JSON to ``--out`` (written
+The first variant's ``runs``, ``mean``, ``async_speedup`` and ``stream_speedup`` are also at the top level. JSON to ``--out`` (written
 after every variant, again at the end) and stdout; one summary line to stderr.
 
 H200 (the 0.5B shape with vLLM, 256 episodes = 32 questions x 8; ``bash scripts/gpu_checks.sh agents`` runs
@@ -59,6 +69,7 @@ cores::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -70,6 +81,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import agent_stream  # noqa: E402  (the stream arm)
 import request_log  # noqa: E402  (per-request timings of vLLM's server executor)
 import trl_agent  # noqa: E402  (the TRL arm; imports nothing heavy until it runs)
 
@@ -86,6 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool-jitter", type=float, default=0.05, help="plus a uniform [0, this] draw")
     p.add_argument("--sft-steps", type=int, default=200, help="format fine-tuning steps before the arms")
     p.add_argument("--repeats", type=int, default=2, help="timed passes of each arm (interleaved)")
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=3,
+        help="batches of the questions each arm plays per pass (batch b with seed 1 + b): one after another "
+        "(async, barrier), or streamed with one batch's episodes in flight (stream)",
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--out", default=None, help="JSON file")
     p.add_argument("--workdir", default=None, help="where the model goes (default: a temporary folder)")
@@ -95,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=None,
         metavar="NAME=JSON",
-        help="vLLM engine_kwargs for one run of both arms (repeatable; default: default={})",
+        help="vLLM engine_kwargs for one run of posttrain's arms (repeatable; default: default={})",
     )
     trl_agent.add_trl_args(p)
     return p.parse_args(argv)
@@ -212,13 +231,13 @@ def union_s(intervals: list[tuple[float, float]], begin: float, end: float) -> f
     return total
 
 
-def play(arm: str, args, tok, rollout, rollout_cfg, prompts) -> dict[str, float]:
+def play(arm: str, args, tok, rollout, rollout_cfg, prompts, batches: int) -> dict[str, float]:
     from posttrain.trainers.agents.config import AgentConfig
 
     agent = AgentConfig(
         env="calculator",
         env_kwargs={"latency_s": args.tool_latency, "jitter_s": args.tool_jitter},
-        loop="async" if arm == "async" else "batched",
+        loop="batched" if arm == "barrier" else "async",
         max_turns=args.max_turns,
         max_tokens_per_turn=trl_agent.TURN_TOKENS,
         tool_workers=max(16, args.questions * args.n),
@@ -227,19 +246,27 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts) -> dict[str, float]
     sampling.seed = 1
     timed = Timed(rollout)
     log = request_log.attach(rollout)
+    pool: dict[str, float] = {}
     start = time.perf_counter()
     try:
-        episodes, _, _ = agent.run_episodes(timed, prompts, sampling)
+        if arm == "stream":
+            played, pool = agent_stream.play_stream(agent, timed, prompts, sampling, batches)
+        else:  # one batch after another, each with its own seed
+            played = []
+            for b in range(batches):
+                each = dataclasses.replace(sampling, seed=sampling.seed + b)
+                played += [(b, e) for e in agent.run_episodes(timed, prompts, each)[0]]
     finally:
         end = time.perf_counter()
         agent.close()
         if log is not None:
             log.detach()
+    episodes = [e for _, e in played]
     wall, busy = end - start, timed.busy_s(start, end)
     tokens = sum(sum(e.traj.mask) for e in episodes)
-    groups: dict[int, set[tuple[int, ...]]] = {}
-    for e in episodes:
-        groups.setdefault(e.index, set()).add(tuple(e.traj.ids))
+    groups: dict[tuple[int, int], set[tuple[int, ...]]] = {}
+    for b, e in played:
+        groups.setdefault((b, e.index), set()).add(tuple(e.traj.ids))
     return {
         "wall_s": wall,
         "tokens_per_s_per_gpu": tokens / wall,
@@ -255,6 +282,7 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts) -> dict[str, float]
         ),
         "truncated": sum(e.truncated is not None for e in episodes),
         **(log.summary(busy) if log is not None else {}),
+        **{k.rsplit("/", 1)[-1]: v for k, v in pool.items()},
     }
 
 
@@ -297,22 +325,23 @@ def posttrain_arms(args, variant: str, tok, prompts, model_dir: str, engine_kwar
         "engine_kwargs": engine_kwargs,
         "started_with": {k: started[k] for k in ENGINE_KEYS if k in started},
     }
-    arms = ["async", "barrier"] if hasattr(rollout, "agenerate") else ["barrier"]
+    arms = ["async", "barrier", "stream"] if hasattr(rollout, "agenerate") else ["barrier"]
     for arm in arms:  # warm-up: vLLM's first requests compile and allocate
-        play(arm, args, tok, rollout, rollout_cfg, prompts[:2])
+        play(arm, args, tok, rollout, rollout_cfg, prompts[:2], 1)
     runs = {arm: [] for arm in arms}
     for _ in range(args.repeats):
         for arm in arms:
-            runs[arm].append(play(arm, args, tok, rollout, rollout_cfg, prompts))
+            runs[arm].append(play(arm, args, tok, rollout, rollout_cfg, prompts, args.batches))
             print(f"[{variant} {arm}] {json.dumps(runs[arm][-1])}", file=sys.stderr)
     report["runs"] = runs
     report["mean"] = {arm: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for arm, rs in runs.items()}
     barrier = report["mean"]["barrier"]
     report["ceiling"] = barrier["wall_s"] / barrier["gpu_busy_s"] if barrier["gpu_busy_s"] > 0 else 0.0
-    if len(arms) == 2:
-        report["async_speedup"] = (
-            report["mean"]["async"]["tokens_per_s_per_gpu"] / barrier["tokens_per_s_per_gpu"]
-        )
+    if len(arms) > 1:
+        for arm in ("async", "stream"):
+            report[f"{arm}_speedup"] = (
+                report["mean"][arm]["tokens_per_s_per_gpu"] / barrier["tokens_per_s_per_gpu"]
+            )
     else:
         report["async_skipped"] = f"{type(rollout).__name__} has no agenerate: use --rollout vllm"
     release = getattr(rollout, "release", None)
@@ -326,7 +355,7 @@ def posttrain_arms(args, variant: str, tok, prompts, model_dir: str, engine_kwar
 
 ENGINE_KEYS = ("enforce_eager", "compilation_config", "gpu_memory_utilization", "max_num_seqs")
 """The arguments vLLM started with that each variant's report shows (VLLMRollout.started_with)."""
-TOP_LEVEL = ("runs", "mean", "async_speedup", "async_skipped", "ceiling")
+TOP_LEVEL = ("runs", "mean", "async_speedup", "stream_speedup", "async_skipped", "ceiling")
 """The first variant's keys that the report also holds at its top level (older readers)."""
 
 
@@ -393,7 +422,7 @@ def summary(report: dict[str, Any]) -> str:
             + ")"
             for arm, m in v["mean"].items()
         )
-        ratios = [f"async/barrier {v['async_speedup']:.2f}x"] if "async_speedup" in v else []
+        ratios = [f"{a}/barrier {v[a + '_speedup']:.2f}x" for a in ("async", "stream") if a + "_speedup" in v]
         ratios.append(f"ceiling {v['ceiling']:.2f}x")
         ratios += [f"{arm}/trl {r:.2f}x" for arm, r in v.get("over_trl", {}).items()]
         parts.append(f"{name}: {arms}; " + ", ".join(ratios))
@@ -417,7 +446,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.trl:
         trl_agent.make_spec(args, "", "")  # bad TRL flags fail before any work
     model_dir = str(init_model(work / "model", size=args.size, seed=0))
-    trl_agent.add_tool_call_rendering(model_dir)  # both arms' template: posttrain's ChatML + tool_calls
+    trl_agent.add_tool_call_rendering(model_dir)  # every arm's template: posttrain's ChatML + tool_calls
     format_sft(model_dir, args.device, args.sft_steps)
     report: dict[str, Any] = {
         "config": vars(args),

@@ -7,8 +7,8 @@
 #   bash scripts/gpu_checks.sh rl [bench/rl_throughput.py flags]   # GRPO steps; vLLM from /tmp/stash (vllm_parts.sh)
 #   SHAPE=0.5b bash scripts/gpu_checks.sh readme [overrides]   # examples/grpo_fsdp.sh itself, work `rl --work readme`
 #   bash scripts/gpu_checks.sh trl [bench/trl_grpo.py flags]       # the TRL peer; .trl-wheels carried too
-#   bash scripts/gpu_checks.sh agents [bench/agent_throughput.py flags]   # async vs barrier agent loop, 0.5B, 256
-#       episodes, vLLM's default graphs and cudagraph_mode FULL; vLLM from /tmp/stash; AGENT_TRL=1 adds TRL's
+#   bash scripts/gpu_checks.sh agents [bench/agent_throughput.py flags]   # async, stream and barrier agent loops,
+#       0.5B, 256 episodes a batch, vLLM's default engine; vLLM from /tmp/stash; AGENT_TRL=1 adds TRL's
 #       environment_factory (.trl-wheels carried too)
 #   bash scripts/gpu_checks.sh titan   # the TorchTitan engine's tests, sft and throughput; .titan-whl carried too
 # Each part is short enough for one 10-minute call. Results are JSON/log files; BENCHMARKS.md records them.
@@ -140,17 +140,16 @@ print(r.prepare_data(w, r.prepare_model(w, '$shape', None), r.WORKS['readme'], 6
       "$@" 2>&1 | tee "$out/trl.log" | grep -v '^{'
     rl_report ;;
   agents)
-    # bench/agent_throughput.py: the async agent loop and the barrier loop on the same episodes (0.5B shape,
-    # 32 questions x 8, up to 4 turns, a 50 ms + [0, 50 ms] tool), once per vLLM engine variant, each on a fresh
-    # engine: default (FULL_AND_PIECEWISE: steps that mix prefills with decodes run piecewise graphs) and
-    # full_graphs (cudagraph_mode FULL: full graphs for mixed steps too, FlashAttention 3); each arm's itl_ms
-    # (time per decode step) and mean_in_flight say whether a slow arm is starved or slow per step.
-    # --variant flags given here replace both (e.g. --variant 'eager={"enforce_eager": true}'). AGENT_TRL=1
-    # adds TRL 1.16's environment_factory (bench/trl_agent.py, its own subprocess; .trl-wheels carried). The
-    # model is made afresh in /tmp/agent_bench each call.
+    # bench/agent_throughput.py: the async agent loop, the episode stream (trainer.mode=stream's pool) and the
+    # barrier loop on the same episodes (0.5B shape, 32 questions x 8, up to 4 turns, a 50 ms + [0, 50 ms] tool,
+    # 3 batches a pass), on vLLM's default engine; each arm's itl_ms (time per decode step) and mean_in_flight
+    # say whether a slow arm is starved or slow per step. --variant flags add engine variants, each on a fresh
+    # engine (e.g. --variant 'default={}' --variant 'full_graphs={"compilation_config": {"cudagraph_mode":
+    # "FULL"}}'). AGENT_TRL=1 adds TRL 1.16's environment_factory (bench/trl_agent.py, its own subprocess;
+    # .trl-wheels carried). The model is made afresh in /tmp/agent_bench each call.
     rl_env; shift
     rm -rf /tmp/agent_bench
-    variants=(--variant 'default={}' --variant 'full_graphs={"compilation_config": {"cudagraph_mode": "FULL"}}')
+    variants=(--variant 'default={}')
     case " $* " in *" --variant"*) variants=() ;; esac
     trl=(); [ "${AGENT_TRL:-0}" = 1 ] && trl=(--trl)
     timeout "${RL_TIMEOUT:-590}" python3 bench/agent_throughput.py --device cuda "${trl[@]}" --workdir /tmp/agent_bench \

@@ -1,0 +1,35 @@
+"""The agent bench's ``stream`` arm: ``trainer.mode=stream``'s episode pool over the bench's batches.
+
+:func:`play_stream` submits ``batches`` batches of the prompts (batch ``b`` samples with seed ``seed + b``, as
+the other arms' batches do) to one :class:`~posttrain.trainers.agents.stream.EpisodeStream` capped at one
+batch's episodes, then takes one batch's worth of finished groups at a time, in the order they finish, as the
+trainer's steps do. Between two takes it pauses the pool as the trainer does around a weight push (the gate
+closes, the requests in flight finish, the gate reopens on the next version): the drain is what a push costs
+the stream on top of the push itself, which every arm pays alike and the bench leaves out. No training runs
+between takes, so the pool never waits for a trainer: this measures the loop, like the other arms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+def play_stream(agent: Any, rollout: Any, prompts: list, sampling: Any, batches: int) -> tuple[list, dict]:
+    """([(batch, episode)] of every taken group, the pool's metrics over the run)."""
+    from posttrain.trainers.agents.stream import EpisodeStream
+
+    stream = EpisodeStream(agent, rollout, max_episodes=len(prompts) * sampling.n)
+    played: list = []
+    try:
+        for b in range(batches):
+            stream.submit(b, prompts, dataclasses.replace(sampling, seed=sampling.seed + b), epoch=0)
+        for b in range(batches):
+            played += [(g.batch, e) for g in stream.take(len(prompts)) for e in g.episodes]
+            if b < batches - 1:
+                with stream.paused(version=b + 1):
+                    pass  # the trainer's weight push runs here
+        metrics = stream.metrics()
+    finally:
+        stream.close()
+    return played, metrics
