@@ -66,6 +66,33 @@ def test_stream_mode_trains_and_resumes_every_saved_group_once(assets, tmp_path,
             assert row[key] == ref_rows[row["step"]][key], (row["step"], key)
 
 
+def test_stream_mode_refuses_a_rollout_without_agenerate():
+    from types import SimpleNamespace
+
+    from posttrain.core.rollout import BaseRollout
+
+    class BatchOnly(BaseRollout):
+        def generate(self, prompts, sampling):
+            raise NotImplementedError
+
+        def update_weights(self, weights, **kwargs):
+            raise NotImplementedError
+
+    sampler = SimpleNamespace(rollout=BatchOnly())
+    with pytest.raises(ValueError, match=r"trainer.mode=stream needs .*agenerate.*BatchOnly has none"):
+        StreamRollouts(
+            max_episodes=8,
+            bound=1,
+            threads=1,
+            sampler=sampler,
+            weights=None,
+            draw=None,
+            replicas=None,
+            prompts_per_rank=2,
+            total_steps=2,
+        )
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [

@@ -44,9 +44,9 @@ class RolloutModeConfig:
     drops: a group staler than max_staleness, as old as its oldest turn, is discarded and replaced."""
     rollout_threads: int = 1
     """one_step_off / async / stream: torch intra-op threads of the rollout's thread (stream: of the episode
-    pool's thread, which the HF rollout's request thread takes over), or of the rollout process with
-    rollout_placement=process (0: torch's default, every core). On a CPU, 1 keeps the rollout from
-    oversubscribing the cores the trainer's ops use."""
+    pool's thread; the HF rollout's request thread takes the count of the thread that makes its first request,
+    normally the pool's), or of the rollout process with rollout_placement=process (0: torch's default, every
+    core). On a CPU, 1 keeps the rollout from oversubscribing the cores the trainer's ops use."""
 
     stream_episodes: int = 0
     """stream: episodes in flight at most; 0: one batch's episodes (prompts per rank x rollout.n). A prompt's
