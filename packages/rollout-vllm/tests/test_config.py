@@ -144,3 +144,19 @@ def test_engine_kwargs_merge_a_compilation_config_into_posttrains():
     assert with_user_kwargs(ours, mine)["compilation_config"] == {"max_cudagraph_capture_size": 1024}
     assert with_user_kwargs({"max_num_seqs": 8}, mine) == {"max_num_seqs": 8, **mine}
     assert ours == {"max_num_seqs": 640, "compilation_config": {"max_cudagraph_capture_size": 640}}
+
+
+def test_a_cpu_rollout_on_a_vllm_built_for_gpus_is_refused(monkeypatch, model_dir):
+    """A CUDA build of vLLM given device cpu (a rollout process without trainer.rollout_devices) would start on
+    the GPU with the CPU's settings: refused, naming the fix. The platform is what vLLM detects on a GPU box."""
+    from vllm.platforms import current_platform
+
+    from posttrain.rollout_vllm.rollout import VLLMRollout
+
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    monkeypatch.setattr(current_platform, "device_type", "cuda")
+    with pytest.raises(
+        ValueError,
+        match=r"device is cpu, but the installed vLLM runs on cuda: .*trainer.rollout_devices=\[cuda:N\]",
+    ):
+        VLLMRollout(VLLMRolloutConfig(), model_dir, device="cpu")

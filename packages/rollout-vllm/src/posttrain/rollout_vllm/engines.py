@@ -208,3 +208,16 @@ class AsyncFront:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=30)
         self.loop.close()
+
+
+def check_platform(device: Any) -> None:
+    """Refuse a CPU rollout on a vLLM built for a GPU: that vLLM would start on the GPU anyway, with the CPU's
+    settings (no CUDA graphs, no sleep), beside a trainer that planned its memory without it."""
+    from vllm.platforms import current_platform
+
+    if device.type == "cpu" and current_platform.is_cuda_alike():
+        raise ValueError(
+            f"the vLLM rollout's device is cpu, but the installed vLLM runs on {current_platform.device_type}: give "
+            "it a GPU (with trainer.rollout_placement=process, trainer.rollout_devices=[cuda:N], one entry per "
+            "trainer process on the node), or use rollout.name=hf for a CPU rollout"
+        )

@@ -46,7 +46,7 @@ from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample, Sa
 from posttrain.core.weight_sync import BucketSender, WeightSyncError
 
 from .config import VLLMRolloutConfig
-from .engines import AsyncFront, LLMFront, enable_batch_invariance
+from .engines import AsyncFront, LLMFront, check_platform, enable_batch_invariance
 from .extension import jsonable
 from .outputs import samples_of
 from .transport import RpcBucketTransport
@@ -143,6 +143,7 @@ class VLLMRollout(BaseRollout):
         if not model.path or not os.path.isdir(model.path):
             raise ValueError(f"model.path={model.path!r} is not a local HF model directory")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        check_platform(self.device)
         self.executor = self._resolve_executor()
         self.transport_kind = self._resolve_transport()
         self.sleep_enabled = self.device.type == "cuda" and config.free_cache_engine
