@@ -114,3 +114,18 @@ def test_stream_mode_config_refusals(overrides, match):
 
     with pytest.raises(ConfigError, match=match):
         load_config(overrides, ["grpo_tiny"])
+
+
+@pytest.mark.slow
+def test_a_stream_checkpoint_resumes_in_stream_mode_only(assets, tmp_path):  # noqa: F811
+    """The finished groups a stream checkpoint holds are not read by one_step_off: refused, naming the mode."""
+    run(args(assets, tmp_path / "run", *STREAM, "trainer.total_training_steps=2"), "grpo")
+    resume = [
+        "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={tmp_path / 'run' / 'global_step_2'}",
+    ]
+    other = [o for o in STREAM if o != "trainer.mode=stream"] + ["trainer.mode=one_step_off"]
+    with pytest.raises(
+        ValueError, match=r"saved by trainer.mode=stream .* resume it with trainer.mode=stream"
+    ):
+        run(args(assets, tmp_path / "other", *other, *resume), "grpo")

@@ -310,7 +310,13 @@ class RolloutAhead:
     def restore(self, path: Path) -> None:
         """Load this rank's groups and counters from the checkpoint at ``path`` (when it holds them)."""
         if (path / f"data_rank_{pdist.rank()}.pt").is_file():
-            self.load_state_dict(load_trainer_state(path, rank=pdist.rank())["rollout_ahead"])
+            state = load_trainer_state(path, rank=pdist.rank())
+            if "stream" in state:
+                raise ValueError(
+                    f"the checkpoint {path} was saved by trainer.mode=stream (its finished groups wait in it): "
+                    "resume it with trainer.mode=stream"
+                )
+            self.load_state_dict(state["rollout_ahead"])
 
     def close(self) -> None:
         self.worker.close()

@@ -245,6 +245,11 @@ class StreamRollouts:
         """Load this rank's groups and counters from the checkpoint at ``path`` (when it holds them)."""
         if (path / f"data_rank_{pdist.rank()}.pt").is_file():
             state = load_trainer_state(path, rank=pdist.rank())
+            if "rollout_ahead" in state:
+                raise ValueError(
+                    f"the checkpoint {path} was saved by trainer.mode=one_step_off or async (its generated groups "
+                    "wait in it): resume it in that mode"
+                )
             if "stream" in state:
                 self.load_state_dict(state["stream"])
 
