@@ -173,24 +173,9 @@ class RolloutModeConfig:
         :class:`~.streaming.StreamRollouts` (the episode pool) for stream."""
         from .modes import RolloutAhead, SyncRollouts
 
-        if self.mode == "stream":
-            from .streaming import StreamRollouts
-
-            return StreamRollouts(
-                max_episodes=self.stream_episodes or prompts_per_rank * n,
-                bound=self.staleness_bound,
-                threads=self.rollout_threads,
-                sampler=sampler,
-                weights=weights,
-                draw=draw,
-                replicas=replicas,
-                prompts_per_rank=prompts_per_rank,
-                total_steps=total_steps,
-            )
         if self.mode == "sync":
             return SyncRollouts(sampler=sampler, weights=weights, draw=draw, free_cache=free_cache)
-        return RolloutAhead(
-            lookahead=self.lookahead,
+        common = dict(
             bound=self.staleness_bound,
             threads=self.rollout_threads,
             sampler=sampler,
@@ -199,5 +184,9 @@ class RolloutModeConfig:
             replicas=replicas,
             prompts_per_rank=prompts_per_rank,
             total_steps=total_steps,
-            n=n,
         )
+        if self.mode == "stream":
+            from .streaming import StreamRollouts
+
+            return StreamRollouts(max_episodes=self.stream_episodes or prompts_per_rank * n, **common)
+        return RolloutAhead(lookahead=self.lookahead, n=n, **common)

@@ -309,17 +309,31 @@ class RolloutAhead:
 
     def restore(self, path: Path) -> None:
         """Load this rank's groups and counters from the checkpoint at ``path`` (when it holds them)."""
-        if (path / f"data_rank_{pdist.rank()}.pt").is_file():
-            state = load_trainer_state(path, rank=pdist.rank())
-            if "stream" in state:
-                raise ValueError(
-                    f"the checkpoint {path} was saved by trainer.mode=stream (its finished groups wait in it): "
-                    "resume it with trainer.mode=stream"
-                )
-            self.load_state_dict(state["rollout_ahead"])
+        state = saved_source_state(path, "rollout_ahead")
+        if state is not None:
+            self.load_state_dict(state)
 
     def close(self) -> None:
         self.worker.close()
+
+
+SAVED_BY = {"rollout_ahead": "trainer.mode=one_step_off or async", "stream": "trainer.mode=stream"}
+"""The key each rollout source saves its state under in a checkpoint, and the modes that read it."""
+
+
+def saved_source_state(path: Path, key: str) -> dict[str, Any] | None:
+    """This rank's rollout-source state saved under ``key`` in the checkpoint at ``path`` (None when it holds
+    none); a state another kind of source saved is refused, naming the mode that reads it."""
+    if not (path / f"data_rank_{pdist.rank()}.pt").is_file():
+        return None
+    state = load_trainer_state(path, rank=pdist.rank())
+    for other, modes in SAVED_BY.items():
+        if other != key and other in state:
+            raise ValueError(
+                f"the checkpoint {path} was saved by {modes} (the groups it generated and did not train wait in "
+                f"it): resume it with {modes}"
+            )
+    return state.get(key)
 
 
 RolloutSource = SyncRollouts | RolloutAhead

@@ -31,20 +31,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from posttrain.ckpt import load_trainer_state
 
 from .. import distributed as pdist
 from .buffer import Group, RolloutBuffer, merge_groups, staleness_metrics
 from .generation import RolloutSampler, WeightSync
 from .mode_config import STREAM_AHEAD
+from .modes import Draw, saved_source_state
 from .step_metrics import extra_means
-
-Draw = Callable[[], tuple[int, list]]
-"""() -> (epoch, this rank's prompts) of the sampler's next batch."""
 
 
 class StreamRollouts:
@@ -243,15 +238,9 @@ class StreamRollouts:
 
     def restore(self, path: Path) -> None:
         """Load this rank's groups and counters from the checkpoint at ``path`` (when it holds them)."""
-        if (path / f"data_rank_{pdist.rank()}.pt").is_file():
-            state = load_trainer_state(path, rank=pdist.rank())
-            if "rollout_ahead" in state:
-                raise ValueError(
-                    f"the checkpoint {path} was saved by trainer.mode=one_step_off or async (its generated groups "
-                    "wait in it): resume it in that mode"
-                )
-            if "stream" in state:
-                self.load_state_dict(state["stream"])
+        state = saved_source_state(path, "stream")
+        if state is not None:
+            self.load_state_dict(state)
 
     def close(self) -> None:
         if self.stream is not None:
