@@ -2,11 +2,11 @@
 
 :func:`play_stream` submits ``batches`` batches of the prompts (batch ``b`` samples with seed ``seed + b``, as
 the other arms' batches do) to one :class:`~posttrain.trainers.agents.stream.EpisodeStream` capped at one
-batch's episodes, then takes one batch's worth of finished groups at a time, in the order they finish, as the
-trainer's steps do. Between two takes it pauses the pool as the trainer does around a weight push (the gate
-closes, the requests in flight finish, the gate reopens on the next version): the drain is what a push costs
-the stream on top of the push itself, which every arm pays alike and the bench leaves out. No training runs
-between takes, so the pool never waits for a trainer: this measures the loop, like the other arms.
+batch's episodes (or ``--stream-episodes``), then takes one batch's worth of finished groups at a time, in the
+order they finish, as the trainer's steps do. Between two takes it pauses the pool as the trainer does around a
+weight push (the gate closes, the requests in flight finish, the gate reopens on the next version): the drain is
+what a push costs the stream on top of the push itself, which every arm pays alike and the bench leaves out. No
+training runs between takes, so the pool never waits for a trainer: this measures the loop, like the other arms.
 """
 
 from __future__ import annotations
@@ -15,11 +15,14 @@ import dataclasses
 from typing import Any
 
 
-def play_stream(agent: Any, rollout: Any, prompts: list, sampling: Any, batches: int) -> tuple[list, dict]:
-    """([(batch, episode)] of every taken group, the pool's metrics over the run)."""
+def play_stream(
+    agent: Any, rollout: Any, prompts: list, sampling: Any, batches: int, cap: int = 0
+) -> tuple[list, dict]:
+    """([(batch, episode)] of every taken group, the pool's metrics over the run); ``cap``: episodes in flight
+    at most (``trainer.stream_episodes``; 0: one batch's)."""
     from posttrain.trainers.agents.stream import EpisodeStream
 
-    stream = EpisodeStream(agent, rollout, max_episodes=len(prompts) * sampling.n)
+    stream = EpisodeStream(agent, rollout, max_episodes=cap or len(prompts) * sampling.n)
     played: list = []
     try:
         for b in range(batches):

@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="batches of the questions each arm plays per pass (batch b with seed 1 + b): one after another "
         "(async, barrier), or streamed with one batch's episodes in flight (stream)",
     )
+    p.add_argument(
+        "--stream-episodes",
+        type=int,
+        default=0,
+        help="the stream arm's cap on episodes in flight (trainer.stream_episodes; 0: one batch's, as the "
+        "barrier holds at most)",
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--out", default=None, help="JSON file")
     p.add_argument("--workdir", default=None, help="where the model goes (default: a temporary folder)")
@@ -250,7 +257,9 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts, batches: int) -> di
     start = time.perf_counter()
     try:
         if arm == "stream":
-            played, pool = agent_stream.play_stream(agent, timed, prompts, sampling, batches)
+            played, pool = agent_stream.play_stream(
+                agent, timed, prompts, sampling, batches, args.stream_episodes
+            )
         else:  # one batch after another, each with its own seed
             played = []
             for b in range(batches):
@@ -298,7 +307,7 @@ def build_rollout(args, model_dir: str, engine_kwargs: dict[str, Any]):
         from posttrain.rollout_vllm.rollout import VLLMRollout
 
         dtype = "bfloat16" if args.device == "cuda" else "float32"
-        max_seqs = max(8, args.questions * args.n)
+        max_seqs = max(8, args.questions * args.n, args.stream_episodes)
         cfg = VLLMRolloutConfig(
             executor="server",
             dtype=dtype,
