@@ -19,8 +19,8 @@ Per repetition, one fresh episode (``AgentLoop.start``) and its turns through th
 - ``answer``: ``AgentLoop._answer`` (cap each tool result's length, ``ChatRenderer.continuation``: render the
   tool message and tokenize it, append); ``render`` alone: ``continuation`` of the same message;
 - ``turn``: the whole turn as the async loop runs it (``_take`` then ``_tools_and_step``), inline;
-- ``play``: ``AgentLoop.play`` of a whole episode on an asyncio loop whose ``generate`` answers at once (so the
-  thread hops to the step pool and the tool pool are in), per turn.
+- ``play``: ``AgentLoop.play`` of ``--in-flight`` whole episodes at once on an asyncio loop whose ``generate``
+  answers at once (so the hops to the step pool and the tool pool are in, and ``start``), per turn.
 
 Reported per phase: the median over repetitions of the CPU microseconds of the process (``time.process_time``:
 every thread, so the tool pool's too) and of the wall microseconds (``perf_counter``), for tool turns and the
@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=300, help="episodes timed (after --warmup untimed ones)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--vocab", type=int, default=None, help="pad the tiny tokenizer to this many tokens")
+    p.add_argument("--in-flight", type=int, default=16, help="episodes played at once in the play phase")
     p.add_argument("--template", choices=("model", "qwen2.5"), default="model")
     p.add_argument("--out", default=None, help="JSON file")
     return p.parse_args(argv)
@@ -165,23 +166,28 @@ def turns_episode(loop: Any, samples: list[Any], clock: Clock) -> None:
         clock.lap(f"{kind}/turn")
 
 
-async def play_episodes(loop: Any, samples: list[Any], clock: Clock, count: int) -> None:
-    """``count`` episodes through ``AgentLoop.play`` with a ``generate`` that answers at once with the next
-    scripted turn; each episode's laps are per turn (its time over its turns)."""
+async def play_episodes(loop: Any, samples: list[Any], clock: Clock, count: int, at_once: int) -> None:
+    """``count`` rounds of ``at_once`` episodes played together through ``AgentLoop.play``, with a ``generate``
+    that answers at once with the episode's next scripted turn; a round's lap is per turn (its time over its
+    turns)."""
     from posttrain.core.rollout import SamplingConfig
 
     sampling = SamplingConfig(seed=1)
-    for _ in range(count):
+
+    async def one(k: int) -> None:
         e, turns = loop.start(0, prompt()), iter(samples)
 
-        async def generate(context, call, index, turns=turns):
+        async def generate(context, call, index):
             return [next(turns)]
 
+        await loop.play(k, e, generate, sampling)
+
+    for _ in range(count):
         clock.mark()
-        await loop.play(0, e, generate, sampling)
+        await asyncio.gather(*(one(k) for k in range(at_once)))
         clock.lap("play")
-        clock.cpu["play"][-1] //= len(samples)
-        clock.wall["play"][-1] //= len(samples)
+        clock.cpu["play"][-1] //= at_once * len(samples)
+        clock.wall["play"][-1] //= at_once * len(samples)
 
 
 def summary(clock: Clock, skip: int) -> dict[str, dict[str, float]]:
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for _ in range(total):
             phases_episode(loop, samples, clock)
             turns_episode(loop, samples, clock)
-        asyncio.run(play_episodes(loop, samples, clock, total))
+        asyncio.run(play_episodes(loop, samples, clock, total, args.in_flight))
     finally:
         loop.close()
     skip_turns = args.warmup * len(CALLS)
