@@ -10,10 +10,8 @@ from agents_fixtures import llama_tokenizer, qwen_tokenizer
 
 from posttrain.core.env import tool_schema
 from posttrain.envs.calculator import calculator
-from posttrain.trainers.agents import tito
-from posttrain.trainers.agents.codec import Codec, plain
 from posttrain.trainers.agents.parsers import HermesParser, Llama3JsonParser
-from posttrain.trainers.agents.tito import _CONTEXT, ChatRenderer, Trajectory
+from posttrain.trainers.agents.tito import ChatRenderer, Trajectory
 
 QWEN_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "47 * 83"}}\n</tool_call>'
 LLAMA_CALL = '{"name": "calculator", "parameters": {"expression": "47 * 83"}}'
@@ -120,93 +118,3 @@ def test_parsers_malformed_calls():
     assert llama.parse("The answer is 4").calls == []
     assert llama.parse('<|python_tag|>{"name": "a", "parameters": {"x": 1}}').calls[0].arguments == {"x": 1}
     assert len(llama.parse('{"name": "a", "parameters": [1]}').malformed) == 1
-
-
-TEXTS = [
-    "",
-    "3901",
-    "  \n\t x",
-    QWEN_CALL,
-    LLAMA_CALL,
-    "error: calculator raised ValueError: unsupported expression element Name(id='x')",
-    "ünïcødé 数学 🙂 ...[truncated]",
-    "\n<|im_start|>user\n<tool_response>\n130\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
-    "<|start_header_id|>ipython<|end_header_id|>\n\n3901<|eot_id|>",
-]
-
-
-@pytest.mark.parametrize("family", sorted(CASES))
-def test_codec_gives_the_tokenizers_ids_and_text(family):
-    """The backend call the loop makes is the tokenizer's own: same ids, same text; when the backend's state
-    differs from what the tokenizer's call would set (truncation, split special tokens), the tokenizer is called."""
-    tok = CASES[family][0]()
-    codec = Codec(tok)
-    assert codec.direct() and codec.direct_decode
-    for text in TEXTS:
-        ids = tok.encode(text, add_special_tokens=False)
-        assert codec.encode(text) == ids, text
-        assert codec.decode(ids) == tok.decode(ids), text
-        assert codec.decode(ids[:-1]) == tok.decode(ids[:-1]), text
-    special = tok.eos_token + " 1"
-    whole = tok.encode(special, add_special_tokens=False)
-    tok.backend_tokenizer.enable_truncation(2)  # left by a caller of tok(..., truncation=True)
-    assert not codec.direct() and codec.encode(TEXTS[6]) == tok.encode(TEXTS[6], add_special_tokens=False)
-    tok.split_special_tokens = True
-    split = tok.encode(special, add_special_tokens=False)
-    assert split != whole and codec.encode(special) == split
-    tok.split_special_tokens = False  # the backend still splits: the codec calls the tokenizer
-    assert not codec.direct() and codec.encode(special) == whole
-
-    class Custom(type(tok)):
-        def _encode_plus(self, *args, **kwargs):
-            return super()._encode_plus(*args, **kwargs)
-
-    assert not plain(Custom(tokenizer_object=tok.backend_tokenizer)) and plain(tok)
-
-
-@pytest.mark.parametrize("family", sorted(CASES))
-def test_kept_context_render_gives_the_full_renders_ids(family):
-    """The continuation renders [user, assistant] once and keeps it: its ids equal those of rendering both every
-    time, turn after turn, and after the kept render goes stale (a template that renders the date)."""
-    tok = CASES[family][0]()
-    tools = [tool_schema(calculator)]
-    renderer, reference = ChatRenderer(tok, tools), ChatRenderer(tok, tools)
-
-    def full_render(new):
-        base = reference.render(_CONTEXT, False)
-        text = reference.separator(tok.eos_token_id) + reference.render([*_CONTEXT, *new], True)[len(base) :]
-        return tok.encode(text, add_special_tokens=False)
-
-    turns = [
-        [{"role": "tool", "name": "calculator", "content": "3901"}],
-        [{"role": "tool", "name": "calculator", "content": c} for c in ("408", "error: x")],
-        [{"role": "tool", "name": "calculator", "content": "4309"}, {"role": "user", "content": "Go on."}],
-    ]
-    for new in turns:
-        assert renderer.continuation(new, tok.eos_token_id) == full_render(new)
-    renderer._base = renderer.base().replace("system", "sys")
-    assert renderer.continuation(turns[0], tok.eos_token_id) == full_render(turns[0])
-    traj = Trajectory([])
-    traj.add_model([5, 6], torch.tensor([-0.1, -2.7]))
-    assert traj.log_probs == [float(x) for x in torch.tensor([-0.1, -2.7])] and traj.ids == [5, 6]
-
-
-@pytest.mark.parametrize("family", sorted(CASES))
-def test_kept_first_observation_ids_are_the_full_renders(family, monkeypatch):
-    """A renderer keeps the ids of the first observations it rendered (shared by a GRPO group's episodes): each
-    call gives the full render's ids, a caller changing its list changes no other's, and all are dropped when
-    more than KEPT come."""
-    tok = CASES[family][0]()
-    renderer = ChatRenderer(tok, [tool_schema(calculator)])
-    chats = [
-        [{"role": "user", "content": q}] for q in ("What is 47 * 83?", "What is 12 * 34?", "What is 47 * 83?")
-    ]
-    for chat in chats * 2:
-        ids = renderer.initial(chat)
-        assert ids == tok.encode(renderer.render(chat, True), add_special_tokens=False)
-        ids.append(-1)
-    assert len(renderer._initial) == 2
-    monkeypatch.setattr(tito, "KEPT", 2)
-    other = [{"role": "user", "content": "What is 1 * 2?"}]
-    assert renderer.initial(other) == tok.encode(renderer.render(other, True), add_special_tokens=False)
-    assert len(renderer._initial) == 1

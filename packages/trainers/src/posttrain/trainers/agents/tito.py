@@ -3,10 +3,10 @@
 Nothing the model generated is ever decoded and tokenized again. The first observation is rendered once with the
 chat template and its generation prompt. After a model turn that ended on its stop token, the environment's
 messages (tool results, feedback) are rendered *incrementally*: the template renders a fixed two-message context
-``[user, assistant]`` with and without the new messages (and the generation prompt; the render without them is
-kept from the first call); the text the new messages add is the suffix, and the separator the template writes
-after the assistant's stop token (``"\\n"`` after ChatML's ``<|im_end|>``, nothing after Llama 3's ``<|eot_id|>``)
-is put in front of it. Only that text is tokenized (:mod:`.codec`), so the ids at each assistant/environment boundary are exactly what the full render would hold there
+``[user, assistant]`` with and without the new messages (and the generation prompt); the text the new messages
+add is the suffix, and the separator the template writes after the assistant's stop token (``"\\n"`` after
+ChatML's ``<|im_end|>``, nothing after Llama 3's ``<|eot_id|>``) is put in front of it. Only that text is
+tokenized, so the ids at each assistant/environment boundary are exactly what the full render would hold there
 (verl's lost-separator bug cannot happen), and the model's own ids are the sampled ones.
 
 The prefix property (each turn's ids = the full render of the conversation so far) then holds whenever the model
@@ -27,11 +27,7 @@ import torch
 
 from posttrain.core.env import Message
 
-from .codec import Codec
-
 _CONTEXT = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
-KEPT = 256
-"""Rendered first observations whose ids a renderer keeps; all are dropped when one more comes."""
 
 
 class ChatRenderer:
@@ -40,11 +36,7 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any, tools: Sequence[dict[str, Any]] = ()) -> None:
         self.tokenizer = tokenizer
         self.tools = list(tools) or None
-        self.codec = Codec(tokenizer)
         self._separators: dict[int, str] = {}
-        self._base: str | None = None
-        """The render of the fixed context ``[user, assistant]`` (re-rendered when a render stops starting with it)."""
-        self._initial: dict[str, list[int]] = {}
 
     def render(self, messages: Sequence[Message], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -52,24 +44,17 @@ class ChatRenderer:
         )
 
     def encode(self, text: str) -> list[int]:
-        return self.codec.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def initial(self, messages: Sequence[Message]) -> list[int]:
-        """The ids of the first observation with the generation prompt (those of the last :data:`KEPT` rendered
-        texts are kept: the episodes of a GRPO group start from the same one)."""
-        text = self.render(messages, True)
-        ids = self._initial.get(text)
-        if ids is None:
-            if len(self._initial) >= KEPT:
-                self._initial.clear()
-            ids = self._initial[text] = self.encode(text)
-        return list(ids)
+        """The ids of the first observation with the generation prompt."""
+        return self.encode(self.render(messages, True))
 
     def separator(self, stop_id: int) -> str:
         """The text the template writes after an assistant message's ``stop_id`` token."""
         if stop_id not in self._separators:
             stop = self.tokenizer.decode([stop_id])
-            base = self.base()
+            base = self.render(_CONTEXT, False)
             at = base.rfind(stop)
             if at < 0:
                 raise ValueError(
@@ -79,20 +64,11 @@ class ChatRenderer:
             self._separators[stop_id] = base[at + len(stop) :]
         return self._separators[stop_id]
 
-    def base(self, fresh: bool = False) -> str:
-        """The render of ``[user, assistant]`` without the generation prompt, kept after the first."""
-        if fresh or self._base is None:
-            self._base = self.render(_CONTEXT, False)
-        return self._base
-
     def continuation(self, new: Sequence[Message], stop_id: int) -> list[int]:
         """The ids that follow an assistant turn that ended on ``stop_id``: the template's separator, the new
-        messages and the generation prompt. One render per call: the context's render is kept, and rendered
-        again only when the new render does not start with it (a template that renders, say, today's date)."""
+        messages and the generation prompt."""
+        base = self.render(_CONTEXT, False)
         full = self.render([*_CONTEXT, *new], True)
-        base = self.base()
-        if not full.startswith(base):
-            base = self.base(fresh=True)
         if not full.startswith(base):
             raise ValueError(
                 "the chat template renders [user, assistant] differently once more messages follow, so the ids of "
@@ -100,11 +76,6 @@ class ChatRenderer:
                 "use a template that renders past messages the same way whatever follows"
             )
         return self.encode(self.separator(stop_id) + full[len(base) :])
-
-
-def _values(values: torch.Tensor | Sequence[Any], kind: type) -> list[Any]:
-    """``values`` as Python ``kind``s; a tensor through one ``tolist`` (iterating it makes a tensor per element)."""
-    return list(map(kind, values.tolist() if isinstance(values, torch.Tensor) else values))
 
 
 @dataclass
@@ -121,12 +92,12 @@ class Trajectory:
     """The rollout's log-prob of each sampled id (0.0 on environment ids)."""
 
     def add_model(self, ids: Sequence[int], log_probs: torch.Tensor | Sequence[float]) -> None:
-        self.ids.extend(_values(ids, int))
+        self.ids.extend(int(i) for i in ids)
         self.mask.extend([1] * len(ids))
-        self.log_probs.extend(_values(log_probs, float))
+        self.log_probs.extend(float(x) for x in log_probs)
 
     def add_env(self, ids: Sequence[int]) -> None:
-        self.ids.extend(_values(ids, int))
+        self.ids.extend(int(i) for i in ids)
         self.mask.extend([0] * len(ids))
         self.log_probs.extend([0.0] * len(ids))
 
