@@ -5,8 +5,9 @@ the other arms' batches do) to one :class:`~posttrain.trainers.agents.stream.Epi
 batch's episodes (or ``--stream-episodes``), then takes one batch's worth of finished groups at a time, in the
 order they finish, as the trainer's steps do. Between two takes it pauses the pool as the trainer does around a
 weight push (the gate closes, the requests in flight finish, the gate reopens on the next version): the drain is
-what a push costs the stream on top of the push itself, which every arm pays alike and the bench leaves out. No
-training runs between takes, so the pool never waits for a trainer: this measures the loop, like the other arms.
+what a push costs the stream on top of the push itself, which every arm pays alike and the bench leaves out. A
+group's staleness is the number of pushes between its oldest turn and its take. No training runs between takes,
+so the pool never waits for a trainer: this measures the loop, like the other arms.
 """
 
 from __future__ import annotations
@@ -24,15 +25,20 @@ def play_stream(
 
     stream = EpisodeStream(agent, rollout, max_episodes=cap or len(prompts) * sampling.n)
     played: list = []
+    staleness: list[int] = []
     try:
         for b in range(batches):
             stream.submit(b, prompts, dataclasses.replace(sampling, seed=sampling.seed + b), epoch=0)
-        for b in range(batches):
-            played += [(g.batch, e) for g in stream.take(len(prompts)) for e in g.episodes]
+        for b in range(batches):  # take b happens while version b is served
+            for g in stream.take(len(prompts)):
+                played += [(g.batch, e) for e in g.episodes]
+                staleness.append(b - min(g.versions))
             if b < batches - 1:
                 with stream.paused(version=b + 1):
                     pass  # the trainer's weight push runs here
         metrics = stream.metrics()
     finally:
         stream.close()
+    metrics["staleness_mean"] = sum(staleness) / len(staleness)
+    metrics["staleness_max"] = max(staleness)
     return played, metrics

@@ -10,7 +10,9 @@ sleeping ``--tool-latency`` plus a uniform ``[0, --tool-jitter]`` draw, like a t
 - ``barrier`` (``agent.loop=batched``): one ``rollout.generate`` over every live episode per turn, then every
   episode's tools, then the next turn.
 - ``stream`` (``trainer.mode=stream``'s pool, bench/agent_stream.py): the async loop's episodes with one batch's
-  episodes in flight across batches; the next batch's groups start as this batch's episodes end.
+  episodes in flight across batches; the next batch's groups start as this batch's episodes end. Each extra
+  ``--stream-episodes N`` adds an arm ``streamN`` capped at N episodes (N above one batch's: more requests in
+  flight than any one-batch loop can have, and episodes of later batches generated before earlier takes).
 
 A pass of an arm plays ``--batches`` batches of the questions (batch ``b`` with seed ``1 + b``): async and
 barrier one batch after another (the step's batch as the trainer's sync and one-step-off modes generate it),
@@ -44,10 +46,14 @@ TRL's steps after ``--trl-warmup`` untimed ones):
 - ``distinct_per_task``: the mean over prompts of the number of distinct trajectories among its ``--n`` episodes
   (``--n`` when every episode of a GRPO group differs); turns per episode, tool calls and errors (malformed calls
   included), truncated episodes.
-- the stream arm's ``episodes_in_flight``, ``requests_in_flight`` (time-weighted means over the pass) and
-  ``gate_wait_s`` (request-seconds held at the push gate);
-- per variant ``async_speedup`` and ``stream_speedup`` (tokens/s over the barrier's) and ``ceiling`` = barrier wall / barrier busy
-  seconds: the speedup async would reach with no idle time and the barrier's generation efficiency.
+- a stream arm's ``episodes_in_flight``, ``requests_in_flight`` (time-weighted means over the pass),
+  ``gate_wait_s`` (request-seconds held at the push gate) and ``staleness_mean``/``staleness_max``: per taken
+  group, the versions pushed between its oldest turn and its take (the trainer drops groups staler than
+  ``trainer.max_staleness``; the bench keeps them, so a cap whose max exceeds 1 overstates what the trainer
+  with the default ``max_staleness=1`` would train on);
+- per variant ``ARM_speedup`` for every arm but the barrier (tokens/s over the barrier's) and ``ceiling`` =
+  barrier wall / barrier busy seconds: the speedup async would reach with no idle time and the barrier's
+  generation efficiency.
 
 The first variant's ``runs``, ``mean``, ``async_speedup`` and ``stream_speedup`` are also at the top level. JSON to ``--out`` (written
 after every variant, again at the end) and stdout; one summary line to stderr.
@@ -108,9 +114,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--stream-episodes",
         type=int,
-        default=0,
-        help="the stream arm's cap on episodes in flight (trainer.stream_episodes; 0: one batch's, as the "
-        "barrier holds at most)",
+        action="append",
+        default=None,
+        help="a stream arm's cap on episodes in flight (trainer.stream_episodes; 0: one batch's, as the "
+        "barrier holds at most); repeatable, one stream arm per cap (named stream, or streamN for a cap N > 0); "
+        "default: 0",
     )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--out", default=None, help="JSON file")
@@ -256,9 +264,9 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts, batches: int) -> di
     pool: dict[str, float] = {}
     start = time.perf_counter()
     try:
-        if arm == "stream":
+        if arm.startswith("stream"):
             played, pool = agent_stream.play_stream(
-                agent, timed, prompts, sampling, batches, args.stream_episodes
+                agent, timed, prompts, sampling, batches, stream_cap(arm)
             )
         else:  # one batch after another, each with its own seed
             played = []
@@ -295,6 +303,22 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts, batches: int) -> di
     }
 
 
+def stream_arms(caps: list[int] | None) -> list[str]:
+    """One stream arm per ``--stream-episodes`` cap: ``stream`` for 0 (one batch's episodes), ``streamN`` for N."""
+    names = [f"stream{c}" if c else "stream" for c in (caps or [0])]
+    bad = [c for c in caps or [] if c < 0]
+    if bad or len(set(names)) < len(names):
+        raise ValueError(
+            f"--stream-episodes {caps}: give each cap once, as 0 (one batch's episodes) or a positive number"
+        )
+    return names
+
+
+def stream_cap(arm: str) -> int:
+    """The cap of stream arm ``arm`` (0: one batch's)."""
+    return int(arm.removeprefix("stream") or 0)
+
+
 def build_rollout(args, model_dir: str, engine_kwargs: dict[str, Any]):
     length = dict(
         prompt_length=trl_agent.PROMPT_LEN,
@@ -307,7 +331,7 @@ def build_rollout(args, model_dir: str, engine_kwargs: dict[str, Any]):
         from posttrain.rollout_vllm.rollout import VLLMRollout
 
         dtype = "bfloat16" if args.device == "cuda" else "float32"
-        max_seqs = max(8, args.questions * args.n, args.stream_episodes)
+        max_seqs = max(8, args.questions * args.n, *(args.stream_episodes or [0]))
         cfg = VLLMRolloutConfig(
             executor="server",
             dtype=dtype,
@@ -334,7 +358,7 @@ def posttrain_arms(args, variant: str, tok, prompts, model_dir: str, engine_kwar
         "engine_kwargs": engine_kwargs,
         "started_with": {k: started[k] for k in ENGINE_KEYS if k in started},
     }
-    arms = ["async", "barrier", "stream"] if hasattr(rollout, "agenerate") else ["barrier"]
+    arms = ["async", "barrier", *stream_arms(args.stream_episodes)] if hasattr(rollout, "agenerate") else ["barrier"]
     for arm in arms:  # warm-up: vLLM's first requests compile and allocate
         play(arm, args, tok, rollout, rollout_cfg, prompts[:2], 1)
     runs = {arm: [] for arm in arms}
@@ -347,7 +371,7 @@ def posttrain_arms(args, variant: str, tok, prompts, model_dir: str, engine_kwar
     barrier = report["mean"]["barrier"]
     report["ceiling"] = barrier["wall_s"] / barrier["gpu_busy_s"] if barrier["gpu_busy_s"] > 0 else 0.0
     if len(arms) > 1:
-        for arm in ("async", "stream"):
+        for arm in (a for a in arms if a != "barrier"):
             report[f"{arm}_speedup"] = (
                 report["mean"][arm]["tokens_per_s_per_gpu"] / barrier["tokens_per_s_per_gpu"]
             )
@@ -431,7 +455,7 @@ def summary(report: dict[str, Any]) -> str:
             + ")"
             for arm, m in v["mean"].items()
         )
-        ratios = [f"{a}/barrier {v[a + '_speedup']:.2f}x" for a in ("async", "stream") if a + "_speedup" in v]
+        ratios = [f"{a}/barrier {v[a + '_speedup']:.2f}x" for a in v["mean"] if a + "_speedup" in v]
         ratios.append(f"ceiling {v['ceiling']:.2f}x")
         ratios += [f"{arm}/trl {r:.2f}x" for arm, r in v.get("over_trl", {}).items()]
         parts.append(f"{name}: {arms}; " + ", ".join(ratios))
@@ -446,7 +470,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from posttrain.trainers.model_init import init_model
 
-    parse_variants(args.variant, args.rollout)  # bad variants fail before any work
+    parse_variants(args.variant, args.rollout)  # bad variants and caps fail before any work
+    stream_arms(args.stream_episodes)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="agent-bench-"))
     if (work / "model").exists():
         raise ValueError(

@@ -10,6 +10,7 @@
 #   bash scripts/gpu_checks.sh agents [bench/agent_throughput.py flags]   # async, stream and barrier agent loops,
 #       0.5B, 256 episodes a batch, vLLM's default engine; vLLM from /tmp/stash; AGENT_TRL=1 adds TRL's
 #       environment_factory (.trl-wheels carried too)
+#   bash scripts/gpu_checks.sh agentgrpo   # `posttrain grpo` with the calculator env on vLLM, MODES="stream sync"
 #   bash scripts/gpu_checks.sh titan   # the TorchTitan engine's tests, sft and throughput; .titan-whl carried too
 # Each part is short enough for one 10-minute call. Results are JSON/log files; BENCHMARKS.md records them.
 # rl and trl append to /tmp/rl_bench/{rl,trl}.jsonl, which outlive a call while the machine stays warm (models
@@ -155,6 +156,33 @@ print(r.prepare_data(w, r.prepare_model(w, '$shape', None), r.WORKS['readme'], 6
     timeout "${RL_TIMEOUT:-590}" python3 bench/agent_throughput.py --device cuda "${trl[@]}" --workdir /tmp/agent_bench \
       "${variants[@]}" --out "$out/agents.json" "$@" 2>&1 | tee "$out/agents.log" | grep -E '^\[|Error|error' | tail -40
     cp /tmp/agent_bench/trl-run/log.txt "$out/agents_trl.log" 2>/dev/null || true ;;
+  agentgrpo)
+    # `posttrain grpo` with tools through the trainer: the calculator env (50 ms + [0, 50 ms] tools), agent.loop=async
+    # over vLLM's server executor, the FSDP2 actor, for each of MODES (default "stream sync"), STEPS steps of
+    # 32 tasks x 8 episodes up to 4 turns. The model is the agent bench's (run `agents` first in the same warm
+    # machine), else the 0.5B shape with the bench's format fine-tuning. Logs and metrics.jsonl per mode.
+    rl_env
+    m=/tmp/agent_bench/model; d=/tmp/agentgrpo; mkdir -p "$d"
+    if [ ! -f "$m/config.json" ]; then
+      m="$d/model"; rm -rf "$m"
+      python3 -m posttrain.trainers.cli model init --size 0.5b --out "$m" >/dev/null
+      python3 -c "import sys; sys.path.insert(0, 'bench'); import agent_throughput as a, trl_agent as t
+t.add_tool_call_rendering('$m'); a.format_sft('$m', 'cuda', 200)" || exit 1
+    fi
+    python3 -m posttrain.trainers.cli data synthetic --task calculator --out "$d/data" --num-train 2048 --num-test 64 >/dev/null
+    for mode in ${MODES:-stream sync}; do
+      rm -rf "$d/run-$mode"
+      timeout "${LIMIT:-280}" python3 -m posttrain.trainers.main_ppo --config grpo_gsm8k --config vllm_gpu model.path="$m" \
+        data.train_files="[$d/data/train.parquet]" data.val_files="[$d/data/test.parquet]" data.train_batch_size=32 \
+        rollout.n=8 actor.ppo_mini_batch_size=32 rollout.executor=server rollout.prompt_length=96 \
+        rollout.response_length=512 agent.env=calculator agent.loop=async agent.max_turns=4 agent.max_tokens_per_turn=128 \
+        agent.env_kwargs.latency_s=0.05 agent.env_kwargs.jitter_s=0.05 trainer.mode="$mode" \
+        trainer.total_training_steps="${STEPS:-6}" trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 \
+        trainer.n_gpus_per_node=1 trainer.default_local_dir="$d/run-$mode" 2>&1 | tee "$out/agentgrpo_$mode.log" \
+        | grep -E "posttrain\]|Error|error" | tail -15
+      cp "$d/run-$mode/metrics.jsonl" "$out/agentgrpo_${mode}_metrics.jsonl" 2>/dev/null
+      python3 bench/rl_report.py "$d/run-$mode/metrics.jsonl" 2>&1 | tee "$out/agentgrpo_${mode}_steps.txt"
+    done ;;
   titan)
     # the TorchTitan engine on CUDA (.whl and .titan-whl carried: scripts/titan_wheels.sh): its tests, a 3-step
     # `posttrain sft` with model_engine=torchtitan on a tiny Qwen3, and bench/titan_throughput.py (1.7b, 1 GPU).
