@@ -265,9 +265,7 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts, batches: int) -> di
     start = time.perf_counter()
     try:
         if arm.startswith("stream"):
-            played, pool = agent_stream.play_stream(
-                agent, timed, prompts, sampling, batches, stream_cap(arm)
-            )
+            played, pool = agent_stream.play_stream(agent, timed, prompts, sampling, batches, stream_cap(arm))
         else:  # one batch after another, each with its own seed
             played = []
             for b in range(batches):
@@ -358,7 +356,11 @@ def posttrain_arms(args, variant: str, tok, prompts, model_dir: str, engine_kwar
         "engine_kwargs": engine_kwargs,
         "started_with": {k: started[k] for k in ENGINE_KEYS if k in started},
     }
-    arms = ["async", "barrier", *stream_arms(args.stream_episodes)] if hasattr(rollout, "agenerate") else ["barrier"]
+    arms = (
+        ["async", "barrier", *stream_arms(args.stream_episodes)]
+        if hasattr(rollout, "agenerate")
+        else ["barrier"]
+    )
     for arm in arms:  # warm-up: vLLM's first requests compile and allocate
         play(arm, args, tok, rollout, rollout_cfg, prompts[:2], 1)
     runs = {arm: [] for arm in arms}
