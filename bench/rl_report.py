@@ -117,25 +117,29 @@ def emit(row: dict[str, Any], path: str | None) -> None:
 
 def metrics_report(path: str, gpus: int = 1) -> str:
     """Every step of a run's ``metrics.jsonl`` (what ``trainer.logger=[...,file]`` writes, e.g. from
-    examples/grpo_fsdp.sh): step time, tokens/s/GPU, generation and actor-update seconds, and the generation
-    drift per token from the first step to the last."""
+    examples/grpo_fsdp.sh): step time, tokens/s/GPU, generation seconds (in the modes that generate beside the
+    step, the seconds the step waited for its rollouts instead), actor-update seconds, and, where the step
+    generates, the generation drift per token from the first step to the last."""
     rows = [json.loads(x) for x in open(path) if x.strip()]
-    rows = [r for r in rows if "perf/step_s" in r and "timing_s/gen" in r]
-    lines = ["step | step s | tok/s/GPU | gen s | update_actor s | tokens"]
+    rows = [r for r in rows if "perf/step_s" in r]
+    gen = "timing_s/gen" if all("timing_s/gen" in r for r in rows) else "timing_s/wait_rollout"
+    lines = [
+        f"step | step s | tok/s/GPU | {'gen' if gen == 'timing_s/gen' else 'wait_rollout'} s | update_actor s | tokens"
+    ]
     for r in rows:
         lines.append(
             f"{r.get('step', '?')} | {r['perf/step_s']:.2f} | {r['perf/tokens'] / r['perf/step_s'] / gpus:.0f} | "
-            f"{r['timing_s/gen']:.2f} | {r.get('timing_s/update_actor', 0.0):.2f} | {r['perf/tokens']:.0f}"
+            f"{r.get(gen, 0.0):.2f} | {r.get('timing_s/update_actor', 0.0):.2f} | {r['perf/tokens']:.0f}"
         )
     if len(rows) > 1:
-        first = rows[0]["timing_s/gen"] / rows[0]["perf/tokens"]
-        last = rows[-1]["timing_s/gen"] / rows[-1]["perf/tokens"]
         timed = rows[1:]
         tps = mean([r["perf/tokens"] for r in timed]) / mean([r["perf/step_s"] for r in timed]) / gpus
-        lines.append(
-            f"gen drift per token, first to last: {100 * (last / first - 1):+.1f}%; "
-            f"steps 2..{len(rows)}: {tps:.0f} tok/s/GPU"
-        )
+        drift = ""
+        if gen == "timing_s/gen":
+            first = rows[0][gen] / rows[0]["perf/tokens"]
+            last = rows[-1][gen] / rows[-1]["perf/tokens"]
+            drift = f"gen drift per token, first to last: {100 * (last / first - 1):+.1f}%; "
+        lines.append(f"{drift}steps 2..{len(rows)}: {tps:.0f} tok/s/GPU")
     return "\n".join(lines)
 
 

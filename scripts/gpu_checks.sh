@@ -10,7 +10,8 @@
 #   bash scripts/gpu_checks.sh agents [bench/agent_throughput.py flags]   # async, stream and barrier agent loops,
 #       0.5B, 256 episodes a batch, vLLM's default engine; vLLM from /tmp/stash; AGENT_TRL=1 adds TRL's
 #       environment_factory (.trl-wheels carried too)
-#   bash scripts/gpu_checks.sh agentgrpo   # `posttrain grpo` with the calculator env on vLLM, MODES="stream sync"
+#   bash scripts/gpu_checks.sh agentgrpo   # `posttrain grpo` with the calculator env on vLLM, MODES="stream sync
+#       sync:batched" (trainer.mode[:agent.loop])
 #   bash scripts/gpu_checks.sh titan   # the TorchTitan engine's tests, sft and throughput; .titan-whl carried too
 # Each part is short enough for one 10-minute call. Results are JSON/log files; BENCHMARKS.md records them.
 # rl and trl append to /tmp/rl_bench/{rl,trl}.jsonl, which outlive a call while the machine stays warm (models
@@ -133,6 +134,7 @@ print(r.prepare_data(w, r.prepare_model(w, '$shape', None), r.WORKS['readme'], 6
       timeout "${RL_TIMEOUT:-575}" bash examples/grpo_fsdp.sh data.train_batch_size=128 actor.ppo_mini_batch_size=64 \
       trainer.total_training_steps="${STEPS:-4}" trainer.val_before_train=false trainer.save_freq=-1 trainer.test_freq=-1 "$@" 2>&1 \
       | tee "$out/readme.log" | grep -E "posttrain\]|Error|error" | head -20
+    cp /tmp/rl_bench/readme-run/metrics.jsonl "$out/readme_metrics.jsonl" 2>/dev/null
     python3 bench/rl_report.py /tmp/rl_bench/readme-run/metrics.jsonl | tee "$out/readme_steps.txt" ;;
   trl)
     # e.g. trl --work issue,bench --shapes 0.5b (vLLM colocate, torchrun with --gpus processes)
@@ -158,7 +160,8 @@ print(r.prepare_data(w, r.prepare_model(w, '$shape', None), r.WORKS['readme'], 6
     cp /tmp/agent_bench/trl-run/log.txt "$out/agents_trl.log" 2>/dev/null || true ;;
   agentgrpo)
     # `posttrain grpo` with tools through the trainer: the calculator env (50 ms + [0, 50 ms] tools), agent.loop=async
-    # over vLLM's server executor, the FSDP2 actor, for each of MODES (default "stream sync"), STEPS steps of
+    # over vLLM's server executor, the FSDP2 actor, for each of MODES (default "stream sync sync:batched": MODE
+    # or MODE:LOOP for trainer.mode and agent.loop, async unless given), STEPS steps of
     # 32 tasks x 8 episodes up to 4 turns. The model is the agent bench's (run `agents` first in the same warm
     # machine), else the 0.5B shape with the bench's format fine-tuning. Logs and metrics.jsonl per mode.
     rl_env
@@ -170,18 +173,19 @@ print(r.prepare_data(w, r.prepare_model(w, '$shape', None), r.WORKS['readme'], 6
 t.add_tool_call_rendering('$m'); a.format_sft('$m', 'cuda', 200)" || exit 1
     fi
     python3 -m posttrain.trainers.cli data synthetic --task calculator --out "$d/data" --num-train 2048 --num-test 64 >/dev/null
-    for mode in ${MODES:-stream sync}; do
-      rm -rf "$d/run-$mode"
+    for spec in ${MODES:-stream sync sync:batched}; do  # MODE or MODE:LOOP (agent.loop, default async)
+      mode=${spec%%:*}; loop=async; [ "$spec" != "$mode" ] && loop=${spec#*:}
+      spec=${spec/:/_}; rm -rf "$d/run-$spec"
       timeout "${LIMIT:-280}" python3 -m posttrain.trainers.main_ppo --config grpo_gsm8k --config vllm_gpu model.path="$m" \
         data.train_files="[$d/data/train.parquet]" data.val_files="[$d/data/test.parquet]" data.train_batch_size=32 \
         rollout.n=8 actor.ppo_mini_batch_size=32 rollout.executor=server rollout.prompt_length=96 \
-        rollout.response_length=512 agent.env=calculator agent.loop=async agent.max_turns=4 agent.max_tokens_per_turn=128 \
+        rollout.response_length=512 agent.env=calculator agent.loop="$loop" agent.max_turns=4 agent.max_tokens_per_turn=128 \
         agent.env_kwargs.latency_s=0.05 agent.env_kwargs.jitter_s=0.05 trainer.mode="$mode" \
         trainer.total_training_steps="${STEPS:-6}" trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 \
-        trainer.n_gpus_per_node=1 trainer.default_local_dir="$d/run-$mode" 2>&1 | tee "$out/agentgrpo_$mode.log" \
+        trainer.n_gpus_per_node=1 trainer.default_local_dir="$d/run-$spec" 2>&1 | tee "$out/agentgrpo_$spec.log" \
         | grep -E "posttrain\]|Error|error" | tail -15
-      cp "$d/run-$mode/metrics.jsonl" "$out/agentgrpo_${mode}_metrics.jsonl" 2>/dev/null
-      python3 bench/rl_report.py "$d/run-$mode/metrics.jsonl" 2>&1 | tee "$out/agentgrpo_${mode}_steps.txt"
+      cp "$d/run-$spec/metrics.jsonl" "$out/agentgrpo_${spec}_metrics.jsonl" 2>/dev/null
+      python3 bench/rl_report.py "$d/run-$spec/metrics.jsonl" 2>&1 | tee "$out/agentgrpo_${spec}_steps.txt"
     done ;;
   titan)
     # the TorchTitan engine on CUDA (.whl and .titan-whl carried: scripts/titan_wheels.sh): its tests, a 3-step
