@@ -140,7 +140,8 @@ def metrics_report(path: str, gpus: int = 1) -> str:
             last = rows[-1][gen] / rows[-1]["perf/tokens"]
             drift = f"gen drift per token, first to last: {100 * (last / first - 1):+.1f}%; "
         line = f"{drift}steps 2..{len(rows)}: {tps:.0f} tok/s/GPU"
-        if len(rows) >= 6:  # the later half: past what a mode that generates ahead banked during the first steps
+        # the later half: past what a mode that generates ahead banked during the first steps
+        if len(rows) >= 6:
             half = rows[len(rows) // 2 :]
             late = mean([r["perf/tokens"] for r in half]) / mean([r["perf/step_s"] for r in half]) / gpus
             line += f"; steps {len(rows) - len(half) + 1}..{len(rows)}: {late:.0f}"
