@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -36,9 +37,10 @@ import torch
 from posttrain.core.env import Environment, EnvironmentRegistry, StepResult, ToolResult, Turn
 from posttrain.core.rollout import BaseRollout, RolloutSample, SamplingConfig
 
+from .codec import Codec
 from .config import AgentConfig
 from .parsers import make_parser
-from .tito import ChatRenderer, Trajectory
+from .tito import KEPT, ChatRenderer, Trajectory
 from .tools import ERROR_KINDS, ToolRunner
 
 Generate = Callable[[list[int], SamplingConfig, int], Awaitable[list[RolloutSample]]]
@@ -73,6 +75,7 @@ class AgentLoop:
     def __init__(self, config: AgentConfig, tokenizer: Any, rollout_config: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.codec = Codec(tokenizer)
         self.parser = make_parser(config.parser)
         self.context_limit = rollout_config.max_model_len or (
             rollout_config.prompt_length + rollout_config.response_length
@@ -99,6 +102,9 @@ class AgentLoop:
         self.environments = EnvironmentRegistry.from_entry_points()
         """Where ``agent.env`` and a row's ``extra_info.env`` are looked up (installed entry points)."""
         self.environments.get_environment_cls(config.env)  # an unknown name fails before any work
+        self.renderers: dict[str, ChatRenderer] = {}
+        """By the ``repr`` of the tools' schemas (:meth:`renderer`)."""
+        self.renderers_lock = threading.Lock()
         self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     # ------------------------------------------------------------------ episodes
@@ -113,7 +119,7 @@ class AgentLoop:
             "ground_truth": prompt.ground_truth,
             "extra_info": info,
         }
-        renderer = ChatRenderer(self.tokenizer, env.tool_schemas())
+        renderer = self.renderer(env.tool_schemas())
         ids = renderer.initial(env.reset(row))
         if len(ids) > self.prompt_limit:
             raise ValueError(
@@ -122,6 +128,19 @@ class AgentLoop:
             )
         tools = {fn.__name__: fn for fn in env.tools}
         return Episode(index, prompt, env, tools, renderer, Trajectory(ids))
+
+    def renderer(self, tools: list[dict[str, Any]]) -> ChatRenderer:
+        """The renderer of episodes whose tools have these schemas, shared by them on any thread (it keeps the
+        template's fixed renders and the ids of recent first observations); the last :data:`~.tito.KEPT` kinds
+        are kept."""
+        key = repr(tools)
+        renderer = self.renderers.get(key)
+        if renderer is None:
+            with self.renderers_lock:
+                if len(self.renderers) >= KEPT:
+                    self.renderers.clear()
+                renderer = self.renderers.setdefault(key, ChatRenderer(self.tokenizer, tools))
+        return renderer
 
     def _sample_turn(self, live: list[Episode], sampling: SamplingConfig, rollout: BaseRollout, turn: int):
         contexts = [e.traj.context() for e in live]
@@ -144,7 +163,7 @@ class AgentLoop:
         if sample.finish_reason != "stop":
             e.truncate("length")
             return None
-        text = self.tokenizer.decode(ids[:-1])
+        text = self.codec.decode(ids[:-1])
         parsed = self.parser.parse(text)
         turn = Turn(text, parsed.calls)
         e.stats["tool_calls"] += len(parsed.calls) + len(parsed.malformed)

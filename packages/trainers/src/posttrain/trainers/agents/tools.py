@@ -18,6 +18,8 @@ from typing import Any
 
 from posttrain.core.env import ToolCall, ToolResult
 
+from .codec import Codec
+
 TRUNCATED = " ...[truncated]"
 ERROR_KINDS = ("malformed", "unknown_tool", "raised", "timeout")
 
@@ -26,17 +28,17 @@ class ToolRunner:
     """A thread pool that runs tool calls with a timeout and a length cap on results."""
 
     def __init__(self, tokenizer: Any, *, timeout_s: float, max_tokens: int, workers: int) -> None:
-        self.tokenizer = tokenizer
+        self.codec = Codec(tokenizer)
         self.timeout_s = timeout_s
         self.max_tokens = max_tokens
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="posttrain-tool")
 
     def cap(self, text: str) -> tuple[str, bool]:
         """``text`` cut to ``max_tokens`` tokens and marked, and whether it was cut."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.codec.encode(text)
         if len(ids) <= self.max_tokens:
             return text, False
-        return self.tokenizer.decode(ids[: self.max_tokens]) + TRUNCATED, True
+        return self.codec.decode(ids[: self.max_tokens]) + TRUNCATED, True
 
     def submit(self, call: ToolCall, tools: dict[str, Callable[..., Any]]) -> Future | ToolResult:
         fn = tools.get(call.name)
