@@ -92,6 +92,7 @@ COMPANIONS = {
     "rollout_placement": {"mode": "one_step_off"},
     "rollout_devices": {"mode": "one_step_off", "rollout_placement": "process"},
     "stream_episodes": {"mode": "stream"},
+    "stale_policy": {"mode": "async"},
     "cap": {"mode": "tis"},
     "cap_low": {"mode": "mis"},
 }
