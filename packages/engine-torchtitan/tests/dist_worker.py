@@ -77,6 +77,9 @@ def main() -> None:
             torch.save(result, work / f"{case}.pt")
         del eng
         dist.barrier()
+    # without it, a rank's exit could tear gloo's threads down while joinable: "terminate called without an
+    # active exception", SIGABRT, after the work had passed
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
