@@ -42,3 +42,19 @@ def play_stream(
     metrics["staleness_mean"] = sum(staleness) / len(staleness)
     metrics["staleness_max"] = max(staleness)
     return played, metrics
+
+
+def stream_arms(caps: list[int] | None) -> list[str]:
+    """One stream arm per ``--stream-episodes`` cap: ``stream`` for 0 (one batch's episodes), ``streamN`` for N."""
+    names = [f"stream{c}" if c else "stream" for c in (caps or [0])]
+    bad = [c for c in caps or [] if c < 0]
+    if bad or len(set(names)) < len(names):
+        raise ValueError(
+            f"--stream-episodes {caps}: give each cap once, as 0 (one batch's episodes) or a positive number"
+        )
+    return names
+
+
+def stream_cap(arm: str) -> int:
+    """The cap of stream arm ``arm`` (0: one batch's)."""
+    return int(arm.removeprefix("stream") or 0)

@@ -265,7 +265,9 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts, batches: int) -> di
     start = time.perf_counter()
     try:
         if arm.startswith("stream"):
-            played, pool = agent_stream.play_stream(agent, timed, prompts, sampling, batches, stream_cap(arm))
+            played, pool = agent_stream.play_stream(
+                agent, timed, prompts, sampling, batches, agent_stream.stream_cap(arm)
+            )
         else:  # one batch after another, each with its own seed
             played = []
             for b in range(batches):
@@ -299,22 +301,6 @@ def play(arm: str, args, tok, rollout, rollout_cfg, prompts, batches: int) -> di
         **(log.summary(busy) if log is not None else {}),
         **{k.rsplit("/", 1)[-1]: v for k, v in pool.items()},
     }
-
-
-def stream_arms(caps: list[int] | None) -> list[str]:
-    """One stream arm per ``--stream-episodes`` cap: ``stream`` for 0 (one batch's episodes), ``streamN`` for N."""
-    names = [f"stream{c}" if c else "stream" for c in (caps or [0])]
-    bad = [c for c in caps or [] if c < 0]
-    if bad or len(set(names)) < len(names):
-        raise ValueError(
-            f"--stream-episodes {caps}: give each cap once, as 0 (one batch's episodes) or a positive number"
-        )
-    return names
-
-
-def stream_cap(arm: str) -> int:
-    """The cap of stream arm ``arm`` (0: one batch's)."""
-    return int(arm.removeprefix("stream") or 0)
 
 
 def build_rollout(args, model_dir: str, engine_kwargs: dict[str, Any]):
@@ -357,7 +343,7 @@ def posttrain_arms(args, variant: str, tok, prompts, model_dir: str, engine_kwar
         "started_with": {k: started[k] for k in ENGINE_KEYS if k in started},
     }
     arms = (
-        ["async", "barrier", *stream_arms(args.stream_episodes)]
+        ["async", "barrier", *agent_stream.stream_arms(args.stream_episodes)]
         if hasattr(rollout, "agenerate")
         else ["barrier"]
     )
@@ -473,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from posttrain.trainers.model_init import init_model
 
     parse_variants(args.variant, args.rollout)  # bad variants and caps fail before any work
-    stream_arms(args.stream_episodes)
+    agent_stream.stream_arms(args.stream_episodes)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="agent-bench-"))
     if (work / "model").exists():
         raise ValueError(
