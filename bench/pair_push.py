@@ -1,6 +1,6 @@
 """The rollout process's weight push (``trainer.rollout_placement=process``) on one device, transport against
 transport, in the same run: a receiving process takes the pushed stream as the rollout worker does
-(``posttrain.trainers.rl.remote.ReceivedWeights``: verify every bucket's checksums, copy its tensors out,
+(``posttrain.trainers.rl.remote_worker.ReceivedWeights``: verify every bucket's checksums, copy its tensors out,
 release it).
 
 - ``shared``: the trainer packs into a buffer the worker maps (``PairBucketTransport(shared=True)``): a
@@ -46,7 +46,7 @@ def shapes(config: dict) -> list[tuple[str, torch.Size]]:
 
 def _receiver(port: int, shared: bool, device: str, reps: int) -> None:
     from posttrain.core.dist_transport import PairBucketTransport, pair_group, pair_store
-    from posttrain.trainers.rl.remote import ReceivedWeights
+    from posttrain.trainers.rl.remote_worker import ReceivedWeights
 
     if device.startswith("cuda"):
         torch.cuda.set_device(0)

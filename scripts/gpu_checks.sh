@@ -163,8 +163,11 @@ print(r.prepare_data(w, r.prepare_model(w, '$shape', None), r.WORKS['readme'], 6
     # over vLLM's server executor, the FSDP2 actor, for each of MODES (default "stream sync sync:batched": MODE
     # or MODE:LOOP for trainer.mode and agent.loop, async unless given), STEPS steps of
     # 32 tasks x 8 episodes up to 4 turns. The model is the agent bench's (run `agents` first in the same warm
-    # machine), else the 0.5B shape with the bench's format fine-tuning. Logs and metrics.jsonl per mode.
-    rl_env
+    # machine), else the 0.5B shape with the bench's format fine-tuning. Logs and metrics.jsonl per mode. Arguments
+    # after agentgrpo are overrides added to every mode's run; TAG (e.g. process) is added to their file names:
+    #   MODES=stream TAG=process bash scripts/gpu_checks.sh agentgrpo trainer.rollout_placement=process \
+    #     trainer.rollout_devices=[cuda:0]
+    rl_env; shift
     m=/tmp/agent_bench/model; d=/tmp/agentgrpo; mkdir -p "$d"
     if [ ! -f "$m/config.json" ]; then
       m="$d/model"; rm -rf "$m"
@@ -175,14 +178,14 @@ t.add_tool_call_rendering('$m'); a.format_sft('$m', 'cuda', 200)" || exit 1
     python3 -m posttrain.trainers.cli data synthetic --task calculator --out "$d/data" --num-train 2048 --num-test 64 >/dev/null
     for spec in ${MODES:-stream sync sync:batched}; do  # MODE or MODE:LOOP (agent.loop, default async)
       mode=${spec%%:*}; loop=async; [ "$spec" != "$mode" ] && loop=${spec#*:}
-      spec=${spec/:/_}; rm -rf "$d/run-$spec"
+      spec=${spec/:/_}${TAG:+_$TAG}; rm -rf "$d/run-$spec"
       timeout "${LIMIT:-280}" python3 -m posttrain.trainers.main_ppo --config grpo_gsm8k --config vllm_gpu model.path="$m" \
         data.train_files="[$d/data/train.parquet]" data.val_files="[$d/data/test.parquet]" data.train_batch_size=32 \
         rollout.n=8 actor.ppo_mini_batch_size=32 rollout.executor=server rollout.prompt_length=96 \
         rollout.response_length=512 agent.env=calculator agent.loop="$loop" agent.max_turns=4 agent.max_tokens_per_turn=128 \
         agent.env_kwargs.latency_s=0.05 agent.env_kwargs.jitter_s=0.05 trainer.mode="$mode" \
         trainer.total_training_steps="${STEPS:-6}" trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 \
-        trainer.n_gpus_per_node=1 trainer.default_local_dir="$d/run-$spec" 2>&1 | tee "$out/agentgrpo_$spec.log" \
+        trainer.n_gpus_per_node=1 trainer.default_local_dir="$d/run-$spec" "$@" 2>&1 | tee "$out/agentgrpo_$spec.log" \
         | grep -E "posttrain\]|Error|error" | tail -15
       cp "$d/run-$spec/metrics.jsonl" "$out/agentgrpo_${spec}_metrics.jsonl" 2>/dev/null
       python3 bench/rl_report.py "$d/run-$spec/metrics.jsonl" 2>&1 | tee "$out/agentgrpo_${spec}_steps.txt"

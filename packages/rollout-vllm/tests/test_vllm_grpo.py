@@ -3,8 +3,8 @@ model config, syncs the FSDP actor's weights into it every step, checks the weig
 its own samples match the actor's recomputed ones (float32 on both sides), also with ``model.override_config``
 (vLLM's ``hf_overrides``) and with a LoRA actor (vLLM started with LoRA, adapters synced alone); and in
 ``one_step_off`` with the rollout in a process of its own (``trainer.rollout_placement=process``: vLLM in-process
-in the trainer's rollout worker, weights over the gloo pair). Needs posttrain-trainers (this package's test group)
-and a runnable vLLM."""
+in the trainer's rollout worker, weights over the gloo pair); and ``stream`` agent episodes played in that worker
+over vLLM's ``AsyncLLM``. Needs posttrain-trainers (this package's test group) and a runnable vLLM."""
 
 from __future__ import annotations
 
@@ -117,3 +117,30 @@ def test_one_step_off_with_vllm_in_the_rollout_process(assets):
     assert [r["rollout/staleness/max"] for r in rows] == [0.0, 1.0, 1.0]
     assert rows[0]["rollout/logprob_diff/max"] < 1e-3
     assert sum(r["timing_s/update_weights"] for r in rows) > 0  # pushed to the worker over the gloo pair
+
+
+def test_stream_with_vllm_server_episodes_in_the_rollout_process(assets):
+    """``trainer.mode=stream`` with ``trainer.rollout_placement=process`` and ``rollout.executor=server``: the
+    rollout worker starts vLLM's ``AsyncLLM`` (whose engine core is a process of the worker's own), holds the
+    episode pool and plays the envs' calculator episodes there; the trainer takes finished groups, trains, and
+    pushes each step's weights into the paused pool."""
+    pytest.importorskip("posttrain.envs.calculator", reason="posttrain-envs is not installed here")
+    rows = _grpo(
+        assets,
+        "stream-process",
+        "trainer.mode=stream",
+        "trainer.rollout_placement=process",
+        "rollout.executor=server",
+        "rollout.prompt_length=64",
+        "rollout.response_length=64",
+        "agent.env=calculator",
+        "agent.loop=async",
+        "agent.max_turns=2",
+        "agent.max_tokens_per_turn=16",
+        "trainer.max_staleness=2",
+    )
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in rows)
+    assert all(r["rollout/stream/episodes_in_flight"] > 0 for r in rows)
+    assert rows[1]["timing_s/update_weights"] > 0  # step 2's weights went into the worker's paused pool
+    assert max(r["reward/extra/agent/turns/mean"] for r in rows) >= 1

@@ -1,6 +1,6 @@
 """Multi-turn GRPO through the trainer on the tiny offline model (CPU, HF rollout): the batch trains on the
-model's ids only, and a resumed run (sync, and one_step_off with finished episodes in its buffer at the save)
-equals the uninterrupted one bitwise."""
+model's ids only, a resumed run (sync, and one_step_off with finished episodes in its buffer at the save)
+equals the uninterrupted one bitwise, and so does a run whose episodes a rollout process plays."""
 
 from __future__ import annotations
 
@@ -24,7 +24,11 @@ ENV = f"{Path(__file__).stem}:KeepTalking"
 class KeepTalking(Environment):
     """Answers every turn with a user message until the third turn; the reward counts the digits written."""
 
+    resets = 0
+    """Episodes this process started (a rollout process's episodes count in that process)."""
+
     def reset(self, row):
+        KeepTalking.resets += 1
         self.turns = 0
         return super().reset(row)
 
@@ -99,4 +103,31 @@ def test_multi_turn_grpo_resumes_bitwise(assets, mode, tmp_path):
             assert row[key] == ref_rows[row["step"]][key], (row["step"], key)
     a = load_full_model_state(reference / f"global_step_{STEPS}" / "actor" / "dist_ckpt")
     b = load_full_model_state(resumed / f"global_step_{STEPS}" / "actor" / "dist_ckpt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_episodes_in_a_rollout_process_equal_colocated(assets, tmp_path):
+    """one_step_off with ``trainer.rollout_placement=process``: the worker builds the agent loop from the
+    trainer's tokenizer and plays every episode itself (the trainer's process starts none), with the same seeds
+    on as many threads as the colocated rollout's thread, so metrics and final weights are equal bitwise."""
+    rows = {}
+    for placement in ("colocated", "process"):
+        before = KeepTalking.resets
+        extra = [
+            "trainer.mode=one_step_off",
+            f"trainer.rollout_placement={placement}",
+            "trainer.save_freq=-1",
+        ]
+        run(args(assets, tmp_path / placement, *extra), "grpo")
+        started_here = KeepTalking.resets - before
+        assert (started_here > 0) == (placement == "colocated"), (placement, started_here)
+        rows[placement] = read_metrics(tmp_path / placement / "metrics.jsonl")
+    assert max(r["reward/extra/agent/turns/mean"] for r in rows["process"]) > 1
+    for ours, theirs in zip(rows["colocated"], rows["process"], strict=True):
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "reward/extra/agent/turns/mean"):
+            assert ours[key] == theirs[key], (ours["step"], key)
+    a = load_full_model_state(tmp_path / "colocated" / f"global_step_{STEPS}" / "actor" / "dist_ckpt")
+    b = load_full_model_state(tmp_path / "process" / f"global_step_{STEPS}" / "actor" / "dist_ckpt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,6 +1,7 @@
 """``trainer.mode=stream`` through the trainer on the tiny offline model (CPU, the HF rollout's ``agenerate``, the
-``calculator`` environment): a few steps, a checkpoint whose buffer holds finished groups, a resume that trains
-each of them exactly once and no prompt that was trained before the save; and stream's config refusals."""
+``calculator`` environment), with the pool in the trainer's process or in its rollout process: a few steps, a
+checkpoint whose buffer holds finished groups, a resume that trains each of them exactly once and no prompt that
+was trained before the save; and stream's config refusals."""
 
 from __future__ import annotations
 
@@ -38,10 +39,14 @@ def trained_groups(monkeypatch) -> list[tuple[int, tuple[int, ...]]]:
 
 
 @pytest.mark.slow
-def test_stream_mode_trains_and_resumes_every_saved_group_once(assets, tmp_path, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("placement", ["colocated", "process"])
+def test_stream_mode_trains_and_resumes_every_saved_group_once(assets, tmp_path, monkeypatch, placement):  # noqa: F811
+    """With ``trainer.rollout_placement=process`` the pool, the episodes and the HF rollout run in the rollout
+    process, and the same holds: the buffer of finished groups lives in the trainer."""
     seen = trained_groups(monkeypatch)
     reference = tmp_path / "reference"
-    run(args(assets, reference, *STREAM), "grpo")
+    stream = [*STREAM, f"trainer.rollout_placement={placement}"]
+    run(args(assets, reference, *stream), "grpo")
     rows = read_metrics(reference / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["rollout/dropped_groups"] == 0 for r in rows)
@@ -57,7 +62,7 @@ def test_stream_mode_trains_and_resumes_every_saved_group_once(assets, tmp_path,
     seen.clear()
     resumed = tmp_path / "resumed"
     resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={reference / 'global_step_2'}"]
-    run(args(assets, resumed, *STREAM, *resume), "grpo")
+    run(args(assets, resumed, *stream, *resume), "grpo")
     assert sorted(g for _, g in seen) == sorted(saved)  # each saved group once, nothing else
     assert not set(before) & {g for _, g in seen}  # no prompt on both sides of the save
     ref_rows = {r["step"]: r for r in rows}
@@ -100,10 +105,6 @@ def test_stream_mode_refuses_a_rollout_without_agenerate():
         (
             ["trainer.mode=stream", "agent.env=calculator"],
             r"trainer.mode=stream with agent.loop=batched.*set agent.loop=async",
-        ),
-        (
-            ["trainer.mode=stream", "trainer.rollout_placement=process"],
-            r"trainer.rollout_placement=process with trainer.mode=stream.*rollout_placement=colocated",
         ),
         (["trainer.stream_episodes=64"], r"trainer.stream_episodes=64 with trainer.mode=sync"),
     ],

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -262,7 +264,7 @@ def test_the_worker_leaves_the_trainers_torchrun_world():
     """What torchrun exports for the trainer's ranks is gone from the worker's environment, the elastic agent's
     store flag included (with it, torch 2.11's tcp:// rendezvous in the worker, vLLM's world of one, waits for a
     store nobody serves); the rest stays."""
-    from posttrain.trainers.rl.remote import leave_world
+    from posttrain.trainers.rl.remote_worker import leave_world
 
     env = {
         "RANK": "0",
@@ -278,3 +280,50 @@ def test_the_worker_leaves_the_trainers_torchrun_world():
     gone = leave_world(env)
     assert env == {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0"}
     assert "TORCHELASTIC_USE_AGENT_STORE" in gone and len(gone) == 7
+
+
+TRAINER = """
+import sys, time
+from posttrain.rollout_hf.config import HFRolloutConfig
+from posttrain.trainers.rl.remote import RemoteRollout
+if __name__ == "__main__":  # the spawned worker imports this file too
+    remote = RemoteRollout(HFRolloutConfig(response_length=8), sys.argv[1], threads=1, timeout_s=120)
+    print(remote.process.pid, flush=True)
+    if sys.argv[2] == "killed":
+        time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """The process exited (a zombie nobody reaped counts: the container's init may not reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_worker_ends_with_a_trainer_that_exits_without_release_or_is_killed(model_path, tmp_path):
+    """The worker is not a daemon (its rollout may start processes: vLLM's engine core), so nothing in
+    multiprocessing ends it: a trainer that exits without release still exits (its exit hook closes the pipe),
+    and a SIGKILLed trainer's worker exits too."""
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    trainers = {
+        how: subprocess.Popen(
+            [sys.executable, str(script), model_path, how], stdout=subprocess.PIPE, text=True
+        )
+        for how in ("exits", "killed")
+    }
+    try:
+        workers = {how: int(p.stdout.readline()) for how, p in trainers.items()}
+        trainers["killed"].kill()
+        assert trainers["exits"].wait(timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while not all(_gone(pid) for pid in workers.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert {how: _gone(pid) for how, pid in workers.items()} == {"exits": True, "killed": True}
+    finally:
+        for p in trainers.values():
+            p.kill()
+            p.wait()

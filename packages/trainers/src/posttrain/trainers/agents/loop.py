@@ -54,9 +54,10 @@ class Episode:
     index: int
     """Its prompt's index in the call (its GRPO group)."""
     prompt: Any
-    env: Environment
+    env: Environment | None
+    """None once :meth:`detached`, as are ``tools`` (empty) and ``renderer``."""
     tools: dict[str, Callable[..., Any]]
-    renderer: ChatRenderer
+    renderer: ChatRenderer | None
     traj: Trajectory
     done: bool = False
     truncated: str | None = None
@@ -67,6 +68,11 @@ class Episode:
 
     def truncate(self, why: str) -> None:
         self.done, self.truncated = True, why
+
+    def detached(self) -> Episode:
+        """This episode without its environment, tools and renderer: what a finished episode carries out of a
+        rollout process (:mod:`posttrain.trainers.rl.remote`); scoring and the batch read nothing else."""
+        return dataclasses.replace(self, env=None, tools={}, renderer=None)
 
 
 class AgentLoop:
@@ -273,7 +279,11 @@ class AgentLoop:
     ):
         """(samples grouped by prompt, scores, data sources, per-sample extras) as the RL trainer's
         ``sample_and_score`` returns them; ``rewards`` is its reward manager."""
-        episodes, gen_s, tool_s = self.run_episodes(rollout, prompts, sampling)
+        host = getattr(rollout, "play_episodes", None)  # a rollout process runs the loop itself (rl.remote)
+        if host is not None:
+            episodes, gen_s, tool_s = host(prompts, sampling)
+        else:
+            episodes, gen_s, tool_s = self.run_episodes(rollout, prompts, sampling)
         return self.rollouts_of(episodes, gen_s, tool_s, rewards)
 
     def rollouts_of(self, episodes: Sequence[Episode], gen_s: float, tool_s: float, rewards):

@@ -189,8 +189,17 @@ class EpisodeStream:
         """Hold new requests at the gate and wait until none is in flight; on a clean exit, serve ``version``
         (when given) and reopen. When the body raises, the gate stays closed: nothing is generated from
         weights a failed push may have left half-loaded."""
-        self._call(self._close_gate())
+        self.pause()
         yield
+        self.resume(version)
+
+    def pause(self) -> None:
+        """Close the gate and wait until none of the pool's requests is in flight (the first half of
+        :meth:`paused`, for a caller that cannot hold a context open: a rollout process between two calls)."""
+        self._call(self._close_gate())
+
+    def resume(self, version: int | None = None) -> None:
+        """Serve ``version`` (when given) and reopen the gate."""
         self._call(self._open_gate(version))
 
     def metrics(self) -> dict[str, float]:

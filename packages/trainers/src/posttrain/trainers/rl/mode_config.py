@@ -56,17 +56,19 @@ class RolloutModeConfig:
     end, its tool waits included."""
 
     rollout_placement: str = "colocated"
-    """colocated (the rollout lives in each trainer process, on the actor's device) or process (one_step_off /
-    async only: each trainer rank starts a child process that builds the rollout on its device (the CPU unless
-    rollout_devices says otherwise), generates there, and takes weights through the bucketed, checksummed push
-    over a private pair of groups; see :mod:`posttrain.trainers.rl.remote`)."""
+    """colocated (the rollout lives in each trainer process, on the actor's device) or process (one_step_off,
+    async or stream: each trainer rank starts a child process that builds the rollout on its device (the CPU
+    unless rollout_devices says otherwise), generates there, and takes weights through the bucketed, checksummed
+    push over a private pair of groups; with agent.env set it also plays the episodes, tools and environment
+    included, and in stream mode holds the episode pool, so none of that shares the trainer's interpreter lock;
+    see :mod:`posttrain.trainers.rl.remote`)."""
     rollout_devices: list[str] = field(default_factory=list)
     """rollout_placement=process: the device of each trainer rank's rollout process, indexed by the rank's local
     rank (one entry per process torchrun starts on the node), as the trainer numbers devices: e.g. [cuda:4,
     cuda:5, cuda:6, cuda:7] for trainer ranks on GPUs 0-3, or [cuda:0] for one trainer sharing its GPU with its
     rollout (then give the rollout a memory budget, e.g. rollout.gpu_memory_utilization). Empty: the CPU. A
-    rollout on another GPU than its trainer takes the weights over NCCL; on the trainer's GPU or the CPU, through
-    host memory over gloo."""
+    rollout on another GPU than its trainer takes the weights over NCCL; on the trainer's GPU, through a CUDA IPC
+    buffer; on the CPU, through shared memory (headers over gloo)."""
 
     def check_mode(self) -> None:
         if self.mode not in MODES:
@@ -81,11 +83,6 @@ class RolloutModeConfig:
                 "trainer.rollout_placement=process with trainer.mode=sync: a rollout process only pays off when "
                 "it generates while the trainer trains; set trainer.mode=one_step_off (or async), or "
                 "trainer.rollout_placement=colocated"
-            )
-        if self.rollout_placement == "process" and self.mode == "stream":
-            raise ValueError(
-                "trainer.rollout_placement=process with trainer.mode=stream: the episode pool runs in the "
-                "trainer's process over a rollout it calls per request; set trainer.rollout_placement=colocated"
             )
         if self.stream_episodes < 0:
             raise ValueError(

@@ -351,10 +351,13 @@ def build_rollout(
     devices: list[str],
     deterministic: bool,
     device: Any,
+    agent: tuple[Any, Any] | None = None,
 ) -> BaseRollout:
     """The trainer's rollout: built here on ``device`` (``placement=colocated``), or a handle on a rollout worker
     process this rank starts (``process``, :mod:`.remote`) with ``threads`` CPU threads on its entry of
-    ``devices``. ``deterministic`` is the actor engine's ``full_determinism`` (vLLM: batch-invariant mode)."""
+    ``devices``. ``deterministic`` is the actor engine's ``full_determinism`` (vLLM: batch-invariant mode).
+    ``agent``: (the agent config, the tokenizer) when episodes are played: a rollout process then runs the agent
+    loop itself (:mod:`.remote_agents`)."""
     from .remote import RemoteRollout
 
     if placement == "process":
@@ -367,6 +370,7 @@ def build_rollout(
             deterministic=deterministic,
             device=rollout_device(devices),
             trainer_device=device,
+            agent=agent,
         )
     return rollout.build(model, device=device, deterministic=deterministic)
 

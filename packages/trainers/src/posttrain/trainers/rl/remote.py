@@ -24,17 +24,26 @@ buckets, so the trainer's send never blocks, and the trainer raises the worker's
 
 Each trainer rank starts its own worker: a rank's rollout generates only that rank's prompts (seeded with its
 data-parallel rank), so the worker is a drop-in for the colocated rollout and the trainer gathers nothing. A
-worker that dies, or does not answer within ``timeout_s``, raises :class:`RolloutWorkerError` naming it.
+worker that dies, does not answer within ``timeout_s`` or fails a call raises :class:`RolloutWorkerError`
+naming it (with the worker's error and traceback).
+
+With ``agent.env`` set, the worker also runs the agent loop (episodes, tools, ``env.step``; in stream mode the
+episode pool), and the trainer gets finished episodes (:mod:`.remote_agents`). The worker is not a daemon, so its
+rollout may start processes (vLLM's engine core, ``rollout.executor=server``); it leads its own process group,
+which it kills when its trainer disappears, and the trainer ends it at exit when :meth:`RemoteRollout.release`
+was not called. The worker's code is :mod:`.remote_worker`.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import pickle
+import signal
 import threading
 import time
-import traceback
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -45,37 +54,13 @@ from posttrain.core.dist_transport import PairBucketTransport, nccl_pair_group, 
 from posttrain.core.dtypes import parse_dtype
 from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample, SamplingConfig, SyncReport
 from posttrain.core.shared_buffer import CudaIpcBuffer, SharedMemoryBuffer, shared_buffer
-from posttrain.core.weight_sync import Bucket, BucketReceiver, BucketSender, WeightSyncError
+from posttrain.core.weight_sync import Bucket, BucketSender, WeightSyncError
+
+from .remote_worker import worker_main
 
 
 class RolloutWorkerError(RuntimeError):
     """The rollout worker process died, did not answer in time, or failed a call (its traceback included)."""
-
-
-_TORCHRUN_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GROUP_WORLD_SIZE",
-    "ROLE_NAME",
-)
-"""torchrun's variables of the trainer's world; every ``TORCHELASTIC_*`` variable goes too (:func:`leave_world`)."""
-
-
-def leave_world(environ: dict[str, str]) -> list[str]:
-    """Remove the trainer world's torchrun variables from ``environ`` (the worker's ``os.environ``); the names
-    removed. ``TORCHELASTIC_USE_AGENT_STORE=True`` matters most: on torch 2.11 any ``tcp://`` rendezvous in a
-    process that has it (vLLM's own world of one) connects as a client to a store nobody serves and hangs."""
-    gone = [k for k in environ if k in _TORCHRUN_VARS or k.startswith("TORCHELASTIC_")]
-    for key in gone:
-        del environ[key]
-    return gone
 
 
 def physical_gpu(device: torch.device | str) -> str:
@@ -93,124 +78,6 @@ def physical_gpu(device: torch.device | str) -> str:
             f"use cuda:0 to cuda:{len(ids) - 1}"
         )
     return ids[index]
-
-
-# ---------------------------------------------------------------------- the worker process
-class ReceivedWeights:
-    """The worker's weight stream: buckets received over the pair transport, verified by a
-    :class:`BucketReceiver`, their tensors (copies) yielded a bucket at a time."""
-
-    def __init__(self, transport: PairBucketTransport) -> None:
-        self.transport, self.done, self.pending = transport, False, []
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        receiver = BucketReceiver(lambda tensors: self.pending.extend((n, t.clone()) for n, t in tensors))
-        while not self.done:
-            bucket = self.transport.recv()
-            self.done = bucket.is_last
-            try:
-                receiver(bucket)  # raises WeightSyncError on a bad checksum, a lost or reordered bucket
-            finally:
-                self.transport.release()  # the copies are taken: the trainer may pack the next bucket
-            yield from self.pending
-            self.pending.clear()
-        receiver.finish()
-
-    def drain(self) -> None:
-        """Receive (and discard) the buckets left of this sync, so the trainer's send completes."""
-        while not self.done:
-            self.done = self.transport.recv().is_last
-        self.transport.release()
-
-
-def _update_weights(rollout: BaseRollout, transport, peft_config, base_sync_done, version) -> dict:
-    stream = ReceivedWeights(transport)
-    try:
-        report = rollout.update_weights(
-            iter(stream), peft_config=peft_config, base_sync_done=base_sync_done, version=version
-        )
-    finally:
-        stream.drain()
-    return {"version": rollout.weight_version(), "timings": report.timings}
-
-
-def _generate(rollout: BaseRollout, transport, prompts, sampling) -> list[RolloutSample]:
-    """The samples with their tensors in host memory (a GPU worker's would unpickle onto the trainer's GPUs)."""
-    samples = rollout.generate(prompts, sampling)
-    for s in samples:
-        s.log_probs = s.log_probs.cpu()
-        if s.routed_experts is not None:
-            s.routed_experts = s.routed_experts.cpu()
-    return samples
-
-
-_OPS = {
-    "generate": _generate,
-    "update_weights": _update_weights,
-    "weight_version": lambda rollout, transport: rollout.weight_version(),
-    "sleep": lambda rollout, transport, level: rollout.sleep(level),
-    "wake_up": lambda rollout, transport, tags: rollout.wake_up(tags),
-}
-
-
-def _error(exc: BaseException) -> tuple:
-    return ("error", type(exc).__name__, str(exc), traceback.format_exc())
-
-
-def worker_main(
-    conn,
-    config: RolloutConfig,
-    model: ModelConfig | str,
-    port: int,
-    threads: int,
-    timeout_s: float,
-    deterministic: bool,
-    gpu: str | None = None,
-    nccl: bool = False,
-) -> None:
-    """The worker process: build the rollout (on the physical GPU ``gpu``, or the CPU), report ready, join the
-    pair (bytes over NCCL with ``nccl``), then serve calls until ``close`` (or the trainer's end of the pipe
-    closes)."""
-    leave_world(os.environ)
-    device = "cpu"
-    if gpu is not None:  # before anything starts CUDA in this process
-        os.environ["CUDA_VISIBLE_DEVICES"], device = gpu, "cuda:0"
-    if threads > 0:
-        torch.set_num_threads(threads)
-    try:
-        if gpu is not None:
-            torch.cuda.set_device(0)
-        rollout = config.build(model, device=device, deterministic=deterministic)
-    except Exception as exc:  # reported to the trainer, which raises it
-        if isinstance(exc, AssertionError) and "daemonic" in str(exc):  # multiprocessing's refusal
-            exc = ValueError(
-                f"the rollout worker is a daemon process (it dies with its trainer), and the {config.name} "
-                "rollout tried to start processes of its own: with trainer.rollout_placement=process use an "
-                "in-process engine (vLLM: rollout.executor=inprocess)"
-            )
-        conn.send_bytes(pickle.dumps(_error(exc)))
-        return
-    ready = {"supports_lora_adapters": bool(getattr(rollout, "supports_lora_adapters", False))}
-    conn.send_bytes(pickle.dumps(("ok", ready)))
-    store = pair_store(1, port, timeout_s=timeout_s)
-    group = pair_group(store, 1, timeout_s)
-    data = nccl_pair_group(store, 1, timeout_s) if nccl else None
-    transport = PairBucketTransport(group, 0, data, device, shared=not nccl)
-    while True:
-        try:
-            op, args = pickle.loads(conn.recv_bytes())
-        except EOFError:
-            break
-        if op == "close":
-            rollout.release()
-            transport.close()
-            conn.send_bytes(pickle.dumps(("ok", None)))
-            break
-        try:
-            reply = ("ok", _OPS[op](rollout, transport, *args))
-        except Exception as exc:
-            reply = _error(exc)
-        conn.send_bytes(pickle.dumps(reply))
 
 
 # ---------------------------------------------------------------------- the trainer's side
@@ -246,13 +113,15 @@ class RemoteRollout(BaseRollout):
         deterministic: bool = False,
         device: torch.device | str = "cpu",
         trainer_device: torch.device | str | None = None,
+        agent: tuple[Any, Any] | None = None,
     ) -> None:
         """Start the worker and wait until its rollout is built and the gloo pair joined. ``threads``: the
         worker's torch intra-op threads (0: torch's default); ``rank`` names it; ``bucket_bytes``: the push's
         bucket size (default ``rollout.update_weights_bucket_megabytes``); ``deterministic``: passed to
         the rollout's constructor, with ``model`` (the trainer's model config or an HF directory); ``device``: where the worker builds its
         rollout (``cuda:N`` as this process numbers GPUs); ``trainer_device``: where the pushed weights live (a
-        GPU other than ``device``'s: the bytes go over NCCL)."""
+        GPU other than ``device``'s: the bytes go over NCCL); ``agent``: (the agent config, the trainer's tokenizer)
+        to run the agent loop in the worker (:mod:`.remote_agents`)."""
         gpu, nccl, self.send_device = _placement(torch.device(device), torch.device(trainer_device or "cpu"))
         ctx = mp.get_context("spawn")
         self.config, self.timeout_s, self.lock = config, timeout_s, threading.Lock()
@@ -272,11 +141,13 @@ class RemoteRollout(BaseRollout):
                 deterministic,
                 gpu,
                 nccl,
+                agent,
             ),
             name=f"posttrain-rollout-worker-{rank}",
-            daemon=True,
+            daemon=False,  # it may start processes of its own (vLLM's engine core); _at_exit ends it
         )
         self.process.start()
+        atexit.register(self._at_exit)  # after multiprocessing's own exit hook, so it runs before that joins
         child.close()
         self.name = f"rollout worker of trainer rank {rank} (pid {self.process.pid})"
         try:
@@ -391,6 +262,26 @@ class RemoteRollout(BaseRollout):
         except WeightSyncError:
             pass
 
+    def play_episodes(self, prompts: Sequence[Any], sampling: SamplingConfig) -> tuple[list, float, float]:
+        """One batch's agent episodes played by the worker's agent loop: (episodes, detached; seconds
+        generating; seconds in tools and the environment), as ``AgentLoop.run_episodes`` returns them."""
+        return self._call("play_episodes", list(prompts), sampling)
+
+    def episode_stream(self, **kwargs: Any):
+        """Open the worker's episode pool (``trainer.mode=stream``); the trainer's handle on it."""
+        from .remote_agents import RemoteEpisodeStream
+
+        return RemoteEpisodeStream(self, **kwargs)
+
+    def call_stream(self, method: str, *args: Any) -> Any:
+        """One call of the worker's episode pool (:data:`.remote_agents.STREAM_CALLS`)."""
+        return self._call("stream", method, args)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker process runs (not released, not dead)."""
+        return self.process is not None and self.process.is_alive()
+
     def weight_version(self) -> int | None:
         """The version the worker's rollout serves (asked of the worker)."""
         return self._call("weight_version")
@@ -416,7 +307,21 @@ class RemoteRollout(BaseRollout):
         if closed and process.exitcode != 0:
             raise RolloutWorkerError(f"{self.name} exited with code {process.exitcode} after close")
 
+    def _at_exit(self) -> None:
+        """At interpreter exit without :meth:`release`: close the pipe (the worker releases its rollout and
+        exits), wait up to 30 s, then kill its process group."""
+        process = self.process
+        if process is None:
+            return
+        self.conn.close()
+        process.join(timeout=30)
+        if process.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.join()
+
     def _stop(self) -> None:
+        atexit.unregister(self._at_exit)
         process, self.process = self.process, None
         process.join(timeout=self.timeout_s)
         self.conn.close()

@@ -21,7 +21,8 @@ starts the next batch's groups while this batch's slowest episodes finish. It of
 
 Which groups a step trains depends on which episodes finish first, so a run is not bitwise reproducible, and a
 step's ``agent/generate_s`` and ``agent/tool_s`` are per group, not per batch. The pool runs on the replica
-group's source rank only; the groups it takes are broadcast to the group. Validation first pushes the current
+group's source rank only (with ``trainer.rollout_placement=process``, inside its rollout process:
+:mod:`.remote_agents`); the groups it takes are broadcast to the group. Validation first pushes the current
 weights (the pool keeps running beside it). A checkpoint waits until every submitted episode has finished; the
 finished, not yet trained groups are saved with the counters and trained first after a resume, one by one,
 under the same staleness rule (nothing in flight is lost or issued twice).
@@ -58,7 +59,7 @@ class StreamRollouts:
         prompts_per_rank: int,
         total_steps: int,
     ) -> None:
-        if not hasattr(sampler.rollout, "agenerate"):
+        if not hasattr(sampler.rollout, "agenerate") and not hasattr(sampler.rollout, "episode_stream"):
             raise ValueError(
                 f"trainer.mode=stream needs a rollout that generates one request at a time (agenerate): "
                 f"{type(sampler.rollout).__name__} has none; use rollout.name=hf, or rollout.name=vllm with "
@@ -90,13 +91,12 @@ class StreamRollouts:
         if not self.restored:
             self.launched, self.popped = version, version * self.per_batch
         if self.replicas.is_src:
-            self.stream = EpisodeStream(
-                self.sampler.agent,
-                self.sampler.rollout,
-                max_episodes=self.max_episodes,
-                version=version,
-                threads=self.threads,
-            )
+            pool = {"max_episodes": self.max_episodes, "version": version, "threads": self.threads}
+            remote = getattr(self.sampler.rollout, "episode_stream", None)  # a rollout process's own pool
+            if remote is not None:
+                self.stream = remote(**pool)
+            else:
+                self.stream = EpisodeStream(self.sampler.agent, self.sampler.rollout, **pool)
 
     # ------------------------------------------------------------------ scheduling
     def _push(self, version: int) -> dict[str, float]:

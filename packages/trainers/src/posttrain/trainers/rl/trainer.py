@@ -96,6 +96,7 @@ class RLTrainer(StepLoop):
             devices=cfg.trainer.rollout_devices,
             deterministic=cfg.actor.engine.full_determinism,
             device=self.actor.device,
+            agent=(cfg.agent, self.tokenizer) if cfg.agent.env is not None else None,
         )
         self.agent = cfg.agent.build(self.tokenizer, cfg.rollout)  # None: single-turn rollouts
         self.kl_ctrl = cfg.algorithm.kl_ctrl.build()
