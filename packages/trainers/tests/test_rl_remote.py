@@ -117,6 +117,23 @@ def test_a_killed_worker_raises_an_error_naming_it(model_path):
     remote.release()  # nothing left to close: returns
 
 
+def test_a_call_cut_short_leaves_the_worker_out_of_step_and_release_kills_it(model_path):
+    """A timed-out call's answer would be read as the next call's: later calls are refused, naming the call cut
+    short, and release kills the worker at once instead of asking it to close."""
+    remote = RemoteRollout(CONFIG, model_path, threads=1, timeout_s=60)
+    process = remote.process
+    remote.timeout_s = 0.0
+    with pytest.raises(RolloutWorkerError, match=r"did not answer generate within 0 s"):
+        remote.generate([[1, 2, 3]], _sampling(0))
+    with pytest.raises(
+        RolloutWorkerError, match=r"cannot weight_version: .*since its generate was cut short"
+    ):
+        remote.weight_version()
+    start = time.monotonic()
+    remote.release()
+    assert time.monotonic() - start < 10 and process.exitcode == -signal.SIGKILL
+
+
 def test_release_exits_the_worker_with_code_zero(worker):
     process = worker.process
     worker.release()

@@ -97,6 +97,18 @@ def _placement(device: torch.device, trainer_device: torch.device) -> tuple[str 
     return gpu, nccl, trainer_device if nccl or same_gpu else torch.device("cpu")
 
 
+UNTIMED = ("play_episodes", "stream")
+"""Calls without a deadline: a batch's episodes, and the episode pool's (a ``take`` waits for groups to finish)."""
+
+
+def _kill_group(process: Any) -> None:
+    """SIGKILL the worker's process group (it leads one: :func:`.remote_worker.worker_main`), so nothing it
+    started outlives it, and reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.join()
+
+
 class RemoteRollout(BaseRollout):
     """The trainer's handle on a rollout worker process (see the module docstring). Calls are serialized by a
     lock, so the trainer's thread and the rollout thread of :mod:`.modes` may both use it."""
@@ -125,24 +137,29 @@ class RemoteRollout(BaseRollout):
         gpu, nccl, self.send_device = _placement(torch.device(device), torch.device(trainer_device or "cpu"))
         ctx = mp.get_context("spawn")
         self.config, self.timeout_s, self.lock = config, timeout_s, threading.Lock()
+        self.broken: str | None = None
+        """The call that was cut short (a timeout, an interrupt): the pipe is out of step from then on, and the
+        worker is killed at release."""
         # the buffer the push packs into and the worker maps, made at the first push
         self.shared: SharedMemoryBuffer | CudaIpcBuffer | None = None
         self.store = pair_store(0, timeout_s=timeout_s)
         self.conn, child = ctx.Pipe()
+        args = (
+            child,
+            config,
+            model,
+            self.store.port,
+            threads,
+            timeout_s,
+            deterministic,
+            gpu,
+            nccl,
+            agent,
+            os.getpid(),
+        )
         self.process = ctx.Process(
             target=worker_main,
-            args=(
-                child,
-                config,
-                model,
-                self.store.port,
-                threads,
-                timeout_s,
-                deterministic,
-                gpu,
-                nccl,
-                agent,
-            ),
+            args=args,
             name=f"posttrain-rollout-worker-{rank}",
             daemon=False,  # it may start processes of its own (vLLM's engine core); _at_exit ends it
         )
@@ -156,6 +173,8 @@ class RemoteRollout(BaseRollout):
             self._stop()
             raise
         self.supports_lora_adapters = ready["supports_lora_adapters"]
+        self.serves_requests = ready["agenerate"]
+        """Whether the worker's rollout generates one request at a time (``agenerate``), as stream mode needs."""
         group = pair_group(self.store, 0, timeout_s)
         data = nccl_pair_group(self.store, 0, timeout_s) if nccl else None
         self.transport = PairBucketTransport(group, 1, data, self.send_device, shared=not nccl)
@@ -164,6 +183,11 @@ class RemoteRollout(BaseRollout):
 
     # ------------------------------------------------------------------ the pipe
     def _send(self, op: str, *args: Any) -> None:
+        if self.broken is not None:
+            raise RolloutWorkerError(
+                f"{self.name} cannot {op}: it is out of step with the trainer since its {self.broken} was cut "
+                "short; release it (it is killed) and start another"
+            )
         if self.process is None or not self.process.is_alive():
             raise RolloutWorkerError(
                 f"{self.name} is not running (exit code {self._exitcode()}): cannot {op}"
@@ -176,17 +200,14 @@ class RemoteRollout(BaseRollout):
             ) from exc
 
     def _reply(self, op: str) -> Any:
-        """The worker's answer to ``op``; raises if it reports an error, dies, or exceeds the timeout."""
-        deadline = time.monotonic() + self.timeout_s
-        while not self.conn.poll(0.2):
-            if not self.process.is_alive():
-                raise self._died(op)
-            if time.monotonic() > deadline:
-                raise RolloutWorkerError(f"{self.name} did not answer {op} within {self.timeout_s:.0f} s")
+        """The worker's answer to ``op``; raises if it reports an error, dies, or exceeds the timeout (none for
+        the agent calls of :data:`UNTIMED`, which wait as long as the worker lives, as the colocated loop does).
+        Anything that stops the wait early leaves the worker :attr:`broken`."""
         try:
-            reply = pickle.loads(self.conn.recv_bytes())
-        except (EOFError, OSError) as exc:  # its end closed: it exited, or is exiting
-            raise self._died(op) from exc
+            reply = pickle.loads(self._wait(op, None if op in UNTIMED else self.timeout_s))
+        except BaseException:
+            self.broken = op  # an answer still to come would be read as the next call's
+            raise
         if reply[0] == "ok":
             return reply[1]
         _, kind, message, worker_tb = reply
@@ -196,6 +217,20 @@ class RemoteRollout(BaseRollout):
             f"{self.name} failed in {op}: {kind}: {message}\n--- worker traceback ---\n{worker_tb}"
         )
 
+    def _wait(self, op: str, limit: float | None) -> bytes:
+        deadline = time.monotonic() + (limit if limit is not None else float("inf"))
+        while True:
+            if time.monotonic() >= deadline:
+                raise RolloutWorkerError(f"{self.name} did not answer {op} within {limit:.0f} s")
+            if self.conn.poll(0.2):
+                break
+            if not self.process.is_alive():
+                raise self._died(op)
+        try:
+            return self.conn.recv_bytes()
+        except (EOFError, OSError) as exc:  # its end closed: it exited, or is exiting
+            raise self._died(op) from exc
+
     def _call(self, op: str, *args: Any) -> Any:
         with self.lock:
             self._send(op, *args)
@@ -203,6 +238,7 @@ class RemoteRollout(BaseRollout):
 
     def _died(self, op: str) -> RolloutWorkerError:
         self.process.join(timeout=5)  # reap it, for its exit code
+        _kill_group(self.process)  # what it started (vLLM's engine core) does not outlive it
         return RolloutWorkerError(f"{self.name} exited with code {self._exitcode()} during {op}")
 
     def _exitcode(self) -> int | None:
@@ -234,6 +270,9 @@ class RemoteRollout(BaseRollout):
                 ).send(weights)
             except Exception:
                 self._abort_sync()
+                raise
+            except BaseException:  # interrupted mid-push: the worker waits for buckets that will not come
+                self.broken = "update_weights"
                 raise
             answer = self._reply("update_weights")
         if answer["version"] != version:
@@ -294,12 +333,13 @@ class RemoteRollout(BaseRollout):
 
     def release(self) -> None:
         """Ask the worker to release its rollout and exit, and wait for it: raises unless it exited with code
-        0 (a worker that does not exit within ``timeout_s`` is killed). Does nothing once released."""
+        0 (a worker that does not exit within ``timeout_s`` is killed; one out of step, :attr:`broken`, is killed
+        without being asked). Its process group goes with it. Does nothing once released."""
         process, closed = self.process, False
         if process is None:
             return
         try:
-            if process.is_alive():
+            if process.is_alive() and self.broken is None:
                 self._call("close")
                 closed = True
         finally:
@@ -314,21 +354,18 @@ class RemoteRollout(BaseRollout):
         if process is None:
             return
         self.conn.close()
-        process.join(timeout=30)
-        if process.is_alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.join()
+        process.join(timeout=0 if self.broken is not None else 30)
+        _kill_group(process)
 
     def _stop(self) -> None:
         atexit.unregister(self._at_exit)
         process, self.process = self.process, None
-        process.join(timeout=self.timeout_s)
+        process.join(timeout=0 if self.broken is not None else self.timeout_s)
+        hung = process.is_alive() and self.broken is None  # out of step: killed without being asked
+        _kill_group(process)
         self.conn.close()
         if self.shared is not None:  # after the worker exited: it no longer maps the buffer
             self.shared.close()
             self.shared = None
-        if process.is_alive():
-            process.kill()
-            process.join()
+        if hung:
             raise RolloutWorkerError(f"{self.name} did not exit within {self.timeout_s:.0f} s and was killed")

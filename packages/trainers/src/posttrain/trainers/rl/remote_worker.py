@@ -158,14 +158,15 @@ def worker_main(
     gpu: str | None = None,
     nccl: bool = False,
     agent: tuple[Any, Any] | None = None,
+    parent: int | None = None,
 ) -> None:
-    """The worker process: build the rollout (on the physical GPU ``gpu``, or the CPU) and, with ``agent`` (the
-    agent config and the trainer's tokenizer), an agent loop over it; report ready, join the pair (bytes over
+    """The worker process of trainer ``parent`` (pid): build the rollout (on the physical GPU ``gpu``, or the CPU)
+    and, with ``agent`` (the agent config and the trainer's tokenizer), an agent loop over it; report ready, join the pair (bytes over
     NCCL with ``nccl``), then serve calls until ``close`` or until the trainer's end of the pipe closes. It leads a
     process group of its own, so the processes it starts (vLLM's engine core with ``rollout.executor=server``) go
     with it when its trainer dies."""
     os.setsid()  # its own group: a terminal's Ctrl-C reaches the trainer, which closes the worker
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent or os.getppid(),), daemon=True).start()
     leave_world(os.environ)
     device = "cpu"
     if gpu is not None:  # before anything starts CUDA in this process
@@ -184,7 +185,10 @@ def worker_main(
     except Exception as exc:  # reported to the trainer, which raises it
         conn.send_bytes(pickle.dumps(_error(exc)))
         return
-    ready = {"supports_lora_adapters": bool(getattr(rollout, "supports_lora_adapters", False))}
+    ready = {
+        "supports_lora_adapters": bool(getattr(rollout, "supports_lora_adapters", False)),
+        "agenerate": hasattr(rollout, "agenerate"),
+    }
     conn.send_bytes(pickle.dumps(("ok", ready)))
     store = pair_store(1, port, timeout_s=timeout_s)
     group = pair_group(store, 1, timeout_s)
@@ -208,10 +212,10 @@ def _serve(conn, served: _Served) -> None:
             conn.send_bytes(pickle.dumps(("ok", None)))
             return
         try:
-            reply = ("ok", _OPS[op](served, *args))
-        except Exception as exc:
-            reply = _error(exc)
+            reply = pickle.dumps(("ok", _OPS[op](served, *args)))
+        except Exception as exc:  # the op's error, or an answer that does not pickle
+            reply = pickle.dumps(_error(exc))
         try:
-            conn.send_bytes(pickle.dumps(reply))
+            conn.send_bytes(reply)
         except (BrokenPipeError, ConnectionError, OSError):  # the trainer went away mid-call
             return

@@ -59,7 +59,9 @@ class StreamRollouts:
         prompts_per_rank: int,
         total_steps: int,
     ) -> None:
-        if not hasattr(sampler.rollout, "agenerate") and not hasattr(sampler.rollout, "episode_stream"):
+        if not hasattr(sampler.rollout, "agenerate") and not getattr(
+            sampler.rollout, "serves_requests", False
+        ):
             raise ValueError(
                 f"trainer.mode=stream needs a rollout that generates one request at a time (agenerate): "
                 f"{type(sampler.rollout).__name__} has none; use rollout.name=hf, or rollout.name=vllm with "
