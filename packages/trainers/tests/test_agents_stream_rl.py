@@ -71,18 +71,28 @@ def test_stream_mode_trains_and_resumes_every_saved_group_once(assets, tmp_path,
             assert row[key] == ref_rows[row["step"]][key], (row["step"], key)
 
 
-def test_stream_mode_refuses_a_rollout_without_agenerate():
+@pytest.mark.parametrize("in_process", [False, True], ids=["colocated", "rollout-process"])
+def test_stream_mode_refuses_a_rollout_without_agenerate(in_process):
+    """Colocated, the rollout itself; in a rollout process, what the worker reported of its rollout at start-up
+    (``serves_requests``), before any pool is opened there."""
     from types import SimpleNamespace
 
     from posttrain.core.rollout import BaseRollout
 
     class BatchOnly(BaseRollout):
+        serves_requests = False  # a rollout process's handle: its worker's rollout has no agenerate
+
         def generate(self, prompts, sampling):
             raise NotImplementedError
 
         def update_weights(self, weights, **kwargs):
             raise NotImplementedError
 
+        def episode_stream(self, **kwargs):
+            raise AssertionError("not to be opened")
+
+    if not in_process:
+        del BatchOnly.serves_requests, BatchOnly.episode_stream
     sampler = SimpleNamespace(rollout=BatchOnly())
     with pytest.raises(ValueError, match=r"trainer.mode=stream needs .*agenerate.*BatchOnly has none"):
         StreamRollouts(
