@@ -129,11 +129,11 @@ class RemoteRollout(BaseRollout):
     ) -> None:
         """Start the worker and wait until its rollout is built and the gloo pair joined. ``threads``: the
         worker's torch intra-op threads (0: torch's default); ``rank`` names it; ``bucket_bytes``: the push's
-        bucket size (default ``rollout.update_weights_bucket_megabytes``); ``deterministic``: passed to
-        the rollout's constructor, with ``model`` (the trainer's model config or an HF directory); ``device``: where the worker builds its
-        rollout (``cuda:N`` as this process numbers GPUs); ``trainer_device``: where the pushed weights live (a
-        GPU other than ``device``'s: the bytes go over NCCL); ``agent``: (the agent config, the trainer's tokenizer)
-        to run the agent loop in the worker (:mod:`.remote_agents`)."""
+        bucket size (default ``rollout.update_weights_bucket_megabytes``); ``deterministic``: passed to the
+        rollout's constructor, with ``model`` (the trainer's model config or an HF directory); ``device``: where
+        the worker builds its rollout (``cuda:N`` as this process numbers GPUs); ``trainer_device``: where the
+        pushed weights live (a GPU other than ``device``'s: the bytes go over NCCL); ``agent``: (the agent config,
+        the trainer's tokenizer) to run the agent loop in the worker (:mod:`.remote_agents`)."""
         gpu, nccl, self.send_device = _placement(torch.device(device), torch.device(trainer_device or "cpu"))
         ctx = mp.get_context("spawn")
         self.config, self.timeout_s, self.lock = config, timeout_s, threading.Lock()

@@ -160,11 +160,11 @@ def worker_main(
     agent: tuple[Any, Any] | None = None,
     parent: int | None = None,
 ) -> None:
-    """The worker process of trainer ``parent`` (pid): build the rollout (on the physical GPU ``gpu``, or the CPU)
-    and, with ``agent`` (the agent config and the trainer's tokenizer), an agent loop over it; report ready, join the pair (bytes over
-    NCCL with ``nccl``), then serve calls until ``close`` or until the trainer's end of the pipe closes. It leads a
-    process group of its own, so the processes it starts (vLLM's engine core with ``rollout.executor=server``) go
-    with it when its trainer dies."""
+    """The worker process of trainer ``parent`` (pid): build the rollout (on the physical GPU ``gpu``, or the
+    CPU) and, with ``agent`` (the agent config and the trainer's tokenizer), an agent loop over it; report ready,
+    join the pair (bytes over NCCL with ``nccl``), then serve calls until ``close`` or until the trainer's end of
+    the pipe closes. It leads a process group of its own, so the processes it starts (vLLM's engine core with
+    ``rollout.executor=server``) go with it when its trainer dies."""
     os.setsid()  # its own group: a terminal's Ctrl-C reaches the trainer, which closes the worker
     threading.Thread(target=_watch_parent, args=(parent or os.getppid(),), daemon=True).start()
     leave_world(os.environ)
