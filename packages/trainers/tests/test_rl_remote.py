@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -344,3 +345,51 @@ def test_the_worker_ends_with_a_trainer_that_exits_without_release_or_is_killed(
         for p in trainers.values():
             p.kill()
             p.wait()
+
+
+BUSY_TRAINER = """
+import sys
+from transformers import AutoTokenizer
+from posttrain.rollout_hf.config import HFRolloutConfig
+from posttrain.trainers.agents.config import AgentConfig
+from posttrain.trainers.rl.dataset import Prompt
+from posttrain.trainers.rl.remote import RemoteRollout
+if __name__ == "__main__":
+    config = HFRolloutConfig(response_length=8)
+    agent = AgentConfig(env="remote_fixtures:RunsAProgram", env_kwargs={"pidfile": sys.argv[2]})
+    tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+    remote = RemoteRollout(config, sys.argv[1], threads=1, timeout_s=120, agent=(agent, tokenizer))
+    print(remote.process.pid, flush=True)
+    prompt = Prompt([1, 2], "calc", "3", {}, [{"role": "user", "content": "1+2?"}])
+    remote.play_episodes([prompt], config.sampling())  # its reset runs `sleep 300`
+"""
+
+
+def test_a_killed_trainers_busy_worker_dies_with_the_process_it_started(model_path, tmp_path):
+    """The worker is in a call (an episode's reset running a program) when its trainer is SIGKILLed: it cannot
+    see the pipe close, so its watchdog kills its process group, the program included, within seconds."""
+    script, pidfile = tmp_path / "trainer.py", tmp_path / "program.pid"
+    script.write_text(BUSY_TRAINER)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), model_path, str(pidfile)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        worker = int(trainer.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        program = int(pidfile.read_text())
+        assert not _gone(program) and not _gone(worker)
+        trainer.kill()
+        trainer.wait()
+        start = time.monotonic()
+        while not (_gone(worker) and _gone(program)) and time.monotonic() - start < 15:
+            time.sleep(0.2)
+        assert {"worker": _gone(worker), "program": _gone(program)} == {"worker": True, "program": True}
+    finally:
+        trainer.kill()
+        trainer.wait()
