@@ -54,3 +54,21 @@ def test_a_plain_rollout_config_becomes_a_rollouts_own():
     assert MineConfig.of(mine) is mine
     with pytest.raises(ValueError, match="a TheirsConfig .* cannot configure a MineConfig"):
         MineConfig.of(TheirsConfig())
+
+
+def test_serves_requests_reads_the_rollouts_own_answer_before_agenerate():
+    from posttrain.core.rollout import serves_requests
+
+    class Batches:
+        pass
+
+    class Requests:
+        async def agenerate(self, prompt_ids, sampling, prompt_index=0):
+            return []
+
+    class SomeSettings(Requests):
+        def __init__(self, on: bool) -> None:
+            self.serves_requests = on
+
+    assert not serves_requests(Batches()) and serves_requests(Requests())
+    assert serves_requests(SomeSettings(True)) and not serves_requests(SomeSettings(False))

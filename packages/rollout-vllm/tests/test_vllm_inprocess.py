@@ -24,7 +24,7 @@ from vllm_testing import (
 )
 
 from posttrain.core.config import ModelConfig
-from posttrain.core.rollout import SamplingConfig
+from posttrain.core.rollout import SamplingConfig, serves_requests
 from posttrain.core.weight_sync import BucketSender, WeightSyncError
 
 pytestmark = [needs_vllm, pytest.mark.vllm_engine, pytest.mark.slow]
@@ -75,6 +75,7 @@ def sync_reporting(rollout, engine):
 
 def test_generation_matches_hf_before_any_sync(rollout, model_dir):
     assert rollout.started_with["enforce_eager"] is (rollout.device.type != "cuda"), "enforce_eager=None"
+    assert not serves_requests(rollout)  # agenerate needs the server executor: refused before a run starts
     check_greedy(rollout, hf_model(model_dir), PROMPTS)
 
 

@@ -24,7 +24,7 @@ from vllm_testing import (
     train_step,
 )
 
-from posttrain.core.rollout import SamplingConfig
+from posttrain.core.rollout import SamplingConfig, serves_requests
 from posttrain.core.weight_sync import WeightSyncError
 
 pytestmark = [needs_vllm, pytest.mark.vllm_engine, pytest.mark.slow]
@@ -114,6 +114,7 @@ def test_multiprocess_executor_syncs_through_shared_memory_or_cuda_ipc(model_dir
 def test_server_executor_serves_async_requests_and_syncs(model_dir):
     rollout = build(model_dir, "server")
     try:
+        assert serves_requests(rollout)  # what the async agent loop and stream mode check before they start
         engine = make_engine(model_dir)
         train_step(engine, seed=3)
         model = sync_and_check(rollout, engine, model_dir)

@@ -94,7 +94,7 @@ def test_stream_mode_refuses_a_rollout_without_agenerate(in_process):
     if not in_process:
         del BatchOnly.serves_requests, BatchOnly.episode_stream
     sampler = SimpleNamespace(rollout=BatchOnly())
-    with pytest.raises(ValueError, match=r"trainer.mode=stream needs .*agenerate.*BatchOnly has none"):
+    with pytest.raises(ValueError, match=r"trainer.mode=stream needs .*agenerate.*BatchOnly does not"):
         StreamRollouts(
             max_episodes=8,
             bound=1,

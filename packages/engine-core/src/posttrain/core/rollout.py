@@ -230,3 +230,11 @@ class BaseRollout(ABC):
 
     def release(self) -> None:
         """Free everything; the rollout cannot be used afterwards."""
+
+
+def serves_requests(rollout: Any) -> bool:
+    """Whether ``rollout`` generates one request at a time through an awaitable ``agenerate(prompt_ids, sampling,
+    prompt_index)`` (the asynchronous agent loop and stream mode need it). A rollout whose ``agenerate`` works only
+    in some settings says which with a ``serves_requests`` attribute (vLLM: with ``rollout.executor=server``);
+    otherwise having ``agenerate`` is the answer."""
+    return bool(getattr(rollout, "serves_requests", hasattr(rollout, "agenerate")))

@@ -145,6 +145,8 @@ class VLLMRollout(BaseRollout):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         check_platform(self.device)
         self.executor = self._resolve_executor()
+        self.serves_requests = self.executor == "server"
+        """:meth:`agenerate` works (``posttrain.core.rollout.serves_requests``): with the server executor only."""
         self.transport_kind = self._resolve_transport()
         self.sleep_enabled = self.device.type == "cuda" and config.free_cache_engine
         self.eos_ids = eos_token_ids(model.path)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from posttrain.core.env import Environment, EnvironmentRegistry, StepResult, ToolResult, Turn
-from posttrain.core.rollout import BaseRollout, RolloutSample, SamplingConfig
+from posttrain.core.rollout import BaseRollout, RolloutSample, SamplingConfig, serves_requests
 
 from .codec import Codec
 from .config import AgentConfig
@@ -231,10 +231,10 @@ class AgentLoop:
     async def _run_async(self, episodes: list[Episode], rollout: Any, sampling: SamplingConfig):
         """Every episode on its own (``agent.loop=async``): (seconds waiting for generations, seconds waiting
         for tools and the environment), summed over episodes."""
-        if not hasattr(rollout, "agenerate"):
+        if not serves_requests(rollout):
             raise ValueError(
                 f"agent.loop=async needs a rollout that generates one request at a time (agenerate): "
-                f"{type(rollout).__name__} has none; use rollout.name=vllm with rollout.executor=server, or agent.loop=batched"
+                f"{type(rollout).__name__} does not; use rollout.name=vllm with rollout.executor=server, or agent.loop=batched"
             )
         totals = await asyncio.gather(
             *(self.play(k, e, rollout.agenerate, sampling) for k, e in enumerate(episodes))

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from posttrain.core.rollout import SamplingConfig
+from posttrain.core.rollout import SamplingConfig, serves_requests
 
 from .loop import AgentLoop, Episode
 
@@ -106,10 +106,10 @@ class EpisodeStream:
     def __init__(
         self, agent: AgentLoop, rollout: Any, *, max_episodes: int, version: int = 0, threads: int = 0
     ) -> None:
-        if not hasattr(rollout, "agenerate"):
+        if not serves_requests(rollout):
             raise ValueError(
                 f"trainer.mode=stream needs a rollout that generates one request at a time (agenerate): "
-                f"{type(rollout).__name__} has none; use rollout.name=hf, or rollout.name=vllm with "
+                f"{type(rollout).__name__} does not; use rollout.name=hf, or rollout.name=vllm with "
                 "rollout.executor=server"
             )
         if max_episodes < 1:

@@ -173,7 +173,7 @@ class RemoteRollout(BaseRollout):
             self._stop()
             raise
         self.supports_lora_adapters = ready["supports_lora_adapters"]
-        self.serves_requests = ready["agenerate"]
+        self.serves_requests = ready["serves_requests"]
         """Whether the worker's rollout generates one request at a time (``agenerate``), as stream mode needs."""
         group = pair_group(self.store, 0, timeout_s)
         data = nccl_pair_group(self.store, 0, timeout_s) if nccl else None

@@ -20,7 +20,7 @@ import torch
 
 from posttrain.core.config import ModelConfig
 from posttrain.core.dist_transport import PairBucketTransport, nccl_pair_group, pair_group, pair_store
-from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample
+from posttrain.core.rollout import BaseRollout, RolloutConfig, RolloutSample, serves_requests
 from posttrain.core.weight_sync import BucketReceiver
 
 _TORCHRUN_VARS = (
@@ -187,7 +187,7 @@ def worker_main(
         return
     ready = {
         "supports_lora_adapters": bool(getattr(rollout, "supports_lora_adapters", False)),
-        "agenerate": hasattr(rollout, "agenerate"),
+        "serves_requests": serves_requests(rollout),
     }
     conn.send_bytes(pickle.dumps(("ok", ready)))
     store = pair_store(1, port, timeout_s=timeout_s)

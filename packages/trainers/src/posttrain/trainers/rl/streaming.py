@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from posttrain.core.rollout import serves_requests
+
 from .. import distributed as pdist
 from .buffer import Group, RolloutBuffer, merge_groups, staleness_metrics
 from .generation import RolloutSampler, WeightSync
@@ -59,12 +61,10 @@ class StreamRollouts:
         prompts_per_rank: int,
         total_steps: int,
     ) -> None:
-        if not hasattr(sampler.rollout, "agenerate") and not getattr(
-            sampler.rollout, "serves_requests", False
-        ):
+        if not serves_requests(sampler.rollout):
             raise ValueError(
                 f"trainer.mode=stream needs a rollout that generates one request at a time (agenerate): "
-                f"{type(sampler.rollout).__name__} has none; use rollout.name=hf, or rollout.name=vllm with "
+                f"{type(sampler.rollout).__name__} does not; use rollout.name=hf, or rollout.name=vllm with "
                 "rollout.executor=server"
             )
         self.max_episodes, self.bound, self.threads = max_episodes, bound, threads
