@@ -144,3 +144,12 @@ def test_stream_with_vllm_server_episodes_in_the_rollout_process(assets):
     assert all(r["rollout/stream/episodes_in_flight"] > 0 for r in rows)
     assert rows[1]["timing_s/update_weights"] > 0  # step 2's weights went into the worker's paused pool
     assert max(r["reward/extra/agent/turns/mean"] for r in rows) >= 1
+
+
+def test_the_async_agent_loop_refuses_vllm_without_the_server_executor_at_start_up(assets):
+    """vLLM's ``agenerate`` needs ``rollout.executor=server``; with the default executor the trainer refuses the
+    asynchronous loop when it starts, naming the fix, before any step."""
+    pytest.importorskip("posttrain.envs.calculator", reason="posttrain-envs is not installed here")
+    with pytest.raises(ValueError, match=r"agent.loop=async needs .*VLLMRollout does not; use .*executor=server"):
+        _grpo(assets, "async-inprocess", "agent.env=calculator", "agent.loop=async", "rollout.prompt_length=64")
+    assert not (assets["root"] / "async-inprocess" / "metrics.jsonl").exists()

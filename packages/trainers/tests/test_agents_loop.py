@@ -170,6 +170,21 @@ def test_bad_agent_config():
         AgentConfig(env="nope").build(qwen_tokenizer(), RolloutConfig())
 
 
+def test_the_async_loop_refuses_a_rollout_that_serves_no_single_requests():
+    """Checked when the trainer starts (``check_rollout``): a batch-only rollout, and one whose ``agenerate``
+    works only in other settings (vLLM without the server executor says ``serves_requests = False``)."""
+    tok = qwen_tokenizer()
+    loop = AgentConfig(env="calculator", loop="async").build(tok, RolloutConfig())
+    batched = AgentConfig(env="calculator").build(tok, RolloutConfig())
+    not_now = AsyncScriptedRollout(tok, [])
+    not_now.serves_requests = False
+    for rollout in (ScriptedRollout(tok, []), not_now):
+        with pytest.raises(ValueError, match=r"agent.loop=async needs .* does not; use .*executor=server"):
+            loop.check_rollout(rollout)
+        batched.check_rollout(rollout)  # the batched loop drives any rollout
+    loop.check_rollout(AsyncScriptedRollout(tok, []))
+
+
 class AsyncScriptedRollout(ScriptedRollout):
     """The scripted turns, one request at a time (``agenerate``), each taking ``delay`` seconds; logs requests."""
 

@@ -228,14 +228,19 @@ class AgentLoop:
         return episodes, gen_s, tool_s
 
     # ------------------------------------------------------------------ asynchronous episodes
+    def check_rollout(self, rollout: Any) -> None:
+        """Refuse a rollout the configured loop cannot drive: ``agent.loop=async`` needs single requests."""
+        if self.config.loop == "async" and not serves_requests(rollout):
+            raise ValueError(
+                f"agent.loop=async needs a rollout that generates one request at a time (agenerate): "
+                f"{type(rollout).__name__} does not; use rollout.name=vllm with rollout.executor=server, or "
+                "agent.loop=batched"
+            )
+
     async def _run_async(self, episodes: list[Episode], rollout: Any, sampling: SamplingConfig):
         """Every episode on its own (``agent.loop=async``): (seconds waiting for generations, seconds waiting
         for tools and the environment), summed over episodes."""
-        if not serves_requests(rollout):
-            raise ValueError(
-                f"agent.loop=async needs a rollout that generates one request at a time (agenerate): "
-                f"{type(rollout).__name__} does not; use rollout.name=vllm with rollout.executor=server, or agent.loop=batched"
-            )
+        self.check_rollout(rollout)
         totals = await asyncio.gather(
             *(self.play(k, e, rollout.agenerate, sampling) for k, e in enumerate(episodes))
         )
