@@ -215,7 +215,10 @@ class Timed:
     """Forwards ``generate``/``agenerate`` to the rollout and records when generation requests are in flight."""
 
     def __init__(self, rollout: Any) -> None:
+        from posttrain.core.rollout import serves_requests
+
         self.rollout, self.intervals = rollout, []
+        self.serves_requests = serves_requests(rollout)
 
     def generate(self, prompts, sampling):
         start = time.perf_counter()

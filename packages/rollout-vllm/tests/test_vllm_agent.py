@@ -64,7 +64,10 @@ class Recorder:
     """Forwards ``agenerate`` to the vLLM rollout and records each request: (context, sample, start, end)."""
 
     def __init__(self, rollout) -> None:
+        from posttrain.core.rollout import serves_requests
+
         self.rollout, self.log = rollout, []
+        self.serves_requests = serves_requests(rollout)
 
     async def agenerate(self, context, sampling, prompt_index=0):
         start = time.perf_counter()

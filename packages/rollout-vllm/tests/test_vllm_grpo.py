@@ -146,10 +146,16 @@ def test_stream_with_vllm_server_episodes_in_the_rollout_process(assets):
     assert max(r["reward/extra/agent/turns/mean"] for r in rows) >= 1
 
 
-def test_the_async_agent_loop_refuses_vllm_without_the_server_executor_at_start_up(assets):
-    """vLLM's ``agenerate`` needs ``rollout.executor=server``; with the default executor the trainer refuses the
-    asynchronous loop when it starts, naming the fix, before any step."""
-    pytest.importorskip("posttrain.envs.calculator", reason="posttrain-envs is not installed here")
-    with pytest.raises(ValueError, match=r"agent.loop=async needs .*VLLMRollout does not; use .*executor=server"):
-        _grpo(assets, "async-inprocess", "agent.env=calculator", "agent.loop=async", "rollout.prompt_length=64")
-    assert not (assets["root"] / "async-inprocess" / "metrics.jsonl").exists()
+def test_the_async_agent_loop_refuses_vllm_without_the_server_executor_before_anything_is_built():
+    """vLLM's ``agenerate`` needs ``rollout.executor=server``: with another executor the config is refused when
+    it loads, naming the fix; with the server executor it loads."""
+    from posttrain.core.config.loader import ConfigError
+    from posttrain.trainers.config import load_config
+
+    agent = ["rollout.name=vllm", "agent.env=calculator", "agent.loop=async"]
+    for executor in ("auto", "inprocess", "multiprocess"):
+        with pytest.raises(
+            ConfigError, match=r"agent.loop=async needs .*rollout.name=vllm .*executor=server"
+        ):
+            load_config([*agent, f"rollout.executor={executor}"], ["grpo_tiny"])
+    assert load_config([*agent, "rollout.executor=server"], ["grpo_tiny"]).rollout.serves_requests

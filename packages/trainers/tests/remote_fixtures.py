@@ -15,6 +15,8 @@ class RunsAProgram(Environment):
 
     def reset(self, row):
         child = subprocess.Popen(["sleep", "300"])
-        self.pidfile.write_text(str(child.pid))
+        partial = self.pidfile.with_suffix(".partial")
+        partial.write_text(str(child.pid))
+        partial.rename(self.pidfile)  # whole, or not there
         child.wait()
         return super().reset(row)

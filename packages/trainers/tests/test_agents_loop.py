@@ -171,8 +171,9 @@ def test_bad_agent_config():
 
 
 def test_the_async_loop_refuses_a_rollout_that_serves_no_single_requests():
-    """Checked when the trainer starts (``check_rollout``): a batch-only rollout, and one whose ``agenerate``
-    works only in other settings (vLLM without the server executor says ``serves_requests = False``)."""
+    """Checked at the loop's first batch (``check_rollout``; a config that says so is refused when it loads,
+    ``AgentConfig.check_rollout``): a batch-only rollout, and one whose ``agenerate`` works only in other settings
+    (vLLM without the server executor says ``serves_requests = False``)."""
     tok = qwen_tokenizer()
     loop = AgentConfig(env="calculator", loop="async").build(tok, RolloutConfig())
     batched = AgentConfig(env="calculator").build(tok, RolloutConfig())

@@ -73,8 +73,8 @@ def test_stream_mode_trains_and_resumes_every_saved_group_once(assets, tmp_path,
 
 @pytest.mark.parametrize("in_process", [False, True], ids=["colocated", "rollout-process"])
 def test_stream_mode_refuses_a_rollout_without_agenerate(in_process):
-    """Colocated, the rollout itself; in a rollout process, what the worker reported of its rollout at start-up
-    (``serves_requests``), before any pool is opened there."""
+    """Colocated, the rollout's own ``agenerate``; for a rollout process's handle (which has no ``agenerate``
+    but can open a pool), the ``serves_requests`` it carries, as its worker reported it at start-up."""
     from types import SimpleNamespace
 
     from posttrain.core.rollout import BaseRollout

@@ -370,13 +370,12 @@ def test_a_killed_trainers_busy_worker_dies_with_the_process_it_started(model_pa
     see the pipe close, so its watchdog kills its process group, the program included, within seconds."""
     script, pidfile = tmp_path / "trainer.py", tmp_path / "program.pid"
     script.write_text(BUSY_TRAINER)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
-    }
+    paths = [str(Path(__file__).parent), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     trainer = subprocess.Popen(
         [sys.executable, str(script), model_path, str(pidfile)], stdout=subprocess.PIPE, text=True, env=env
     )
+    worker = program = None
     try:
         worker = int(trainer.stdout.readline())
         deadline = time.monotonic() + 60
@@ -393,3 +392,6 @@ def test_a_killed_trainers_busy_worker_dies_with_the_process_it_started(model_pa
     finally:
         trainer.kill()
         trainer.wait()
+        for pid, group in ((worker, True), (program, False)):  # left over only when the test failed
+            if pid is not None and not _gone(pid):
+                (os.killpg if group else os.kill)(pid, signal.SIGKILL)

@@ -147,6 +147,13 @@ class RolloutConfig(SamplingKnobs):
             raise TypeError(f"{self.rollout_class} is not a BaseRollout subclass")
         return cls(self, model, device=device, deterministic=deterministic)
 
+    @property
+    def serves_requests(self) -> bool | None:
+        """Whether the rollout this config builds generates one request at a time (``agenerate``: the
+        asynchronous agent loop, stream mode), so a run can be refused before anything is built; None: the config
+        cannot tell, the built rollout does (:func:`serves_requests`)."""
+        return None
+
     def sampling(self, validate: bool = False) -> SamplingConfig:
         """Sampling for a training rollout (this config's :class:`SamplingKnobs`), or for validation
         (``val_temperature``, ``val_n``, no top-p/top-k), up to ``response_length`` new tokens."""

@@ -37,6 +37,11 @@ class HFRolloutConfig(RolloutConfig):
     stop_check_interval: int = 8
     """Decode steps between the checks whether every row has finished (each check is one host sync)."""
 
+    @property
+    def serves_requests(self) -> bool:
+        """Always: ``HFRollout.agenerate`` queues single requests on its request thread."""
+        return True
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.cache not in CACHES:

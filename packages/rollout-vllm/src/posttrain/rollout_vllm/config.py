@@ -65,6 +65,11 @@ class VLLMRolloutConfig(RolloutConfig):
     lora_int_id: int = 1
     """vLLM id of that adapter."""
 
+    @property
+    def serves_requests(self) -> bool:
+        """With ``executor=server`` only: ``AsyncLLM`` takes single requests; the other executors take batches."""
+        return self.executor == "server"
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.executor not in EXECUTORS:

@@ -104,6 +104,7 @@ class PostTrainConfig(SFTConfig):
         super().__post_init__()
         self.rollout = resolve_rollout(self.rollout)
         self.trainer.check_agent(self.agent)
+        self.agent.check_rollout(self.rollout)
 
 
 ENGINE_HINT = (

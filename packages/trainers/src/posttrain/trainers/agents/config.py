@@ -57,6 +57,16 @@ class AgentConfig:
         if self.tool_timeout_s <= 0:
             raise ValueError(f"agent.tool_timeout_s={self.tool_timeout_s} must be > 0")
 
+    def check_rollout(self, rollout_config: Any) -> None:
+        """Refuse ``loop=async`` over a rollout whose config says it serves no single requests (vLLM without
+        ``rollout.executor=server``), before anything is built."""
+        if self.env is not None and self.loop == "async" and rollout_config.serves_requests is False:
+            raise ValueError(
+                f"agent.loop=async needs a rollout that generates one request at a time (agenerate): "
+                f"rollout.name={rollout_config.name} with these settings does not; use rollout.name=vllm with "
+                "rollout.executor=server, or agent.loop=batched"
+            )
+
     def build(self, tokenizer: Any, rollout_config: Any):
         """The agent loop for ``tokenizer`` and the rollout's lengths, or None when ``env`` is unset."""
         if self.env is None:

@@ -99,8 +99,6 @@ class RLTrainer(StepLoop):
             agent=(cfg.agent, self.tokenizer) if cfg.agent.env is not None else None,
         )
         self.agent = cfg.agent.build(self.tokenizer, cfg.rollout)  # None: single-turn rollouts
-        if self.agent is not None:
-            self.agent.check_rollout(self.rollout)
         self.kl_ctrl = cfg.algorithm.kl_ctrl.build()
         self.actor_loss = cfg.actor.build_loss(loss_scale_factor=float(cfg.rollout.response_length))
         self.critic_loss = cfg.critic.build_loss() if self.use_critic else None
