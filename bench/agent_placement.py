@@ -1,19 +1,21 @@
 """``trainer.mode=stream`` with the episode pool in the trainer's process or in its rollout process, alternating.
 
 Runs ``posttrain grpo`` (docs/agents.md's stream settings: the tiny model, the calculator env, the HF rollout on
-the CPU) once per placement per round, and prints, per placement and as process/colocated, each phase's mean
-seconds over the steps between the first and the last, and tokens/s over them. What it isolates: the trainer's
-phases beside the pool. Colocated, the pool's event loop, its tools and the rollout's Python share the trainer's
-interpreter lock; in a process they share only the cores. On a CPU the rollout also computes on those cores, so
-the two placements differ in more than the lock: read the ratio as the CPU's, not a GPU's.
+the CPU) once per placement per round (ABBA order, after one uncounted warm-up run), and prints, per placement
+and as process/colocated, the median over runs of each phase's mean seconds over the steps between the first and
+the last, and of tokens/s over them; each run's value too. What it isolates: the trainer's phases beside the
+pool. Colocated, the pool's event loop and the rollout's Python share the trainer's interpreter lock (the random
+tiny model calls no tools); in a process they share only the two cores, where torch's threads of both compete
+too. Read the ratio as this CPU's, not a GPU's.
 
-    python bench/agent_placement.py --rounds 3 --steps 6 --out /tmp/agent_placement
+    python bench/agent_placement.py --rounds 4 --steps 6 --out /tmp/agent_placement
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -58,22 +60,34 @@ def main() -> None:
             ["posttrain", "data", "synthetic", "--task", "arithmetic", "--digits", "2", "--num-train", "400",
              "--num-test", "20", "--out", str(data)], check=True,
         )  # fmt: skip
-    seconds: dict[str, dict[str, list[float]]] = {
-        p: {ph: [] for ph in KEYS} for p in ("colocated", "process")
-    }
+    run(args.out, "colocated", -1, 2, str(model), str(data))  # warm-up, not counted: caches, first imports
+    per_run: dict[str, list[dict[str, float]]] = {"colocated": [], "process": []}
     for k in range(args.rounds):
-        for placement in ("colocated", "process"):
+        order = ("colocated", "process") if k % 2 == 0 else ("process", "colocated")  # ABBA
+        for placement in order:
             # not the first step (start-up) nor the last (its groups were banked: nothing left to generate)
-            for row in run(args.out, placement, k, args.steps, str(model), str(data))[1:-1]:
-                for ph, key in KEYS.items():
-                    seconds[placement][ph].append(float(row.get(key, 0.0)))
+            rows = run(args.out, placement, k, args.steps, str(model), str(data))[1:-1]
+            per_run[placement].append(
+                {ph: statistics.mean(float(r.get(key, 0.0)) for r in rows) for ph, key in KEYS.items()}
+            )
             print(f"round {k} {placement} done", file=sys.stderr)
-    print(f"{'mean per step':<16}{'colocated':>12}{'process':>12}{'ratio':>8}")
-    for ph in KEYS:
-        a, b = (sum(v) / max(len(v), 1) for v in (seconds["colocated"][ph], seconds["process"][ph]))
-        print(f"{ph:<16}{a:>12.3f}{b:>12.3f}{(b / a if a else float('nan')):>8.2f}")
-    a, b = (sum(seconds[p]["tokens"]) / sum(seconds[p]["step_s"]) for p in ("colocated", "process"))
-    print(f"{'tokens/s':<16}{a:>12.1f}{b:>12.1f}{b / a:>8.2f}")
+    report(per_run)
+
+
+def report(per_run: dict[str, list[dict[str, float]]]) -> None:
+    """Per placement, the median over runs of each run's mean per step; tokens/s is each run's tokens over its
+    seconds, median over runs."""
+    for runs in per_run.values():
+        for r in runs:
+            r["tokens/s"] = r["tokens"] / r["step_s"]
+    print(
+        f"{'median of runs':<16}{'colocated':>12}{'process':>12}{'ratio':>8}   per run (colocated | process)"
+    )
+    for ph in [*KEYS, "tokens/s"]:
+        a, b = (statistics.median(r[ph] for r in per_run[p]) for p in ("colocated", "process"))
+        each = " ".join(f"{r[ph]:.3f}" for r in per_run["colocated"]) + " | "
+        each += " ".join(f"{r[ph]:.3f}" for r in per_run["process"])
+        print(f"{ph:<16}{a:>12.3f}{b:>12.3f}{(b / a if a else float('nan')):>8.2f}   {each}")
 
 
 if __name__ == "__main__":
