@@ -145,7 +145,7 @@ class VLLMRollout(BaseRollout):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         check_platform(self.device)
         self.executor = self._resolve_executor()
-        self.serves_requests = self.executor == "server"
+        self.serves_requests = config.serves_requests
         """:meth:`agenerate` works (``posttrain.core.rollout.serves_requests``): with the server executor only."""
         self.transport_kind = self._resolve_transport()
         self.sleep_enabled = self.device.type == "cuda" and config.free_cache_engine

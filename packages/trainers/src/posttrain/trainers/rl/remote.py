@@ -135,7 +135,6 @@ class RemoteRollout(BaseRollout):
         pushed weights live (a GPU other than ``device``'s: the bytes go over NCCL); ``agent``: (the agent config,
         the trainer's tokenizer) to run the agent loop in the worker (:mod:`.remote_agents`)."""
         gpu, nccl, self.send_device = _placement(torch.device(device), torch.device(trainer_device or "cpu"))
-        ctx = mp.get_context("spawn")
         self.config, self.timeout_s, self.lock = config, timeout_s, threading.Lock()
         self.broken: str | None = None
         """The call that was cut short (a timeout, an interrupt): the pipe is out of step from then on, and the
@@ -143,35 +142,9 @@ class RemoteRollout(BaseRollout):
         # the buffer the push packs into and the worker maps, made at the first push
         self.shared: SharedMemoryBuffer | CudaIpcBuffer | None = None
         self.store = pair_store(0, timeout_s=timeout_s)
-        self.conn, child = ctx.Pipe()
-        args = (
-            child,
-            config,
-            model,
-            self.store.port,
-            threads,
-            timeout_s,
-            deterministic,
-            gpu,
-            nccl,
-            agent,
-            os.getpid(),
+        ready = self._start(
+            rank, (config, model, self.store.port, threads, timeout_s, deterministic, gpu, nccl, agent)
         )
-        self.process = ctx.Process(
-            target=worker_main,
-            args=args,
-            name=f"posttrain-rollout-worker-{rank}",
-            daemon=False,  # it may start processes of its own (vLLM's engine core); _at_exit ends it
-        )
-        self.process.start()
-        atexit.register(self._at_exit)  # after multiprocessing's own exit hook, so it runs before that joins
-        child.close()
-        self.name = f"rollout worker of trainer rank {rank} (pid {self.process.pid})"
-        try:
-            ready = self._reply("start-up")
-        except BaseException:
-            self._stop()
-            raise
         self.supports_lora_adapters = ready["supports_lora_adapters"]
         self.serves_requests = ready["serves_requests"]
         """Whether the worker's rollout generates one request at a time (``agenerate``), as stream mode needs."""
@@ -180,6 +153,27 @@ class RemoteRollout(BaseRollout):
         self.transport = PairBucketTransport(group, 1, data, self.send_device, shared=not nccl)
         self.bucket_bytes = bucket_bytes or config.update_weights_bucket_megabytes << 20
         self.dtype = parse_dtype(config.dtype, "rollout.dtype")
+
+    def _start(self, rank: int, args: tuple) -> dict[str, Any]:
+        """Spawn the worker (``worker_main(its end of the pipe, *args, this pid)``) and return its start-up
+        report; a worker that fails to start is stopped and its error raised."""
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=worker_main,
+            args=(child, *args, os.getpid()),
+            name=f"posttrain-rollout-worker-{rank}",
+            daemon=False,  # it may start processes of its own (vLLM's engine core); _at_exit ends it
+        )
+        self.process.start()
+        atexit.register(self._at_exit)  # after multiprocessing's own exit hook, so it runs before that joins
+        child.close()
+        self.name = f"rollout worker of trainer rank {rank} (pid {self.process.pid})"
+        try:
+            return self._reply("start-up")
+        except BaseException:
+            self._stop()
+            raise
 
     # ------------------------------------------------------------------ the pipe
     def _send(self, op: str, *args: Any) -> None:

@@ -18,6 +18,7 @@ does colocated.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -61,8 +62,6 @@ class AgentHost:
 
 
 def _detached_groups(stream: Any, k: int) -> list:
-    import dataclasses
-
     return [dataclasses.replace(g, episodes=[e.detached() for e in g.episodes]) for g in stream.take(k)]
 
 
