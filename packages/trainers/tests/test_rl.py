@@ -99,16 +99,17 @@ def test_rollout_seed_changes_the_samples_and_zero_keeps_the_reference(assets, r
         assert (all(row[k] == ref[k] for k in keys)) is same, (seed, {k: (row[k], ref[k]) for k in keys})
 
 
-def test_resume_is_bitwise_identical(assets, reference, tmp_path):
-    run(
-        grpo_args(
-            assets,
-            tmp_path,
-            "trainer.resume_mode=resume_path",
-            f"trainer.resume_from_path={reference / 'global_step_2'}",
-        ),
-        "grpo",
-    )
+def test_resume_is_bitwise_identical(assets, reference, tmp_path, monkeypatch):
+    """Also where posttrain picks the thread count (no OMP_NUM_THREADS) under a load that would pick 1: the
+    resume takes the reference's 2 from its checkpoint."""
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr("os.getloadavg", lambda: (64.0, 64.0, 64.0))
+    args = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={reference / 'global_step_2'}"]
+    try:
+        run(grpo_args(assets, tmp_path, *args), "grpo")
+        assert torch.get_num_threads() == 2  # conftest's OMP_NUM_THREADS=2, the reference's count
+    finally:
+        torch.set_num_threads(2)
     ref_rows = {r["step"]: r for r in read_metrics(reference / "metrics.jsonl")}
     new_rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in new_rows] == [3, 4]

@@ -141,6 +141,25 @@ def test_resume_mid_epoch_is_bitwise_identical(assets, reference):
 
 
 @pytest.mark.slow
+def test_resume_keeps_the_checkpoints_thread_count(assets, reference, monkeypatch):
+    """Where posttrain picks torch's thread count from the load (no OMP_NUM_THREADS), a resume under a load that
+    would pick 1 thread takes the reference's 2 from its checkpoint, and repeats its last step bitwise."""
+    saved = load_trainer_state(reference / "global_step_4")["torch_threads"]
+    assert saved == torch.get_num_threads() == 2  # conftest's OMP_NUM_THREADS=2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr("os.getloadavg", lambda: (64.0, 64.0, 64.0))  # configure() alone would pick 1
+    resumed = assets["root"] / "resumed_threads"
+    args = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={reference / 'global_step_4'}"]
+    try:
+        run(sft_args(assets, resumed, *args))
+        assert torch.get_num_threads() == saved
+    finally:
+        torch.set_num_threads(2)
+    ref = read_metrics(reference / "metrics.jsonl")[-1]
+    assert read_metrics(resumed / "metrics.jsonl")[-1]["train/grad_norm"] == ref["train/grad_norm"]
+
+
+@pytest.mark.slow
 def test_resume_auto_continues_from_latest(assets, reference, tmp_path):
     # auto-resume in the reference's own directory: nothing left to do at step 12, and nothing is rewritten
     before = (reference / "metrics.jsonl").read_text()

@@ -119,6 +119,7 @@ class SFTTrainer(StepLoop):
         self.engine.load_checkpoint(str(path / ROLE))
         state = load_trainer_state(path)
         self.sampler.load_state_dict(state["sampler"])
+        threads.keep(state.get("torch_threads"))
         if pdist.rank() == 0:
             print(f"resumed from {path} (step {step}, epoch {self.sampler.epoch})", file=sys.stderr)
         return step
@@ -130,7 +131,8 @@ class SFTTrainer(StepLoop):
         staging = self.ckpt.stage(step)
         kwargs = {"writer": self.ckpt.writer} if self.ckpt.writer is not None else {}
         self.engine.save_checkpoint(str(staging / ROLE), global_step=step, **kwargs)
-        self.ckpt.save_trainer_state(step, {"global_step": step, "sampler": self.sampler.state_dict()})
+        state = {"global_step": step, "sampler": self.sampler.state_dict(), "torch_threads": torch.get_num_threads()}
+        self.ckpt.save_trainer_state(step, state)
         self.ckpt.commit(step)
 
     # ------------------------------------------------------------------ steps

@@ -7,6 +7,11 @@ single process without CUDA, to the cores this process may run on (``os.sched_ge
 load average leaves free, at least one, and says so on stderr. It leaves torch as it is when ``OMP_NUM_THREADS``
 is set (the user chose), under torchrun (``WORLD_SIZE`` > 1: the launcher sets ``OMP_NUM_THREADS``) and when
 CUDA is available (the CPU threads do not run the model).
+
+A checkpoint records the count its run trained with, and :func:`keep` sets it again on resume (under the same
+three exceptions), so a resumed CPU run repeats the uninterrupted one bitwise even when the load has changed
+since: a different count changes the order of float sums (a run on 2 threads and its resume on 1 differed in the
+last bit of a gradient norm).
 """
 
 from __future__ import annotations
@@ -23,11 +28,16 @@ def cpu_threads(cores: int, load: float) -> int:
     return max(1, min(cores, math.floor(cores - load + 0.5)))
 
 
+def _ours() -> bool:
+    """Whether posttrain picks the count: not when ``OMP_NUM_THREADS`` is set, under torchrun, or with CUDA."""
+    if os.environ.get("OMP_NUM_THREADS") or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return False
+    return not torch.cuda.is_available()
+
+
 def configure() -> int | None:
     """Set torch's thread count as the module docstring says; return it, or None when left as it was."""
-    if os.environ.get("OMP_NUM_THREADS") or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return None
-    if torch.cuda.is_available():
+    if not _ours():
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -40,3 +50,17 @@ def configure() -> int | None:
         file=sys.stderr,
     )
     return n
+
+
+def keep(saved: int | None) -> int | None:
+    """On resume, set the count the checkpoint recorded (``saved``; None: a checkpoint from before it was
+    recorded) where :func:`configure` would choose; return the count set, or None when left as it was."""
+    if saved is None or not _ours() or saved == torch.get_num_threads():
+        return None
+    torch.set_num_threads(saved)
+    print(
+        f"torch CPU threads: {saved}, as the checkpoint's run trained with (a resumed run repeats it bitwise only "
+        "on the same count; set OMP_NUM_THREADS=N to choose)",
+        file=sys.stderr,
+    )
+    return saved

@@ -38,6 +38,7 @@ import torch
 from posttrain.ckpt import CheckpointManager, load_trainer_state
 
 from .. import distributed as pdist
+from .. import threads
 from ..algorithms import adv_estimator_traits
 from ..config import PostTrainConfig
 from ..data.sampler import StatefulSampler, rank_slice
@@ -203,6 +204,7 @@ class RLTrainer(StepLoop):
         state = load_trainer_state(path)
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        threads.keep(state.get("torch_threads"))
         self.source.restore(path)
         if pdist.rank() == 0:
             print(f"resumed from {path} (step {step})", file=sys.stderr)
@@ -221,7 +223,12 @@ class RLTrainer(StepLoop):
             self.critic.save_checkpoint(str(staging / "critic"), global_step=step, **kwargs)
         self.ckpt.save_trainer_state(
             step,
-            {"global_step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()},
+            {
+                "global_step": step,
+                "sampler": self.sampler.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict(),
+                "torch_threads": torch.get_num_threads(),
+            },
         )
         self.source.save(self.ckpt, step)  # one_step_off / async: the generated, not yet trained groups
         return self.ckpt.commit(step)
