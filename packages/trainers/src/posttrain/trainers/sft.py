@@ -131,7 +131,11 @@ class SFTTrainer(StepLoop):
         staging = self.ckpt.stage(step)
         kwargs = {"writer": self.ckpt.writer} if self.ckpt.writer is not None else {}
         self.engine.save_checkpoint(str(staging / ROLE), global_step=step, **kwargs)
-        state = {"global_step": step, "sampler": self.sampler.state_dict(), "torch_threads": torch.get_num_threads()}
+        state = {
+            "global_step": step,
+            "sampler": self.sampler.state_dict(),
+            "torch_threads": torch.get_num_threads(),
+        }
         self.ckpt.save_trainer_state(step, state)
         self.ckpt.commit(step)
 
