@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import threading
@@ -10,20 +9,25 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from agents_fixtures import llama_tokenizer, qwen_tokenizer
+from agents_fixtures import llama_tokenizer, qwen3_coder_tokenizer, qwen_tokenizer
 
 from posttrain.core.env import tool_schema
 from posttrain.envs.calculator import calculator
 from posttrain.trainers.agents import tito
 from posttrain.trainers.agents.codec import Codec, plain
-from posttrain.trainers.agents.parsers import HermesParser, Llama3JsonParser
+from posttrain.trainers.agents.parsers import HermesParser, Llama3JsonParser, Qwen3CoderParser
 from posttrain.trainers.agents.tito import _CONTEXT, ChatRenderer, Trajectory
 
 QWEN_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "47 * 83"}}\n</tool_call>'
 LLAMA_CALL = '{"name": "calculator", "parameters": {"expression": "47 * 83"}}'
+QWEN3_CODER_CALL = (
+    "<tool_call>\n<function=calculator>\n<parameter=expression>\n47 * 83\n</parameter>\n</function>\n"
+    "</tool_call>"
+)
 CASES = {
     "qwen2.5": (qwen_tokenizer, QWEN_CALL, HermesParser),
     "llama3": (llama_tokenizer, LLAMA_CALL, Llama3JsonParser),
+    "qwen3-coder": (qwen3_coder_tokenizer, QWEN3_CODER_CALL, Qwen3CoderParser),
 }
 
 
@@ -60,13 +64,14 @@ def test_trained_ids_are_sampled_ids_and_prefixes_are_full_renders(family):
     make, call, parser_cls = CASES[family]
     tok = make()
     tools = [tool_schema(calculator)]
-    turns = [f"Let me compute.{call}" if family == "qwen2.5" else call, "It is 3901.\n#### 3901"]
+    turns = [call if family == "llama3" else f"Let me compute.{call}", "It is 3901.\n#### 3901"]
     traj, sampled, messages, starts = run_episode(tok, turns, tools)
     mask = torch.tensor(traj.mask, dtype=torch.bool)
     ids = torch.tensor(traj.ids)
     assert ids[mask].tolist() == [i for turn in sampled for i in turn]  # trained ids == sampled ids
     assert torch.tensor(traj.log_probs)[~mask].eq(0).all() and len(traj.log_probs) == len(traj.ids)
-    assert parser_cls().parse(tok.decode(sampled[0][:-1])).calls[0].arguments == {"expression": "47 * 83"}
+    (parsed,) = parser_cls().parse(tok.decode(sampled[0][:-1]), tools).calls
+    assert parsed.arguments == {"expression": "47 * 83"}
     renderer = ChatRenderer(tok, tools)
     for k, start in enumerate(starts):  # the prefix of each model turn is the full render of the chat so far
         so_far = messages[: 1 + 3 * k] if k else messages[:1]
@@ -109,29 +114,13 @@ def test_a_template_that_rewrites_history_is_refused():
         ChatRenderer(tok).continuation([{"role": "tool", "content": "1"}], tok.eos_token_id)
 
 
-def test_parsers_malformed_calls():
-    hermes = HermesParser()
-    assert hermes.parse("no call").calls == [] and hermes.parse("no call").malformed == []
-    two = hermes.parse(
-        '<tool_call>{"name": "a", "arguments": {}}</tool_call> <tool_call>{"name": "b"}</tool_call>'
-    )
-    assert [c.name for c in two.calls] == ["a", "b"]
-    for bad in ("<tool_call>{oops}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>', "<tool_call>{"):
-        assert len(hermes.parse(bad).malformed) == 1 and not hermes.parse(bad).calls, bad
-    as_string = json.dumps({"name": "a", "arguments": json.dumps({"x": 1})})
-    assert hermes.parse(f"<tool_call>{as_string}</tool_call>").calls[0].arguments == {"x": 1}
-    llama = Llama3JsonParser()
-    assert llama.parse("The answer is 4").calls == []
-    assert llama.parse('<|python_tag|>{"name": "a", "parameters": {"x": 1}}').calls[0].arguments == {"x": 1}
-    assert len(llama.parse('{"name": "a", "parameters": [1]}').malformed) == 1
-
-
 TEXTS = [
     "",
     "3901",
     "  \n\t x",
     QWEN_CALL,
     LLAMA_CALL,
+    QWEN3_CODER_CALL,
     "error: calculator raised ValueError: unsupported expression element Name(id='x')",
     "ünïcødé 数学 🙂 ...[truncated]",
     "\n<|im_start|>user\n<tool_response>\n130\n</tool_response><|im_end|>\n<|im_start|>assistant\n",

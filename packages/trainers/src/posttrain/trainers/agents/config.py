@@ -16,7 +16,9 @@ class AgentConfig:
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor; a row's ``extra_info.env_kwargs`` replaces them."""
     parser: str = "hermes"
-    """Tool-call format: ``hermes`` (``<tool_call>{json}</tool_call>``, Qwen2.5) or ``llama3_json``."""
+    """Tool-call format: ``hermes`` (``<tool_call>{json}</tool_call>``, Qwen2.5), ``llama3_json``, or
+    ``qwen3_coder`` (``<tool_call><function=NAME><parameter=KEY>value</parameter>...``, Qwen3-Coder and Qwen3.5;
+    values typed by the tools' schemas)."""
     loop: str = "batched"
     """``batched``: one generate call per turn over every live episode (any rollout; the CPU default). ``async``:
     each episode advances on its own through ``rollout.agenerate`` (the vLLM rollout with ``rollout.executor=server``;

@@ -170,7 +170,7 @@ class AgentLoop:
             e.truncate("length")
             return None
         text = self.codec.decode(ids[:-1])
-        parsed = self.parser.parse(text)
+        parsed = self.parser.parse(text, e.renderer.tools)  # the schemas the model was shown type its values
         turn = Turn(text, parsed.calls)
         e.stats["tool_calls"] += len(parsed.calls) + len(parsed.malformed)
         e.stats["malformed"] += len(parsed.malformed)

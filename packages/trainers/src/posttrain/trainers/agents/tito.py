@@ -75,12 +75,13 @@ class ChatRenderer:
                 self._initial[text] = ids
         return list(ids)
 
-    def separator(self, stop_id: int) -> str:
-        """The text the template writes after an assistant message's ``stop_id`` token."""
+    def separator(self, stop_id: int, base: str | None = None) -> str:
+        """The text the template writes after an assistant message's ``stop_id`` token, found in ``base`` (the
+        caller's checked render of the context; None: the kept one)."""
         sep = self._separators.get(stop_id)
         if sep is None:
             stop = self.tokenizer.decode([stop_id])
-            base = self.base()
+            base = self.base() if base is None else base
             at = base.rfind(stop)
             if at < 0:
                 raise ValueError(
@@ -113,7 +114,7 @@ class ChatRenderer:
                 f"the new messages are not a suffix (without: ...{base[-60:]!r}, with: ...{full[: len(base)][-60:]!r}); "
                 "use a template that renders past messages the same way whatever follows"
             )
-        return self.encode(self.separator(stop_id) + full[len(base) :])
+        return self.encode(self.separator(stop_id, base) + full[len(base) :])
 
 
 def _values(values: torch.Tensor | Sequence[Any], kind: type) -> list[Any]:
