@@ -105,13 +105,31 @@ def _server_rollout(model: str, temperature: float, n: int):
     return config, VLLMRollout(config, model)
 
 
+def _check_tool_messages(traj, runs, tok) -> None:
+    """Each model turn, then the tool's answer: environment ids carry log-prob 0 and, where the turn called the
+    calculator as asked, are the incremental render of the tool's result."""
+    from posttrain.envs.calculator import calculator
+    from posttrain.trainers.agents.parsers import make_parser
+    from posttrain.trainers.agents.tito import ChatRenderer
+
+    renderer, parser = ChatRenderer(tok), make_parser("hermes")
+    for (b0, e0, _), (begin, end, _) in zip(runs[::2], runs[1::2]):
+        assert all(lp == 0.0 for lp in traj.log_probs[begin:end])
+        calls = parser.parse(tok.decode(traj.ids[b0 : e0 - 1])).calls  # the turn without its <|im_end|>
+        valid = len(calls) == 1 and calls[0].name == "calculator"
+        if valid and list(calls[0].arguments) == ["expression"]:
+            try:
+                result = calculator(**calls[0].arguments)
+            except ValueError:
+                continue  # the model sees the error text; the exact render is checked for results
+            tool_message = {"role": "tool", "name": "calculator", "content": result}
+            assert traj.ids[begin:end] == renderer.continuation([tool_message], traj.ids[begin - 1])
+
+
 def test_async_agent_loop_on_vllm_keeps_sampled_ids_and_has_no_barrier(tool_user):
     from transformers import AutoTokenizer
 
-    from posttrain.envs.calculator import calculator
     from posttrain.trainers.agents.config import AgentConfig
-    from posttrain.trainers.agents.parsers import make_parser
-    from posttrain.trainers.agents.tito import ChatRenderer
     from posttrain.trainers.rl.dataset import Prompt
 
     tok = AutoTokenizer.from_pretrained(tool_user)
@@ -136,7 +154,6 @@ def test_async_agent_loop_on_vllm_keeps_sampled_ids_and_has_no_barrier(tool_user
         loop.close()
         rollout.release()
     assert len(episodes) == 6 and gen_s > 0 and tool_s > 0
-    renderer, parser = ChatRenderer(tok), make_parser("hermes")
     # per prompt (fast, slow): from the end of an episode's first request to the start of its second
     waits: dict[int, list[float]] = {0: [], 1: []}
     for e in episodes:
@@ -155,18 +172,7 @@ def test_async_agent_loop_on_vllm_keeps_sampled_ids_and_has_no_barrier(tool_user
             times.append((start, stop))
         if len(times) > 1 and not any(e.stats[k] for k in ("malformed", "unknown_tool", "raised")):
             waits[e.index].append(times[1][0] - times[0][1])  # its first turn called the tool as asked
-        # each model turn, then the tool's answer
-        for (b0, e0, _), (begin, end, _) in zip(runs[::2], runs[1::2]):
-            assert all(lp == 0.0 for lp in traj.log_probs[begin:end])
-            calls = parser.parse(tok.decode(traj.ids[b0 : e0 - 1])).calls  # the turn without its <|im_end|>
-            valid = len(calls) == 1 and calls[0].name == "calculator"
-            if valid and list(calls[0].arguments) == ["expression"]:
-                try:
-                    result = calculator(**calls[0].arguments)
-                except ValueError:
-                    continue  # the model sees the error text; the exact render is checked for results
-                tool_message = {"role": "tool", "name": "calculator", "content": result}
-                assert traj.ids[begin:end] == renderer.continuation([tool_message], traj.ids[begin - 1])
+        _check_tool_messages(traj, runs, tok)
     assert waits[0] and waits[1], f"no fast or no slow episode reached a second turn: {waits}"
     # no barrier: a fast episode asks for its next turn at once; the slow ones wait for their tool
     assert max(waits[0]) < SLOW_S / 2 <= SLOW_S <= min(waits[1]), waits
