@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sft_fixtures import make_tiny_model
+from sft_fixtures import make_tiny_model, threads_picked_elsewhere
 
 from posttrain.ckpt import load_full_model_state, load_trainer_state
 from posttrain.core import SamplingConfig
@@ -103,19 +103,10 @@ def test_resume_is_bitwise_identical(assets, reference, tmp_path, monkeypatch):
     """Also where posttrain picks the thread count (no OMP_NUM_THREADS) on a machine where it would pick another:
     the resume takes the reference's from its checkpoint."""
     saved = load_trainer_state(reference / "global_step_2")["torch_threads"]
-    other = 1 if saved > 1 else 2
-    monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(
-        "os.sched_getaffinity", lambda pid: set(range(other))
-    )  # configure() alone picks `other`
-    monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0))
     args = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={reference / 'global_step_2'}"]
-    before = torch.get_num_threads()
-    try:
+    with threads_picked_elsewhere(monkeypatch, saved):
         run(grpo_args(assets, tmp_path, *args), "grpo")
         assert torch.get_num_threads() == saved
-    finally:
-        torch.set_num_threads(before)
     ref_rows = {r["step"]: r for r in read_metrics(reference / "metrics.jsonl")}
     new_rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in new_rows] == [3, 4]
