@@ -174,8 +174,16 @@ def test_drop_policy_drops_groups_staler_than_the_bound(assets, tmp_path):  # no
             r"process with trainer.mode=sync.*set trainer.mode=one_step_off",
         ),
         (
-            ["trainer.mode=one_step_off", "trainer.rollout_devices=[cuda:1]"],
+            [
+                "trainer.mode=one_step_off",
+                "trainer.rollout_placement=colocated",
+                "trainer.rollout_devices=[cuda:1]",
+            ],
             r"rollout_devices=\['cuda:1'\] with trainer.rollout_placement=colocated.*rollout_placement=process",
+        ),
+        (
+            ["trainer.rollout_devices=[cuda:1]"],
+            r"rollout_devices=\['cuda:1'\] with trainer.mode=sync.*set trainer.mode=one_step_off",
         ),
         (
             [

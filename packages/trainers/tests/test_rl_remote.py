@@ -207,12 +207,13 @@ def test_the_rollout_trusts_remote_code_when_model_trust_remote_code_says_so(mod
 
 
 def test_rollout_devices_pick_this_ranks_device_and_name_the_gpu_for_the_child(monkeypatch):
-    """One entry per trainer process on the node, by local rank; a GPU is handed to the worker as the
-    CUDA_VISIBLE_DEVICES entry the trainer's numbering points at."""
+    """One entry per trainer process on the node, by local rank (none: the trainer's device); a GPU is handed to
+    the worker as the CUDA_VISIBLE_DEVICES entry the trainer's numbering points at."""
     from posttrain.trainers.rl.modes import rollout_device
     from posttrain.trainers.rl.remote import physical_gpu
 
     assert rollout_device([]) == "cpu"
+    assert rollout_device([], "cuda:0") == "cuda:0"  # empty: the trainer rank's own device
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert rollout_device(["cuda:2", "cuda:3"]) == "cuda:3"

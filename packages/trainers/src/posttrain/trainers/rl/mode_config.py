@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from posttrain.core.memory_policy import Choice
+
     from .generation import RolloutSampler, WeightSync
     from .modes import Draw, RolloutSource
     from .streaming import StreamRollouts
@@ -55,18 +57,21 @@ class RolloutModeConfig:
     group starts when its rollout.n episodes fit (first in, first out); an episode counts from its start to its
     end, its tool waits included."""
 
-    rollout_placement: str = "colocated"
+    rollout_placement: str | None = None
     """colocated (the rollout lives in each trainer process, on the actor's device) or process (one_step_off,
-    async or stream: each trainer rank starts a child process that builds the rollout on its device (the CPU
-    unless rollout_devices says otherwise), generates there, and takes weights through the bucketed, checksummed
-    push over a private pair of groups; with agent.env set it also plays the episodes, tools and environment
-    included, and in stream mode holds the episode pool, so none of that shares the trainer's interpreter lock;
-    see :mod:`posttrain.trainers.rl.remote`)."""
+    async or stream: each trainer rank starts a child process that builds the rollout on its device (the trainer
+    rank's own unless rollout_devices says otherwise), generates there, and takes weights through the bucketed,
+    checksummed push over a private pair of groups; with agent.env set it also plays the episodes, tools and
+    environment included, and in stream mode holds the episode pool, so none of that shares the trainer's
+    interpreter lock; see :mod:`posttrain.trainers.rl.remote`). Unset (null): chosen when the trainer starts and
+    printed (:meth:`choose_placement`): process for one_step_off, async and stream on a CUDA trainer or when
+    rollout_devices is set, colocated otherwise."""
     rollout_devices: list[str] = field(default_factory=list)
     """rollout_placement=process: the device of each trainer rank's rollout process, indexed by the rank's local
     rank (one entry per process torchrun starts on the node), as the trainer numbers devices: e.g. [cuda:4,
     cuda:5, cuda:6, cuda:7] for trainer ranks on GPUs 0-3, or [cuda:0] for one trainer sharing its GPU with its
-    rollout (then give the rollout a memory budget, e.g. rollout.gpu_memory_utilization). Empty: the CPU. A
+    rollout (then give the rollout a memory budget, e.g. rollout.gpu_memory_utilization). Empty: the trainer
+    rank's own device (its GPU, or the CPU for a CPU trainer). A
     rollout on another GPU than its trainer takes the weights over NCCL; on the trainer's GPU, through a CUDA IPC
     buffer; on the CPU, through shared memory (headers over gloo)."""
 
@@ -74,11 +79,12 @@ class RolloutModeConfig:
         if self.mode not in MODES:
             raise ValueError(f"trainer.mode={self.mode!r}: choose one of {', '.join(MODES)}")
         self.check_stale_policy()
-        if self.rollout_placement not in PLACEMENTS:
+        placement = self.rollout_placement
+        if placement is not None and placement not in PLACEMENTS:
             raise ValueError(
-                f"trainer.rollout_placement={self.rollout_placement!r}: choose one of {', '.join(PLACEMENTS)}"
+                f"trainer.rollout_placement={placement!r}: choose one of {', '.join(PLACEMENTS)}"
             )
-        if self.rollout_placement == "process" and self.mode == "sync":
+        if placement == "process" and self.mode == "sync":
             raise ValueError(
                 "trainer.rollout_placement=process with trainer.mode=sync: a rollout process only pays off when "
                 "it generates while the trainer trains; set trainer.mode=one_step_off (or async), or "
@@ -93,11 +99,12 @@ class RolloutModeConfig:
                 f"trainer.stream_episodes={self.stream_episodes} with trainer.mode={self.mode}: only the "
                 "stream's episode pool reads it; set trainer.mode=stream or leave trainer.stream_episodes at 0"
             )
-        if self.rollout_devices and self.rollout_placement != "process":
+        if self.rollout_devices and (placement == "colocated" or self.mode == "sync"):
+            setting = f"trainer.rollout_placement={placement}" if placement else "trainer.mode=sync"
             raise ValueError(
-                f"trainer.rollout_devices={list(self.rollout_devices)} with trainer.rollout_placement="
-                f"{self.rollout_placement}: the devices are those of rollout processes; set "
-                "trainer.rollout_placement=process or leave trainer.rollout_devices empty"
+                f"trainer.rollout_devices={list(self.rollout_devices)} with {setting}: the devices are those of "
+                "rollout processes, which run beside one_step_off, async or stream; set trainer.mode=one_step_off "
+                "trainer.rollout_placement=process, or leave trainer.rollout_devices empty"
             )
         for device in self.rollout_devices:
             if device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
@@ -110,6 +117,43 @@ class RolloutModeConfig:
             )
         if self.max_staleness < 0:
             raise ValueError(f"trainer.max_staleness={self.max_staleness} must be >= 0 (0 = sync)")
+
+    def choose_placement(self, device: Any, rollout: Any = None) -> Choice | None:
+        """Set an unset ``rollout_placement`` for a trainer on ``device`` with the rollout config ``rollout`` and
+        return the choice (None when the config set it). process where the rollout generates beside the trainer's
+        phases on a GPU: there vLLM's front end (and in stream mode the episode pool) in the trainer's process
+        slowed those phases (one H200, vLLM, 0.5B: one_step_off 0.70-0.72x sync's step time in a process on the
+        trainer's GPU against 0.83-0.95x colocated; stream 1.08-1.13x the colocated tokens/s; BENCHMARKS.md),
+        and whenever ``rollout_devices`` names devices. colocated for sync; on a CPU trainer, where a process
+        costs a second copy of the model and a fresh interpreter's start-up (~10 s) and the stream's pool ran no
+        faster in one (0.98x, within the spread); and for a rollout a process of one GPU cannot hold (vLLM
+        tensor parallel over several GPUs, or its ``external_launcher`` executor, which joins the trainer's
+        world)."""
+        from posttrain.core.memory_policy import Choice
+
+        if self.rollout_placement is not None:
+            return None
+        devices, tp = list(self.rollout_devices), getattr(rollout, "tensor_model_parallel_size", 1)
+        if devices:
+            choice = Choice("process", f"trainer.rollout_devices={devices} are rollout processes'")
+        elif self.mode == "sync":
+            choice = Choice("colocated", "sync: nothing generates while the trainer trains")
+        elif str(device).split(":")[0] != "cuda":
+            choice = Choice(
+                "colocated", f"{self.mode} on a CPU: a rollout process costs start-up, measured no faster"
+            )
+        elif tp > 1 or getattr(rollout, "executor", None) == "external_launcher":
+            choice = Choice(
+                "colocated", "the rollout spans the trainer's GPUs (tensor parallel or external_launcher)"
+            )
+        else:
+            choice = Choice(
+                "process",
+                f"{self.mode} on a GPU: the rollout generates beside the trainer's phases, and in the trainer's "
+                "process its host work slows them; the process takes the trainer's GPU",
+            )
+        self.rollout_placement = choice.value
+        return choice
 
     def check_stale_policy(self) -> None:
         """Refuse a ``stale_policy`` the mode does not do: async does either; one_step_off always waits and

@@ -355,7 +355,7 @@ def build_rollout(
 ) -> BaseRollout:
     """The trainer's rollout: built here on ``device`` (``placement=colocated``), or a handle on a rollout worker
     process this rank starts (``process``, :mod:`.remote`) with ``threads`` CPU threads on its entry of
-    ``devices``. ``deterministic`` is the actor engine's ``full_determinism`` (vLLM: batch-invariant mode).
+    ``devices`` (on ``device`` when that is empty). ``deterministic`` is the actor engine's ``full_determinism`` (vLLM: batch-invariant mode).
     ``agent``: (the agent config, the tokenizer) when episodes are played: a rollout process then runs the agent
     loop itself (:mod:`.remote_agents`)."""
     from .remote import RemoteRollout
@@ -368,17 +368,18 @@ def build_rollout(
             threads=threads,
             rank=rank,
             deterministic=deterministic,
-            device=rollout_device(devices),
+            device=rollout_device(devices, device),
             trainer_device=device,
             agent=agent,
         )
     return rollout.build(model, device=device, deterministic=deterministic)
 
 
-def rollout_device(devices: list[str]) -> str:
-    """This rank's entry of ``trainer.rollout_devices`` (by its local rank), or the CPU when it is empty."""
+def rollout_device(devices: list[str], trainer_device: Any = "cpu") -> str:
+    """This rank's entry of ``trainer.rollout_devices`` (by its local rank), or ``trainer_device`` (the trainer
+    rank's own) when it is empty."""
     if not devices:
-        return "cpu"
+        return str(trainer_device)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if len(devices) != local_world:
         raise ValueError(

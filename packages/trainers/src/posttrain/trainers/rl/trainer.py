@@ -89,16 +89,7 @@ class RLTrainer(StepLoop):
         self.replicas = self._replica_groups()
         self._check_batch_sizes()
         self.prompts_per_rank = cfg.data.train_batch_size // self.dp_size
-        self.rollout = build_rollout(
-            cfg.rollout,
-            cfg.model,
-            placement=cfg.trainer.rollout_placement,
-            threads=cfg.trainer.rollout_threads,
-            devices=cfg.trainer.rollout_devices,
-            deterministic=cfg.actor.engine.full_determinism,
-            device=self.actor.device,
-            agent=(cfg.agent, self.tokenizer) if cfg.agent.env is not None else None,
-        )
+        self.rollout = self._build_rollout()
         self.agent = cfg.agent.build(self.tokenizer, cfg.rollout)  # None: single-turn rollouts
         self.kl_ctrl = cfg.algorithm.kl_ctrl.build()
         self.actor_loss = cfg.actor.build_loss(loss_scale_factor=float(cfg.rollout.response_length))
@@ -122,6 +113,23 @@ class RLTrainer(StepLoop):
         self.source.start(self.global_step)
 
     # ------------------------------------------------------------------ set-up
+    def _build_rollout(self) -> Any:
+        """The rollout where ``trainer.rollout_placement`` says (chosen here when unset, and printed)."""
+        cfg = self.cfg
+        placed = cfg.trainer.choose_placement(self.actor.device, cfg.rollout)
+        if placed is not None and pdist.rank() == 0:
+            print(f"[posttrain] {placed.line('trainer.rollout_placement')}", file=sys.stderr)
+        return build_rollout(
+            cfg.rollout,
+            cfg.model,
+            placement=cfg.trainer.rollout_placement,
+            threads=cfg.trainer.rollout_threads,
+            devices=cfg.trainer.rollout_devices,
+            deterministic=cfg.actor.engine.full_determinism,
+            device=self.actor.device,
+            agent=(cfg.agent, self.tokenizer) if cfg.agent.env is not None else None,
+        )
+
     def _check_config(self) -> None:
         """Refuse, before anything is built, a model path without weights, a router replay mode the actor's
         engine cannot do, or two different prompt lengths; then fill in the micro-batch token budgets."""
