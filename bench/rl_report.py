@@ -119,7 +119,8 @@ def metrics_report(path: str, gpus: int = 1) -> str:
     """Every step of a run's ``metrics.jsonl`` (what ``trainer.logger=[...,file]`` writes, e.g. from
     examples/grpo_fsdp.sh): step time, tokens/s/GPU, generation seconds (in the modes that generate beside the
     step, the seconds the step waited for its rollouts instead), actor-update seconds, and, where the step
-    generates, the generation drift per token from the first step to the last."""
+    generates, the generation drift per token from the first step to the last (flagged for agent runs, whose
+    turns and tool waits differ from step to step)."""
     rows = [json.loads(x) for x in open(path) if x.strip()]
     rows = [r for r in rows if "perf/step_s" in r]
     gen = "timing_s/gen" if all("timing_s/gen" in r for r in rows) else "timing_s/wait_rollout"
@@ -138,7 +139,10 @@ def metrics_report(path: str, gpus: int = 1) -> str:
         if gen == "timing_s/gen":
             first = rows[0][gen] / rows[0]["perf/tokens"]
             last = rows[-1][gen] / rows[-1]["perf/tokens"]
-            drift = f"gen drift per token, first to last: {100 * (last / first - 1):+.1f}%; "
+            drift = f"gen drift per token, first to last: {100 * (last / first - 1):+.1f}%"
+            if "reward/extra/agent/turns/mean" in rows[0]:  # turns, tools and lengths differ step to step
+                drift += " (agent episodes: each step's work differs, so this is not a same-work comparison)"
+            drift += "; "
         line = f"{drift}steps 2..{len(rows)}: {tps:.0f} tok/s/GPU"
         # the later half: past what a mode that generates ahead banked during the first steps
         if len(rows) >= 6:
