@@ -190,15 +190,7 @@ def test_the_rollout_trusts_remote_code_when_model_trust_remote_code_says_so(mod
             ],
             presets=["grpo_tiny"],
         )
-        rollout = build_rollout(
-            cfg.rollout,
-            cfg.model,
-            placement=cfg.trainer.rollout_placement,
-            threads=cfg.trainer.rollout_threads,
-            devices=cfg.trainer.rollout_devices,
-            deterministic=cfg.actor.engine.full_determinism,
-            device="cpu",
-        )
+        rollout = build_rollout(cfg, device="cpu")
         try:
             samples = rollout.generate([[1, 2, 3]], SamplingConfig(temperature=0.0, max_new_tokens=4))
             assert len(samples) == 1 and 1 <= len(samples[0].response_ids) <= 4, placement

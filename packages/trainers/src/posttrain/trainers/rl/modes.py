@@ -57,8 +57,7 @@ from .generation import RolloutSampler, WeightSync
 from .step_metrics import extra_means
 
 if TYPE_CHECKING:
-    from posttrain.core.config import ModelConfig
-    from posttrain.core.rollout import BaseRollout, RolloutConfig
+    from posttrain.core.rollout import BaseRollout
 
 Draw = Callable[[], tuple[int, list]]
 """() -> (epoch, this rank's prompts) of the sampler's next batch."""
@@ -342,37 +341,29 @@ RolloutSource = SyncRollouts | RolloutAhead
 picks one."""
 
 
-def build_rollout(
-    rollout: RolloutConfig,
-    model: ModelConfig,
-    *,
-    placement: str,
-    threads: int,
-    devices: list[str],
-    deterministic: bool,
-    device: Any,
-    agent: tuple[Any, Any] | None = None,
-) -> BaseRollout:
-    """The trainer's rollout: built here on ``device`` (``placement=colocated``), or a handle on a rollout worker
-    process this rank starts (``process``, :mod:`.remote`) with ``threads`` CPU threads on its entry of
-    ``devices`` (on ``device`` when that is empty). ``deterministic`` is the actor engine's ``full_determinism`` (vLLM: batch-invariant mode).
-    ``agent``: (the agent config, the tokenizer) when episodes are played: a rollout process then runs the agent
-    loop itself (:mod:`.remote_agents`)."""
+def build_rollout(cfg: Any, *, device: Any, agent: tuple[Any, Any] | None = None) -> BaseRollout:
+    """The RL run ``cfg``'s rollout where ``trainer.rollout_placement`` says: built here on ``device`` (the
+    actor's; ``colocated``), or a handle on a rollout worker process this rank starts (``process``,
+    :mod:`.remote`) with ``trainer.rollout_threads`` CPU threads on its entry of ``trainer.rollout_devices`` (on
+    ``device`` when that is empty). The actor engine's ``full_determinism`` goes to the rollout (vLLM:
+    batch-invariant mode). ``agent``: (the agent config, the tokenizer) when episodes are played: a rollout
+    process then runs the agent loop itself (:mod:`.remote_agents`)."""
     from .remote import RemoteRollout
 
-    if placement == "process":
+    trainer, deterministic = cfg.trainer, cfg.actor.engine.full_determinism
+    if trainer.rollout_placement == "process":
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         return RemoteRollout(
-            rollout,
-            model,
-            threads=threads,
+            cfg.rollout,
+            cfg.model,
+            threads=trainer.rollout_threads,
             rank=rank,
             deterministic=deterministic,
-            device=rollout_device(devices, device),
+            device=rollout_device(trainer.rollout_devices, device),
             trainer_device=device,
             agent=agent,
         )
-    return rollout.build(model, device=device, deterministic=deterministic)
+    return cfg.rollout.build(cfg.model, device=device, deterministic=deterministic)
 
 
 def rollout_device(devices: list[str], trainer_device: Any = "cpu") -> str:

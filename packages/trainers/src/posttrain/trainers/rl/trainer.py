@@ -119,16 +119,8 @@ class RLTrainer(StepLoop):
         placed = cfg.trainer.choose_placement(self.actor.device, cfg.rollout)
         if placed is not None and pdist.rank() == 0:
             print(f"[posttrain] {placed.line('trainer.rollout_placement')}", file=sys.stderr)
-        return build_rollout(
-            cfg.rollout,
-            cfg.model,
-            placement=cfg.trainer.rollout_placement,
-            threads=cfg.trainer.rollout_threads,
-            devices=cfg.trainer.rollout_devices,
-            deterministic=cfg.actor.engine.full_determinism,
-            device=self.actor.device,
-            agent=(cfg.agent, self.tokenizer) if cfg.agent.env is not None else None,
-        )
+        agent = (cfg.agent, self.tokenizer) if cfg.agent.env is not None else None
+        return build_rollout(cfg, device=self.actor.device, agent=agent)
 
     def _check_config(self) -> None:
         """Refuse, before anything is built, a model path without weights, a router replay mode the actor's
