@@ -135,7 +135,7 @@ class RolloutModeConfig:
             return None
         devices, tp = list(self.rollout_devices), getattr(rollout, "tensor_model_parallel_size", 1)
         if devices:
-            choice = Choice("process", f"trainer.rollout_devices={devices} are rollout processes'")
+            choice = Choice("process", f"trainer.rollout_devices={devices} names rollout processes' devices")
         elif self.mode == "sync":
             choice = Choice("colocated", "sync: nothing generates while the trainer trains")
         elif str(device).split(":")[0] != "cuda":
