@@ -12,6 +12,8 @@
 #       environment_factory (.trl-wheels carried too)
 #   bash scripts/gpu_checks.sh agentgrpo   # `posttrain grpo` with the calculator env on vLLM, MODES="stream sync
 #       sync:batched" (trainer.mode[:agent.loop])
+#   bash scripts/gpu_checks.sh megatronrun sft|grpo   # the Megatron engine through the examples: 20 steps,
+#       checkpoints, resume, HF export (Transformer Engine installed first)
 #   bash scripts/gpu_checks.sh titan   # the TorchTitan engine's tests, sft and throughput; .titan-whl carried too
 # Each part is short enough for one 10-minute call. Results are JSON/log files; BENCHMARKS.md records them.
 # rl and trl append to /tmp/rl_bench/{rl,trl}.jsonl, which outlive a call while the machine stays warm (models
@@ -64,6 +66,35 @@ case "${1:-tests}" in
     # MEGATRON_TESTS=packages/engine-megatron/tests/test_gpu_te.py runs only the TE tests.
     timeout 590 python3 -m pytest -q -m gpu -p no:cacheprovider ${MEGATRON_TESTS:-packages/engine-megatron/tests} 2>&1 \
       | tail -25 | tee "$out/gpu_megatron.log" ;;
+  megatronrun)
+    # SFT and GRPO through the examples with model_engine=megatron on the 0.5B shape (random init, the synthetic
+    # arithmetic data): 20 steps with checkpoints at 10 and 20 (hf_model exported), then a run resumed from step 10,
+    # compared by bench/resume_check.py (RTOL, ATOL; default 1e-3: GPU kernels need not repeat bits); SFT's export
+    # is checked against its logged val/loss by bench/export_check.py. One part a call:
+    #   bash scripts/gpu_checks.sh megatronrun sft    # examples/sft_megatron_fsdp.sh: Megatron-FSDP, fsdp_dtensor
+    #   bash scripts/gpu_checks.sh megatronrun grpo   # examples/grpo_megatron.sh: vLLM (/tmp/stash), dist_ckpt
+    # Megatron-Bridge needs Transformer Engine: run `bash scripts/te_build_gpu.sh install ...` on the machine first.
+    which=${2:?usage: gpu_checks.sh megatronrun sft|grpo [overrides]}; shift 2
+    [ "$which" = grpo ] && rl_env
+    d=/tmp/megatronrun; m=$d/model; mkdir -p "$d"
+    [ -f "$m/config.json" ] || python3 -m posttrain.trainers.cli model init --size 0.5b --out "$m" >/dev/null
+    [ -f "$d/data/test.parquet" ] || python3 -m posttrain.trainers.cli data synthetic --out "$d/data" \
+      --num-train 4096 --num-test 64 >/dev/null
+    for r in ref resumed; do
+      run=$d/$which-$r; rm -rf "$run"; args=(trainer.total_training_steps=20 trainer.save_freq=10 trainer.test_freq=10
+        "checkpoint.save_contents=[model,optimizer,extra,hf_model]" "trainer.logger=[console,file]")
+      [ $r = resumed ] && args+=(trainer.resume_mode=resume_path "trainer.resume_from_path=$d/$which-ref/global_step_10")
+      [ "$which" = grpo ] && args+=(data.train_batch_size=32 actor.ppo_mini_batch_size=32 rollout.n=8
+        rollout.response_length=256 trainer.val_before_train=false trainer.test_freq=-1)
+      script=examples/sft_megatron_fsdp.sh; [ "$which" = grpo ] && script=examples/grpo_megatron.sh
+      MODEL_PATH=$m DATA_DIR=$d/data SAVE_PATH=$run NPROC=1 TP=1 ROLLOUT=vllm timeout "${LIMIT:-280}" \
+        bash $script "${args[@]}" "$@" > "$out/megatronrun_${which}_$r.log" 2>&1
+      echo "== $which $r (rc $?)"; grep -E "posttrain\]|Error|error" "$out/megatronrun_${which}_$r.log" | tail -8
+    done
+    ls "$d/$which-ref/global_step_20/actor" "$d/$which-ref/global_step_20/actor/dist_ckpt" | head -20
+    python3 bench/resume_check.py "$d/$which-ref" "$d/$which-resumed" --rtol "${RTOL:-1e-3}" --atol "${ATOL:-1e-3}" \
+      | tail -12 | tee "$out/megatronrun_${which}_resume.txt"
+    if [ "$which" = sft ]; then python3 bench/export_check.py "$d/sft-ref" | tee "$out/megatronrun_sft_export.txt"; fi ;;
   train)
     timeout 560 python3 bench/train_throughput.py --gpus 1,2 --compile-layers --out "$out/train.json" 2>&1 | tee "$out/train.log" | tail -40 ;;
   megathru)
@@ -225,5 +256,5 @@ t.add_tool_call_rendering('$m'); a.format_sft('$m', 'cuda', 200)" || exit 1
       echo "== $engine (rc $?)"; grep -E "Error|error" "$out/qwen3_$engine.log" | tail -5
       python3 bench/rl_report.py "$run/metrics.jsonl" | tee "$out/qwen3_${engine}_steps.txt"
     done ;;
-  *) echo "usage: gpu_checks.sh tests|megatron|train|megathru|sync|push|ckpt|vllm|vllmsync|grpo|rl|readme|trl|agents|titan|titangrpo" >&2; exit 2 ;;
+  *) echo "usage: gpu_checks.sh tests|megatron|megatronrun|train|megathru|sync|push|ckpt|vllm|vllmsync|grpo|rl|readme|trl|agents|titan|titangrpo" >&2; exit 2 ;;
 esac
