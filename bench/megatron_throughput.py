@@ -4,7 +4,10 @@ One launch per GPU count (``--gpus 1,2``, the default), all on the same data and
 
 - ``matmul_ceiling``: bf16 (fp32 with ``--tiny``) dense matmul FLOP/s, measured once, in the first launch; the
   later launches reuse it, so every MFU has the same denominator.
-- 1 GPU: ``megatron_tp1`` (TP=1), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on).
+- 1 GPU: ``megatron_tp1`` (TP=1), ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current
+  scaling, ``tensorwise``; skipped without TE), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on). Where TE is
+  installed, one more 1-GPU launch runs ``megatron_tp1_no_te``: TP=1 with TE hidden (``--hide-te``), Megatron-Core's
+  local layer spec.
 - 2 GPUs: ``megatron_tp2_sp`` (TP=2 + sequence parallel), ``megatron_fsdp_dp2`` (Megatron-FSDP, DP=2), then
   ``fsdp_engine`` on both GPUs.
 
@@ -13,23 +16,26 @@ The data is ``bench/train_throughput.py``'s: GPU g draws sequences of 64..4096 t
 script's own ``run_engine``. A Megatron data-parallel rank that spans k GPUs (TP=2: both) trains on the draws
 of those k GPUs together, split into micro-batches of at most ``--tokens`` tokens (``use_dynamic_bsz``), so
 every run pushes the same tokens per GPU and the 2-GPU runs train on exactly the same sequences. The Megatron
-engines run the distributed optimizer and, without Transformer Engine, the local layer spec with
-variable-length attention (the test suite's TE stand-in is registered, as in the tests).
+engines run the distributed optimizer; with Transformer Engine installed, its layer spec (``te_layers`` in the
+result), else the local layer spec with variable-length attention (the test suite's TE stand-in is registered, as
+in the tests).
 
 Reported per run, over timed steps after warm-up: real-token tokens/s, TFLOP/s per GPU and MFU = model FLOPs /
-time / (ceiling x GPUs) with FLOPs = 6 N tokens + 12 layers hidden sum(len^2) (``train_throughput.model_flops``),
-peak memory, and each Megatron run's MFU over the FSDP engine's at the same GPU count (``vs_fsdp``). A run that
+time / (ceiling x GPUs; the bf16 ceiling for the FP8 run too) with FLOPs = 6 N tokens + 12 layers hidden
+sum(len^2) (``train_throughput.model_flops``), peak memory, and each Megatron run's MFU over the FSDP engine's at the same GPU count (``vs_fsdp``). A run that
 fails is recorded with its error and the others still run. ``--tiny``: the 2-layer model, short sequences,
 fp32, gloo on CPU when no GPU is present, no torch.compile; Megatron-FSDP needs CUDA and is skipped there.
 
     uv run python bench/megatron_throughput.py --tiny                       # CPU smoke run, 1 then 2 processes
     python3 bench/megatron_throughput.py --out megatron.json                 # 2 x H200, about 5-7 minutes
+    python3 bench/megatron_throughput.py --gpus 1 --out megatron.json        # 1 GPU: TE, FP8, no TE, FSDP
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -46,11 +52,15 @@ import train_throughput as tt  # bench/ is sys.path[0] when this file runs as a 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {
     "megatron_tp1": {},
+    "megatron_tp1_fp8": {"override_transformer_config": {"fp8": "hybrid", "fp8_recipe": "tensorwise"}},
     "megatron_tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "megatron_fsdp_dp2": {"use_megatron_fsdp": True},
 }
 """Megatron engine config per run."""
-RUNS = {1: ["megatron_tp1", "fsdp_engine"], 2: ["megatron_tp2_sp", "megatron_fsdp_dp2", "fsdp_engine"]}
+RUNS = {
+    1: ["megatron_tp1", "megatron_tp1_fp8", "fsdp_engine"],
+    2: ["megatron_tp2_sp", "megatron_fsdp_dp2", "fsdp_engine"],
+}
 """Runs of each launch, by GPU (process) count: each is a key of ``LAYOUTS`` or ``fsdp_engine``."""
 
 
@@ -70,6 +80,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--profile",
         action="store_true",
         help="Megatron runs: print the top CPU and GPU ops of one extra step",
+    )
+    p.add_argument(
+        "--hide-te",
+        action="store_true",
+        help="Megatron runs without Transformer Engine even where it is installed (the local layer spec)",
     )
     p.add_argument("--ceiling-flops", type=float, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)  # set by the launcher
@@ -172,7 +187,8 @@ def run_megatron(
     result = tt.summarize(
         name, sec, timed_lengths, sum(map(sum, timed_lengths)), count_params(cfg), cfg, ceiling, device
     )
-    return result | {"dp": eng.get_data_parallel_size()}
+    te = any(type(m).__module__.startswith("transformer_engine") for c in eng.chunks for m in c.modules())
+    return result | {"dp": eng.get_data_parallel_size(), "te_layers": te}
 
 
 def run_fsdp(
@@ -190,6 +206,8 @@ def run(
     """One run's result; an error (on every rank: a deterministic one) becomes the result."""
     if name == "megatron_fsdp_dp2" and device.type != "cuda":
         return {"run": name, "gpus": dist.get_world_size(), "skipped": "Megatron-FSDP needs CUDA"}
+    if name == "megatron_tp1_fp8" and not has_real_te():
+        return {"run": name, "gpus": dist.get_world_size(), "skipped": "FP8 needs Transformer Engine"}
     try:
         if name == "fsdp_engine":
             return run_fsdp(args, args.model_dir, cfg, device, ceiling)
@@ -211,16 +229,26 @@ def run(
             torch.cuda.empty_cache()
 
 
+def has_real_te() -> bool:
+    """Megatron-Core found a working Transformer Engine in this process (not the tests' stand-in)."""
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE)
+
+
 # ---------------------------------------------------------------------------------------------- launch
 def worker(args: argparse.Namespace) -> None:
-    from megatron_cpu import prepare_environment
+    from megatron_cpu import hide_transformer_engine, prepare_environment
+
+    if args.hide_te:
+        hide_transformer_engine()
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
-    prepare_environment()  # the TE stand-in; on CPU also Megatron-Core's torch.cuda calls redirected
+    prepare_environment()  # the TE stand-in unless TE is installed; on CPU Megatron-Core's torch.cuda calls redirected
     cfg = tt.TINY if args.tiny else tt.FULL
     if dist.get_rank() == 0:
         make_model(args.model_dir, cfg, device, args.tiny)
@@ -269,6 +297,16 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def launches(args: argparse.Namespace, counts: list[int]) -> list[tuple[int, list[str]]]:
+    """(processes, extra arguments) of each launch: one per GPU count, and where Transformer Engine is installed
+    and the 1-GPU Megatron run is asked for, one more that runs it with TE hidden (``megatron_tp1_no_te``)."""
+    out: list[tuple[int, list[str]]] = [(n, []) for n in counts]
+    wanted = args.runs is None or "megatron_tp1" in args.runs.split(",")
+    if 1 in counts and wanted and not args.hide_te and importlib.util.find_spec("transformer_engine"):
+        out.append((1, ["--hide-te", "--runs", "megatron_tp1"]))
+    return out
+
+
 def launch(args: argparse.Namespace, argv: list[str]) -> None:
     """One torchrun launch per GPU count; the first measures the matmul ceiling, the later ones reuse it."""
     counts = [int(c) for c in args.gpus.split(",")]
@@ -280,11 +318,20 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
         tempfile.mkdtemp(prefix="bench_model_") if args.tiny else "/tmp/qwen25_15b_shape"
     )
     results: list[dict[str, Any]] = []
-    for n in counts:
+    for n, extra in launches(args, counts):
         ceiling = next((r["flops"] for r in results if r["run"] == "matmul_ceiling"), None)
         got = torchrun(
-            n, [*argv, "--model-dir", model_dir, *(["--ceiling-flops", repr(ceiling)] if ceiling else [])]
+            n,
+            [
+                *argv,
+                *extra,
+                "--model-dir",
+                model_dir,
+                *(["--ceiling-flops", repr(ceiling)] if ceiling else []),
+            ],
         )
+        if extra:  # the TE-less baseline: its own name in the table
+            got = [r | {"run": "megatron_tp1_no_te"} if r["run"] == "megatron_tp1" else r for r in got]
         results += [r for r in got if not (r["run"] == "matmul_ceiling" and ceiling)]
         if args.out:  # after every launch, so a timeout in a later one keeps these
             Path(args.out).write_text(json.dumps(results, indent=1))

@@ -12,6 +12,7 @@ tests and benchmarks call this.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
 import importlib.machinery
 import os
 import socket
@@ -141,6 +142,24 @@ def redirect_cuda_to_cpu() -> None:
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
         new_state
     )
+
+
+class _HiddenTransformerEngine(importlib.abc.MetaPathFinder):
+    """Refuses every ``transformer_engine`` import, as a machine without TE would."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "transformer_engine" or name.startswith("transformer_engine."):
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden by megatron_cpu)", name=name)
+        return None
+
+
+def hide_transformer_engine() -> None:
+    """Make an installed Transformer Engine unimportable in this process, so that Megatron-Core records it absent
+    and builds its local layer spec (a baseline next to TE's on the same machine). Call before anything imports
+    Megatron or TE, then :func:`prepare_environment`."""
+    if any(k == "transformer_engine" or k.startswith("transformer_engine.") for k in sys.modules):
+        raise RuntimeError("hide_transformer_engine: transformer_engine is already imported in this process")
+    sys.meta_path.insert(0, _HiddenTransformerEngine())
 
 
 def prepare_environment() -> None:

@@ -177,6 +177,34 @@ def test_bridge_without_transformer_engine_says_what_to_install():
     assert "HINT" in out and "transformer_engine" in out and "pip install" in out
 
 
+def test_hidden_transformer_engine_gives_the_local_spec(tmp_path):
+    """bench/megatron_throughput.py's TE-less baseline: with an importable ``transformer_engine`` on the path,
+    ``megatron_cpu.hide_transformer_engine`` makes Megatron-Core record TE absent (a fresh interpreter)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "transformer_engine").mkdir()
+    (tmp_path / "transformer_engine" / "__init__.py").write_text("__version__ = '9.9'\n")
+    code = (
+        "import importlib.util, megatron_cpu\n"
+        "print('FOUND', importlib.util.find_spec('transformer_engine') is not None)\n"
+        "megatron_cpu.hide_transformer_engine(); megatron_cpu.prepare_environment()\n"
+        "from posttrain.megatron._deps import has_transformer_engine\n"
+        "print('TE', has_transformer_engine())\n"
+    )
+    path = os.pathsep.join([str(tmp_path), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert "FOUND True" in proc.stdout and "TE False" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
 def test_missing_bridge_names_the_install(monkeypatch):
     """Megatron-Bridge is a prerequisite, not a dependency: without it the first use says how to install it."""
     import sys
