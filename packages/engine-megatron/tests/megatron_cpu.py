@@ -260,3 +260,19 @@ def sample_batch():
     seqs = [torch.randint(0, 256, (n,), generator=g) for n in lens]
     masks = [torch.cat([torch.zeros(2), torch.ones(n - 2)]) for n in lens]
     return PackedBatch.from_sequences(seqs, masks)
+
+
+def trainer_assets(root, *, size: str, num_train: int, num_test: int, digits: int) -> dict:
+    """A model of ``posttrain model init``'s ``size`` and the synthetic arithmetic task on disk under ``root``:
+    ``{"root", "model", "train", "test"}`` (paths), what the trainer tests point their runs at."""
+    from posttrain.trainers.data.convert import write_parquet
+    from posttrain.trainers.data.synthetic import arithmetic_rows
+    from posttrain.trainers.model_init import init_model
+
+    splits = arithmetic_rows(num_train, num_test, digits=digits, seed=0)
+    return {
+        "root": root,
+        "model": init_model(root / size, arch="qwen2", size=size, seed=0),
+        "train": write_parquet(splits["train"], root / "data" / "train.parquet"),
+        "test": write_parquet(splits["test"], root / "data" / "test.parquet"),
+    }

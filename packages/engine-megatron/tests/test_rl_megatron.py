@@ -76,18 +76,12 @@ FIELDS_CLOSE = {
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from posttrain.trainers.data.convert import write_parquet
-    from posttrain.trainers.data.synthetic import arithmetic_rows
-    from posttrain.trainers.model_init import init_model
+    from megatron_cpu import trainer_assets
 
-    root = tmp_path_factory.mktemp("rl_megatron")
-    splits = arithmetic_rows(16, 4, digits=1, seed=0)
-    return {
-        "root": root,
-        # "small" has 2 KV heads, so TP=2 divides them, and 4 layers for PP=2
-        "model": init_model(root / "small", arch="qwen2", size="small", seed=0),
-        "train": write_parquet(splits["train"], root / "data" / "train.parquet"),
-    }
+    # "small" has 2 KV heads, so TP=2 divides them, and 4 layers for PP=2
+    return trainer_assets(
+        tmp_path_factory.mktemp("rl_megatron"), size="small", num_train=16, num_test=4, digits=1
+    )
 
 
 def _args(assets, run_dir: Path, *extra: str) -> list[str]:

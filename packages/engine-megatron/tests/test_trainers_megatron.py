@@ -44,18 +44,11 @@ EXPORT = "checkpoint.save_contents=[model,optimizer,extra,hf_model]"
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from posttrain.trainers.data.convert import write_parquet
-    from posttrain.trainers.data.synthetic import arithmetic_rows
-    from posttrain.trainers.model_init import init_model
+    from megatron_cpu import trainer_assets
 
-    root = tmp_path_factory.mktemp("trainers_megatron")
-    splits = arithmetic_rows(256, 32, digits=2, seed=0)
-    return {
-        "root": root,
-        "model": init_model(root / "tiny", arch="qwen2", size="tiny", seed=0),
-        "train": write_parquet(splits["train"], root / "data" / "train.parquet"),
-        "test": write_parquet(splits["test"], root / "data" / "test.parquet"),
-    }
+    return trainer_assets(
+        tmp_path_factory.mktemp("trainers_megatron"), size="tiny", num_train=256, num_test=32, digits=2
+    )
 
 
 def _paths(assets, run_dir: Path) -> list[str]:
