@@ -8,7 +8,7 @@
 # Extra arguments are config overrides and win over everything here.
 set -euo pipefail
 
-export CUDA_DEVICE_MAX_CONNECTIONS=1   # lets Megatron overlap communication with compute
+unset CUDA_DEVICE_MAX_CONNECTIONS   # Megatron-FSDP needs it unset or > 1 (the engine refuses 1; TP/SP overlap wants 1)
 unset ROCR_VISIBLE_DEVICES
 
 MODEL_PATH=${MODEL_PATH:?set MODEL_PATH to a local Hugging Face model directory}

@@ -235,18 +235,13 @@ def test_bridge_older_than_the_floor_is_refused(version):
         check_bridge_version(version)
 
 
-def test_megatron_fsdp_save_warns_about_cuda_device_max_connections(monkeypatch):
-    from types import SimpleNamespace
-
-    from posttrain.megatron.checkpoint import _warn_max_connections
-
-    engine = SimpleNamespace(engine_config=McoreEngineConfig(use_megatron_fsdp=True))
+def test_megatron_fsdp_refuses_cuda_device_max_connections_1(tmp_path, monkeypatch):
+    """Megatron-FSDP with CUDA_DEVICE_MAX_CONNECTIONS=1 is refused when the engine starts (Megatron-LM and
+    Megatron-Bridge assert the same); 8 passes that rule (and meets the CPU's)."""
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    with pytest.warns(UserWarning, match="CUDA_DEVICE_MAX_CONNECTIONS=1"):
-        _warn_max_connections(engine)
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS=1.*unset CUDA_DEVICE_MAX_CONNECTIONS"):
+        _check(tmp_path, use_megatron_fsdp=True)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _warn_max_connections(engine)
+    _check(tmp_path, use_megatron_fsdp=True)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        _check(tmp_path, on_cuda=False, use_megatron_fsdp=True)

@@ -25,7 +25,6 @@ import inspect
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -96,17 +95,6 @@ def load_model_dist(chunks: list[torch.nn.Module], path: str | os.PathLike, pref
         sharded = {k: v for k, v in sharded.items() if k.startswith(prefix)}
     sharded = {k: lora.drop_adapters(v) for k, v in sharded.items()}  # a base model: adapters start fresh
     _load_model_state(chunks, dist_checkpointing.load(sharded, str(ckpt)), fresh_adapters=True)
-
-
-def _warn_max_connections(engine: Any) -> None:
-    if engine.engine_config.use_megatron_fsdp and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-        warnings.warn(
-            "CUDA_DEVICE_MAX_CONNECTIONS=1 while saving a Megatron-FSDP checkpoint: its checkpoint path "
-            "assumes the variable unset or > 1 (the training scripts export 1 for TP/SP overlap); "
-            "unset it or set it to 8 for runs with use_megatron_fsdp=true",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 def _sharded(engine: Any, contents: list[str], is_loading: bool) -> dict[str, Any]:
@@ -265,7 +253,6 @@ def save(
     contents = engine.checkpoint_config.save_contents
     root = Path(local_path)
     _check_async(engine, writer)
-    _warn_max_connections(engine)
     # checksums on the tensors' own device before anything is written or removed; nothing non-finite is saved
     record = verified.manifest(engine, contents, global_step, verified.record_tensors(engine, contents, root))
     ckpt_dir = root / "dist_ckpt"

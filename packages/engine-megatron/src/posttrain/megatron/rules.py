@@ -7,6 +7,7 @@ one config, or the HF model config, or to know whether CUDA is there.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from posttrain.core.config import CheckpointConfig, ModelConfig
@@ -103,6 +104,12 @@ def check_engine(
     cfg.check_checkpoint(ckpt, role)
     if cfg.vanilla_mbridge:
         vanilla.check(cfg)
+    if cfg.use_megatron_fsdp and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        raise ValueError(
+            "engine.use_megatron_fsdp=true with CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron-FSDP needs the variable "
+            "unset or > 1 (Megatron-LM and Megatron-Bridge refuse 1 for FSDP; it is TP/SP overlap that wants 1): "
+            "unset CUDA_DEVICE_MAX_CONNECTIONS or set it to 8 (examples/grpo_megatron.sh exports 1)"
+        )
     if cfg.use_megatron_fsdp and not on_cuda:
         raise ValueError(
             "engine.use_megatron_fsdp=true needs CUDA (Megatron-FSDP allocates CUDA streams): "
