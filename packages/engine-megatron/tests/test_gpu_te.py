@@ -48,7 +48,9 @@ def _te_import_error() -> str | None:
         return "transformer_engine is not installed"
     if not torch.cuda.is_available():
         return None
-    probe = [sys.executable, "-c", "import transformer_engine.pytorch"]
+    # torch first, as every user of TE does: TE's core library needs libnccl.so.2, which a pip-installed torch
+    # brings into the process (``import transformer_engine`` alone fails on a venv with torch 2.11.0 from PyPI)
+    probe = [sys.executable, "-c", "import torch, transformer_engine.pytorch"]
     try:
         proc = subprocess.run(probe, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
