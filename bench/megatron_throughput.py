@@ -172,7 +172,8 @@ def run_megatron(
         **LAYOUTS[name],
     )
     optim = OptimizerConfig(lr=1e-5, weight_decay=0.0)
-    eng = MegatronLanguageModelEngine(ModelConfig(path=model_dir), engine_cfg, optim, CheckpointConfig())
+    model = ModelConfig(path=model_dir, enable_gradient_checkpointing=False)  # as the FSDP run (no --grad-ckpt)
+    eng = MegatronLanguageModelEngine(model, engine_cfg, optim, CheckpointConfig())
     eng.initialize()
     per_dp = dist.get_world_size() // eng.get_data_parallel_size()  # GPUs of one data-parallel rank
     gpus = range(eng.get_data_parallel_rank() * per_dp, (eng.get_data_parallel_rank() + 1) * per_dp)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from posttrain.core.config import ModelConfig
+from posttrain.core.memory_policy import resolve_gradient_checkpointing
 from posttrain.fsdp.config import FSDP2EngineConfig
-from posttrain.fsdp.modeling import resolve_gradient_checkpointing
 
 
 def test_null_is_chosen_and_logged_explicit_is_kept(capsys) -> None:

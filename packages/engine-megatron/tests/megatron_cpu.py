@@ -230,9 +230,15 @@ def reference_step(hf_path: str, batch, lr: float, clip: float):
 
 
 def make_engine(
-    hf_path: str, cls_name: str = "MegatronLanguageModelEngine", ckpt=None, optim=None, **engine_kw
+    hf_path: str,
+    cls_name: str = "MegatronLanguageModelEngine",
+    ckpt=None,
+    optim=None,
+    model_kw=None,
+    **engine_kw,
 ):
-    """A megatron engine on ``hf_path`` in float32 with test-sized micro-batches."""
+    """A megatron engine on ``hf_path`` (``model_kw``: more ModelConfig fields) in float32 with test-sized
+    micro-batches."""
     from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
     from posttrain.megatron import engine as engine_mod
     from posttrain.megatron.config import McoreEngineConfig
@@ -242,7 +248,7 @@ def make_engine(
     )
     kw.update(engine_kw)
     eng = getattr(engine_mod, cls_name)(
-        ModelConfig(path=hf_path),
+        ModelConfig(path=hf_path, **(model_kw or {})),
         McoreEngineConfig(**kw),
         optim or OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0),
         ckpt or CheckpointConfig(),

@@ -85,6 +85,32 @@ def test_first_step_loss_grad_norm_and_update_equal_hf_reference(megatron_env, t
         torch.testing.assert_close(exported[name].cpu(), tensor, atol=1e-5, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_gradient_checkpointing_recomputes_each_layer_and_trains_alike(
+    megatron_env, tiny_qwen2, packed_batch, checkpointing
+):
+    """``model.enable_gradient_checkpointing`` is Megatron's full per-layer recompute: every decoder layer runs
+    forward twice per micro-batch with it (once without), and the step's loss, grad norm and update equal HF's."""
+    from megatron_cpu import make_engine, nll_loss, reference_step
+
+    ref_loss, ref_norm, ref_params = reference_step(tiny_qwen2, packed_batch, lr=1e-3, clip=1.0)
+    eng = make_engine(tiny_qwen2, model_kw={"enable_gradient_checkpointing": checkpointing})
+    assert eng.provider.recompute_granularity == ("full" if checkpointing else None)
+    calls = []
+    layers = [m for c in eng.chunks for m in c.modules() if type(m).__name__ == "TransformerLayer"]
+    for layer in layers:
+        layer.register_forward_hook(lambda *_: calls.append(1))
+    with eng.train_mode():
+        out = eng.train_batch(packed_batch, nll_loss)
+    micro_batches = len(out["loss"])
+    assert len(calls) == len(layers) * micro_batches * (2 if checkpointing else 1)
+    assert sum(out["loss"]) == pytest.approx(ref_loss, abs=1e-5)
+    assert out["metrics"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+    exported = dict(eng.get_per_tensor_param()[0])
+    for name, tensor in ref_params.items():
+        torch.testing.assert_close(exported[name].cpu(), tensor, atol=1e-5, rtol=0, msg=name)
+
+
 def test_chunked_head_with_entropy_trains_like_one_chunk(megatron_env, tiny_qwen2, packed_batch):
     """Loss = NLL - 0.1 entropy at temperature 0.8: 3-token head chunks (recomputed in backward) give the loss,
     grad norm and update of one chunk holding every token."""

@@ -4,7 +4,8 @@ A config value of ``None`` (``null`` in YAML or on the command line) means "choo
 taken as given. Each choice comes with the reason, in bytes, which the caller logs:
 
 - :func:`choose_gradient_checkpointing`: recompute activations only when one micro-batch's saved activations
-  (``max_token_len_per_gpu`` tokens) would not fit beside the training state in the free memory.
+  (``max_token_len_per_gpu`` tokens) would not fit beside the training state in the free memory;
+  :func:`resolve_gradient_checkpointing` applies it to a null ``model.enable_gradient_checkpointing`` for an engine.
 - :func:`choose_ref_offload`: keep the reference model on the device unless, with it there, the rollout's share of
   the memory left could not hold its weights and the KV cache of one generate call.
 - :func:`choose_max_num_seqs`: let vLLM schedule every sequence of one generate call at once (at most 1024).
@@ -17,9 +18,18 @@ They aim to be within a factor of two, with :data:`HEADROOM` of the free memory 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import EngineConfig, ModelConfig
 
 HEADROOM = 0.8
 """Share of the free memory a choice may plan to use; the rest absorbs the estimates' error and fragmentation."""
@@ -151,3 +161,31 @@ def choose_max_num_seqs(sequences: int) -> Choice:
     value = min(-(-sequences // 16) * 16, MAX_SEQS)
     why = "all at once" if value >= sequences else f"capped at {MAX_SEQS}"
     return Choice(value, f"one generate call brings {sequences} sequences per rank: {why}")
+
+
+def resolve_gradient_checkpointing(
+    model_config: ModelConfig, engine_config: EngineConfig, device: torch.device, world: int
+) -> ModelConfig:
+    """``model_config`` with ``enable_gradient_checkpointing`` chosen where it is null
+    (:func:`choose_gradient_checkpointing` on ``device``'s free memory and one micro-batch's token budget, the
+    training state sharded over ``world`` ranks), the choice printed once per process; an explicit value is returned
+    as is."""
+    if model_config.enable_gradient_checkpointing is not None:
+        return model_config
+    tokens = engine_config.max_token_len_per_gpu if engine_config.use_dynamic_bsz else None
+    if engine_config.forward_only:
+        choice = Choice(False, "a forward-only engine keeps no activations for a backward")
+    elif device.type != "cuda":
+        choice = Choice(False, f"on {device.type} activations live in host memory")
+    elif tokens is None:
+        choice = Choice(
+            True, "no micro-batch token budget (use_dynamic_bsz=false), so no activation estimate"
+        )
+    else:
+        import torch
+
+        free = torch.cuda.mem_get_info(device)[0]
+        choice = choose_gradient_checkpointing(ModelShape.from_path(model_config.path), tokens, free, world)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[posttrain] {choice.line('model.enable_gradient_checkpointing')}", file=sys.stderr)
+    return dataclasses.replace(model_config, enable_gradient_checkpointing=bool(choice.value))

@@ -32,6 +32,7 @@ from posttrain.core.batch import PackedBatch, temperatures
 from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
+from posttrain.core.memory_policy import resolve_gradient_checkpointing
 from posttrain.core.module_engine import ModuleEngineMixin, ensure_process_group
 from posttrain.core.optimizer import OptimizerMixin, build_adamw, move_grads, move_optimizer_state
 from posttrain.core.token_stats import HeadRequest, shifted_targets, token_outputs
@@ -48,7 +49,6 @@ from .modeling import (
     init_rope_buffers,
     load_weights,
     materialize,
-    resolve_gradient_checkpointing,
 )
 from .weights import (
     iter_rollout_tensors,

@@ -126,36 +126,6 @@ def _nonpersistent_buffers_known(model: torch.nn.Module) -> bool:
     return True
 
 
-def resolve_gradient_checkpointing(
-    model_config: ModelConfig, engine_config: EngineConfig, device: torch.device, world: int
-) -> ModelConfig:
-    """``model_config`` with ``enable_gradient_checkpointing`` chosen where it is null
-    (:func:`posttrain.core.memory_policy.choose_gradient_checkpointing` on this device's free memory and one
-    micro-batch's token budget), the choice printed once per process; an explicit value is returned as is."""
-    import dataclasses
-    import sys
-
-    from posttrain.core.memory_policy import Choice, ModelShape, choose_gradient_checkpointing
-
-    if model_config.enable_gradient_checkpointing is not None:
-        return model_config
-    tokens = engine_config.max_token_len_per_gpu if engine_config.use_dynamic_bsz else None
-    if engine_config.forward_only:
-        choice = Choice(False, "a forward-only engine keeps no activations for a backward")
-    elif device.type != "cuda":
-        choice = Choice(False, f"on {device.type} activations live in host memory")
-    elif tokens is None:
-        choice = Choice(
-            True, "no micro-batch token budget (use_dynamic_bsz=false), so no activation estimate"
-        )
-    else:
-        free = torch.cuda.mem_get_info(device)[0]
-        choice = choose_gradient_checkpointing(ModelShape.from_path(model_config.path), tokens, free, world)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"[posttrain] {choice.line('model.enable_gradient_checkpointing')}", file=sys.stderr)
-    return dataclasses.replace(model_config, enable_gradient_checkpointing=bool(choice.value))
-
-
 def _fuse_rms_norms(model: torch.nn.Module, model_type: str) -> None:
     """``engine.fused_rms_norm``: :func:`posttrain.fsdp.norms.fuse_rms_norms`, the outcome printed on rank 0."""
     import sys

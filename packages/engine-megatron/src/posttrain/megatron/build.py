@@ -22,6 +22,10 @@ from . import _deps
 from .attention import layer_spec
 from .config import McoreEngineConfig
 
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+"""TransformerConfig fields for ``model.enable_gradient_checkpointing``: every decoder layer's forward runs again in
+backward, as HF's per-layer gradient checkpointing does (``override_transformer_config`` may set others)."""
+
 CPU_OFF_FUSIONS = (
     "gradient_accumulation_fusion",
     "bias_activation_fusion",
@@ -114,8 +118,10 @@ def make_provider(
     on_cuda: bool,
     router_replay: bool = False,
     value_model: bool = False,
+    recompute: bool = False,
 ) -> Any:
-    """The bridge's model provider with posttrain's layout, dtype, layer spec and user overrides, finalized.
+    """The bridge's model provider with posttrain's layout, dtype, layer spec and user overrides, finalized;
+    ``recompute``: :data:`FULL_RECOMPUTE`.
 
     A value model never ties its output layer to the embeddings (the value head replaces that layer), even
     when the HF config ties them."""
@@ -154,6 +160,8 @@ def make_provider(
         provider.moe_enable_routing_replay = True
     if value_model:
         provider.share_embeddings_and_output_weights = False
+    for name, value in (FULL_RECOMPUTE if recompute else {}).items():
+        setattr(provider, name, value)
     _set_checked(provider, cfg.override_transformer_config, "override_transformer_config")
     provider.finalize()
     return provider

@@ -38,6 +38,7 @@ from posttrain.core.batch import (
 )
 from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
+from posttrain.core.memory_policy import resolve_gradient_checkpointing
 
 from . import build, checkpoint, offload, rules, vanilla
 from .config import McoreEngineConfig
@@ -77,6 +78,8 @@ class MegatronEngine(BaseEngine):
             if self.model_config.lora_rank > 0
             else None
         )
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.model_config = resolve_gradient_checkpointing(self.model_config, cfg, self._device, world)
         self.chunks = self._build_chunks(cfg, on_cuda)
         self.router_replay.attach(self.chunks)
         self._load_initial_weights()
@@ -96,9 +99,12 @@ class MegatronEngine(BaseEngine):
         if self.lora is not None:
             hooks.append(self.lora.apply)  # after the value head, so the head can be left trainable
         path, remote = self.model_config.path, self.model_config.trust_remote_code
+        recompute = bool(self.model_config.enable_gradient_checkpointing) and not cfg.forward_only
         if cfg.vanilla_mbridge:
             self.provider = None
-            self.bridge = vanilla.VanillaBridge(path, cfg, on_cuda=on_cuda, trust_remote_code=remote)
+            self.bridge = vanilla.VanillaBridge(
+                path, cfg, on_cuda=on_cuda, trust_remote_code=remote, recompute=recompute
+            )
             return self.bridge.build_model(
                 wrap_with_ddp=not cfg.forward_only, on_cuda=on_cuda, value_head=hooks[0] if hooks else None
             )
@@ -109,6 +115,7 @@ class MegatronEngine(BaseEngine):
             on_cuda=on_cuda,
             router_replay=self.router_replay.enabled,
             value_model=self.is_value_model,
+            recompute=recompute,
         )
         return build.build_model(
             self.provider,

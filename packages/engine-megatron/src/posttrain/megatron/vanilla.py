@@ -67,8 +67,11 @@ def check(cfg: McoreEngineConfig) -> None:
         )
 
 
-def extra_args(cfg: McoreEngineConfig, *, on_cuda: bool, use_te: bool) -> dict[str, Any]:
-    """TransformerConfig fields posttrain sets on top of mbridge's own (the user's overrides last)."""
+def extra_args(
+    cfg: McoreEngineConfig, *, on_cuda: bool, use_te: bool, recompute: bool = False
+) -> dict[str, Any]:
+    """TransformerConfig fields posttrain sets on top of mbridge's own (``recompute``: ``build.FULL_RECOMPUTE``;
+    the user's overrides last)."""
     extra: dict[str, Any] = {
         "attention_dropout": 0.0,
         "hidden_dropout": 0.0,
@@ -79,6 +82,8 @@ def extra_args(cfg: McoreEngineConfig, *, on_cuda: bool, use_te: bool) -> dict[s
     }
     if not (on_cuda and use_te):
         extra.update({name: False for name in build.CPU_OFF_FUSIONS})
+    if recompute:
+        extra.update(build.FULL_RECOMPUTE)
     extra.update(cfg.override_transformer_config)
     return extra
 
@@ -157,7 +162,15 @@ def wrap(
 class VanillaBridge:
     """An ``mbridge`` Bridge for one HF directory, with the Megatron-Bridge method names the engine calls."""
 
-    def __init__(self, model_path: str, cfg: McoreEngineConfig, *, on_cuda: bool, trust_remote_code: bool):
+    def __init__(
+        self,
+        model_path: str,
+        cfg: McoreEngineConfig,
+        *,
+        on_cuda: bool,
+        trust_remote_code: bool,
+        recompute: bool,
+    ):
         mbridge = _deps.import_vanilla_mbridge()
         self.model_path = model_path
         self.cfg = cfg
@@ -166,7 +179,7 @@ class VanillaBridge:
         )
         _copy_rope_theta(self.bridge.hf_config)
         use_te = _deps.has_transformer_engine()
-        self.bridge.set_extra_args(**extra_args(cfg, on_cuda=on_cuda, use_te=use_te))
+        self.bridge.set_extra_args(**extra_args(cfg, on_cuda=on_cuda, use_te=use_te, recompute=recompute))
         if not use_te:
             _use_local_layers(self.bridge)
 

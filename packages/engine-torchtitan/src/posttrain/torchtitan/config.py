@@ -50,7 +50,7 @@ class TorchTitanEngineConfig(EngineConfig):
     activation_checkpointing: str | None = None
     """torchtitan's activation checkpointing of each block: ``none``, ``full`` (recompute the block) or
     ``selective`` (save the matmul outputs, recompute the rest); null follows
-    ``model.enable_gradient_checkpointing`` (full when true, none when false)."""
+    ``model.enable_gradient_checkpointing`` (full when true, none when false; chosen where null)."""
     compile: bool = False
     """``torch.compile`` each transformer block (torchtitan's ``apply_compile``); the first steps pay for it."""
     use_torch_compile: bool = True

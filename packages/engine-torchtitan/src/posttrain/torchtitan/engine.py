@@ -38,6 +38,7 @@ from posttrain.core.batch import PackedBatch, temperatures
 from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from posttrain.core.determinism import enable_full_determinism
 from posttrain.core.engine import BaseEngine, PerTensorParams
+from posttrain.core.memory_policy import resolve_gradient_checkpointing
 from posttrain.core.module_engine import ModuleEngineMixin, ensure_process_group
 from posttrain.core.optimizer import (
     OptimizerMixin,
@@ -163,6 +164,8 @@ class TorchTitanLanguageModelEngine(ModuleEngineMixin, OptimizerMixin, BaseEngin
                     f"engine.{key}=1"
                 )
         compat.check_moe_sharding(self.is_moe, self.distributed)
+        world = torch.distributed.get_world_size() if self.distributed else 1
+        self.model_config = resolve_gradient_checkpointing(self.model_config, cfg, self._device, world)
         self.hf_config = read_hf_config(self.model_config)
         if self.distributed:
             self.parallel_dims = parallel.build_parallel_dims(self._device.type, cfg)

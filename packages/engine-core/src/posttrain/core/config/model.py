@@ -35,9 +35,10 @@ class ModelConfig:
     override_config: dict[str, Any] = field(default_factory=dict)
     """Fields set on the HF config before the model is built."""
     enable_gradient_checkpointing: bool | None = True
-    """Recompute decoder-layer activations in backward. null: the FSDP engine chooses from the model's size, its
-    micro-batch token budget and the free device memory (:func:`posttrain.core.memory_policy.choose_gradient_checkpointing`)
-    and logs the choice."""
+    """Recompute decoder-layer activations in backward (the megatron engine: full recompute of each layer;
+    torchtitan: ``engine.activation_checkpointing`` full unless set). null: the engine chooses from the model's size,
+    its micro-batch token budget and the free device memory
+    (:func:`posttrain.core.memory_policy.resolve_gradient_checkpointing`) and logs the choice."""
     lora_rank: int = 0
     """LoRA rank; 0 trains all parameters."""
     lora_alpha: int = 16
