@@ -7,13 +7,20 @@
 #
 # PRESET (default grpo_gsm8k) sets batch sizes, lengths, the optimizer and the KL, as in examples/grpo_fsdp.sh.
 # TP, PP and CP come from the environment and apply to the actor and the reference alike (every role must share
-# the actor's layout); TP x PP x CP must divide NNODES x NPROC. ROLLOUT_TP is vLLM's own tensor parallel size.
+# the actor's layout); TP x PP x CP must divide NNODES x NPROC. MEGATRON_FSDP=1 shards both roles with
+# Megatron-FSDP (ZeRO-3 on top of the TP/PP layout, PP=1; checkpoints in the fsdp_dtensor format), as the seed's
+# Megatron-FSDP GRPO example does, and leaves CUDA_DEVICE_MAX_CONNECTIONS unset (Megatron-FSDP refuses 1). ROLLOUT_TP is vLLM's own tensor parallel size.
 # Data: `posttrain data gsm8k --input <local file> --out $DATA_DIR` (train and test files). A random-init stand-in
 # model: `posttrain model init --size 1.5b --out /tmp/qwen-1.5b`.
 # Extra arguments are config overrides and win over everything here.
 set -euo pipefail
 
-export CUDA_DEVICE_MAX_CONNECTIONS=1   # lets Megatron overlap communication with compute
+MEGATRON_FSDP=${MEGATRON_FSDP:-0}
+if [ "$MEGATRON_FSDP" = 1 ]; then
+    unset CUDA_DEVICE_MAX_CONNECTIONS   # Megatron-FSDP needs it unset or > 1 (the engine refuses 1)
+else
+    export CUDA_DEVICE_MAX_CONNECTIONS=1   # lets Megatron overlap TP/SP communication with compute
+fi
 unset ROCR_VISIBLE_DEVICES
 
 MODEL_PATH=${MODEL_PATH:?set MODEL_PATH to a local Hugging Face model directory}
@@ -49,6 +56,7 @@ for role in actor ref; do
         "$role.engine.vanilla_mbridge=false"
         "$role.engine.override_transformer_config.gradient_accumulation_fusion=false"
     )
+    [ "$MEGATRON_FSDP" = 1 ] && ENGINE+=("$role.engine.use_megatron_fsdp=true")
 done
 ENGINE+=(actor.engine.use_distributed_optimizer=true)
 ROLLOUT_ARGS=(

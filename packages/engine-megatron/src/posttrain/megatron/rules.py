@@ -108,7 +108,7 @@ def check_engine(
         raise ValueError(
             "engine.use_megatron_fsdp=true with CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron-FSDP needs the variable "
             "unset or > 1 (Megatron-LM and Megatron-Bridge refuse 1 for FSDP; it is TP/SP overlap that wants 1): "
-            "unset CUDA_DEVICE_MAX_CONNECTIONS or set it to 8 (examples/grpo_megatron.sh exports 1)"
+            "unset CUDA_DEVICE_MAX_CONNECTIONS or set it to 8 (examples/grpo_megatron.sh does with MEGATRON_FSDP=1)"
         )
     if cfg.use_megatron_fsdp and not on_cuda:
         raise ValueError(
