@@ -73,6 +73,7 @@ case "${1:-tests}" in
     # is checked against its logged val/loss by bench/export_check.py. One part a call:
     #   bash scripts/gpu_checks.sh megatronrun sft    # examples/sft_megatron_fsdp.sh: Megatron-FSDP, fsdp_dtensor
     #   bash scripts/gpu_checks.sh megatronrun grpo   # examples/grpo_megatron.sh: vLLM (/tmp/stash), dist_ckpt
+    #   (MEGATRON_FSDP=1 before it: GRPO with both roles on Megatron-FSDP, fsdp_dtensor)
     # Megatron-Bridge needs Transformer Engine: run `bash scripts/te_build_gpu.sh install ...` on the machine first.
     which=${2:?usage: gpu_checks.sh megatronrun sft|grpo [overrides]}; shift 2
     [ "$which" = grpo ] && rl_env
