@@ -172,7 +172,9 @@ def run_megatron(
         **LAYOUTS[name],
     )
     optim = OptimizerConfig(lr=1e-5, weight_decay=0.0)
-    model = ModelConfig(path=model_dir, enable_gradient_checkpointing=False)  # as the FSDP run (no --grad-ckpt)
+    model = ModelConfig(
+        path=model_dir, enable_gradient_checkpointing=False
+    )  # as the FSDP run (no --grad-ckpt)
     eng = MegatronLanguageModelEngine(model, engine_cfg, optim, CheckpointConfig())
     eng.initialize()
     per_dp = dist.get_world_size() // eng.get_data_parallel_size()  # GPUs of one data-parallel rank
@@ -188,7 +190,12 @@ def run_megatron(
     result = tt.summarize(
         name, sec, timed_lengths, sum(map(sum, timed_lengths)), count_params(cfg), cfg, ceiling, device
     )
-    te = any(type(m).__module__.startswith("transformer_engine") for c in eng.chunks for m in c.modules())
+    te = any(  # Megatron's TE wrappers subclass TE's modules
+        k.__module__.startswith("transformer_engine")
+        for c in eng.chunks
+        for m in c.modules()
+        for k in type(m).__mro__
+    )
     return result | {"dp": eng.get_data_parallel_size(), "te_layers": te}
 
 
