@@ -96,8 +96,7 @@ def _is_cuda(device) -> bool:
 class CpuDeviceMode(torch.overrides.TorchFunctionMode):
     """Rewrite ``device='cuda'`` (and ``.cuda()``) in torch calls to the CPU: Megatron-Core allocates scratch
     tensors (loss scale, token counters, overflow flags) with a hard-coded CUDA device, and its grad clipping
-    asserts ``grad.type() == 'torch.cuda.FloatTensor'``, so CPU tensors report CUDA type names. The MoE all-to-all
-    gets its split sizes as lists (on CPU they stay tensors, which c10d does not take)."""
+    asserts ``grad.type() == 'torch.cuda.FloatTensor'``, so CPU tensors report CUDA type names."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -110,16 +109,26 @@ class CpuDeviceMode(torch.overrides.TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
-        if func is torch.distributed.all_to_all_single:
-            # the MoE dispatcher turns its split sizes into numpy only when they were on a GPU
-            args = tuple(a.tolist() if torch.is_tensor(a) and i in (2, 3) else a for i, a in enumerate(args))
-            for key in ("output_split_sizes", "input_split_sizes"):
-                if torch.is_tensor(kwargs.get(key)):
-                    kwargs[key] = kwargs[key].tolist()
         return func(*args, **kwargs)
 
 
 _MODE: list[CpuDeviceMode] = []
+
+
+def _list_split_sizes(all_to_all_single):
+    """``all_to_all_single`` taking split sizes as tensors too: the MoE dispatcher turns them into lists only when
+    they were on a GPU, and c10d takes no tensors there. A wrapper, not the mode above: the activation-recompute
+    backward (``model.enable_gradient_checkpointing``) calls it where the mode is not active."""
+
+    def call(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        def listed(sizes):
+            return sizes.tolist() if torch.is_tensor(sizes) else sizes
+
+        return all_to_all_single(
+            output, input, listed(output_split_sizes), listed(input_split_sizes), *args, **kwargs
+        )
+
+    return call
 
 
 def redirect_cuda_to_cpu() -> None:
@@ -136,6 +145,7 @@ def redirect_cuda_to_cpu() -> None:
     if not _MODE:
         _MODE.append(CpuDeviceMode())
         _MODE[0].__enter__()
+        torch.distributed.all_to_all_single = _list_split_sizes(torch.distributed.all_to_all_single)
     import megatron.core.tensor_parallel.random as mrandom
 
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
