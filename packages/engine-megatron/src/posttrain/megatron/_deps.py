@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 from types import ModuleType
 
 TE_HINT = (
@@ -23,6 +24,15 @@ def has_transformer_engine() -> bool:
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
     return bool(HAVE_TE)
+
+
+def has_apex_wgrad_fusion() -> bool:
+    """True when APEX's ``fused_weight_gradient_mlp_cuda`` extension is importable.
+
+    Megatron-Core's own linear layers (the output layer is one even on the TE spec) refuse
+    ``gradient_accumulation_fusion`` without it; NGC containers ship it, a pip install of APEX without
+    ``--cuda_ext`` does not."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
 BRIDGE_MIN = "0.6.2"

@@ -154,7 +154,9 @@ def make_provider(
         for name in CPU_OFF_FUSIONS:
             if hasattr(provider, name):
                 setattr(provider, name, False)
-    if cfg.use_megatron_fsdp:
+    if cfg.use_megatron_fsdp or not _deps.has_apex_wgrad_fusion():
+        # Megatron-FSDP keeps its own gradient buffers; without APEX's wgrad kernel Megatron-Core's
+        # ColumnParallelLinear refuses the fusion (TE's layers would do it, the output layer cannot)
         provider.gradient_accumulation_fusion = False
     if router_replay:
         provider.moe_enable_routing_replay = True

@@ -89,17 +89,22 @@ def _preprocess(state: dict[str, Any], chunk: torch.nn.Module) -> dict[str, Any]
     from megatron.core.transformer import fsdp_dtensor_checkpoint as fdc
     from megatron.core.utils import get_model_config
 
+    from .build import unwrap
+
     state = dict(state)
     fdc.handle_fp8_extra_state_case(state["model"])
     config = get_model_config(chunk)
     split_fns = [fdc.handle_gdn_in_state_dict] if hasattr(fdc, "handle_gdn_in_state_dict") else []
     if getattr(config, "gated_linear_unit", False):
         split_fns.insert(0, fdc.handle_swiglu_in_state_dict)
+    # The helpers resolve a model key as root.get_parameter("module." + key). Model keys are the GPTModel's own
+    # names, and a bf16 model (the GPU) sits in a Float16Module inside Megatron-FSDP: the root is a bare module
+    # whose ``module`` is the GPTModel. Optimizer keys are the wrapper's parameter names; the helper strips one
+    # "module." and resolves the rest against the module inside the wrapper.
+    root = torch.nn.Module()
+    root.module = unwrap(chunk)
     for split in split_fns:
-        # model keys resolve against the wrapper ("module." + key), optimizer keys (named from the wrapper's
-        # named_parameters, "module.module.<name>") against the MegatronFSDP module inside it after the helper
-        # strips one "module.": hence two calls with different roots.
-        state["model"], _ = split(chunk, state["model"], None)
+        state["model"], _ = split(root, state["model"], None)
         if state.get("optimizer") is not None:
             _, state["optimizer"] = split(chunk.module, {}, state["optimizer"])
     experts = getattr(config, "num_moe_experts", None)
