@@ -2,7 +2,7 @@
 
 ``torchrun --nproc-per-node 2 fsdp_ckpt_worker.py save HF_DIR OUT_DIR``: data-parallel size 2, one training step,
 save to ``OUT_DIR/ckpt``, a second step (the reference), then a fresh engine loads the checkpoint and must hold
-the same parameters and Adam moments and take the same second step. ``--nproc-per-node 1 ... load1 HF_DIR
+the same parameters and Adam moments and take the same second step (``FSDP_CKPT_DTYPE=bfloat16``: in bfloat16). ``--nproc-per-node 1 ... load1 HF_DIR
 OUT_DIR``: the same checkpoint loaded at data-parallel size 1 (resharding), then the second step over the whole
 batch. Each run writes ``OUT_DIR/<phase>_results.json``; the reference tensors go to ``OUT_DIR/*.pt``.
 """
@@ -20,7 +20,8 @@ import torch
 def _engine(hf_path):
     from megatron_cpu import make_engine
 
-    return make_engine(hf_path, use_megatron_fsdp=True, use_distributed_optimizer=True)
+    dtype = os.environ.get("FSDP_CKPT_DTYPE", "float32")  # bfloat16 wraps the model in a Float16Module
+    return make_engine(hf_path, use_megatron_fsdp=True, use_distributed_optimizer=True, dtype=dtype)
 
 
 def _params(eng) -> dict[str, torch.Tensor]:
