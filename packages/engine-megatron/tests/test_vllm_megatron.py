@@ -21,6 +21,15 @@ if importlib.util.find_spec("vllm") is None:
     if os.environ.get("POSTTRAIN_REQUIRE_VLLM") == "1":
         raise RuntimeError("POSTTRAIN_REQUIRE_VLLM=1 but vllm is not importable here")
     pytest.skip("needs vLLM (packages/engine-megatron/ci/vllm_cpu.sh)", allow_module_level=True)
+if os.environ.get("POSTTRAIN_REQUIRE_VLLM") != "1":
+    from vllm.platforms import current_platform
+
+    if not current_platform.device_type:  # e.g. the workspace's CUDA build of vLLM on a machine without a GPU
+        pytest.skip(
+            "vLLM found no platform to run on here (packages/engine-megatron/ci/vllm_cpu.sh builds one that runs "
+            "on the CPU)",
+            allow_module_level=True,
+        )
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

@@ -81,6 +81,17 @@ def _raw_state(engine: Any, contents: list[str], is_loading: bool) -> dict[str, 
     return state
 
 
+def model_key_root(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The module Megatron-Core's fsdp_dtensor helpers resolve model keys against (``get_parameter("module." +
+    key)``): a bare module whose ``module`` is the GPTModel. Model keys are the GPTModel's own names, while a
+    bf16 model sits in a Float16Module inside the DDP or Megatron-FSDP wrapper, so the wrapper itself is not it."""
+    from .build import unwrap
+
+    root = torch.nn.Module()
+    root.module = unwrap(chunk)
+    return root
+
+
 def _preprocess(state: dict[str, Any], chunk: torch.nn.Module) -> dict[str, Any]:
     """Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` (same keys on save and on load)."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
@@ -89,20 +100,15 @@ def _preprocess(state: dict[str, Any], chunk: torch.nn.Module) -> dict[str, Any]
     from megatron.core.transformer import fsdp_dtensor_checkpoint as fdc
     from megatron.core.utils import get_model_config
 
-    from .build import unwrap
-
     state = dict(state)
     fdc.handle_fp8_extra_state_case(state["model"])
     config = get_model_config(chunk)
     split_fns = [fdc.handle_gdn_in_state_dict] if hasattr(fdc, "handle_gdn_in_state_dict") else []
     if getattr(config, "gated_linear_unit", False):
         split_fns.insert(0, fdc.handle_swiglu_in_state_dict)
-    # The helpers resolve a model key as root.get_parameter("module." + key). Model keys are the GPTModel's own
-    # names, and a bf16 model (the GPU) sits in a Float16Module inside Megatron-FSDP: the root is a bare module
-    # whose ``module`` is the GPTModel. Optimizer keys are the wrapper's parameter names; the helper strips one
-    # "module." and resolves the rest against the module inside the wrapper.
-    root = torch.nn.Module()
-    root.module = unwrap(chunk)
+    # Optimizer keys are the wrapper's parameter names; the helper strips one "module." and resolves the rest
+    # against the module inside the wrapper.
+    root = model_key_root(chunk)
     for split in split_fns:
         state["model"], _ = split(root, state["model"], None)
         if state.get("optimizer") is not None:
