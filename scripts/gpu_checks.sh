@@ -101,8 +101,12 @@ case "${1:-tests}" in
   megathru)
     # the megatron engine (TP=1, with TE installed also FP8 and TP=1 with TE hidden; TP=2 + SP, Megatron-FSDP DP=2)
     # next to the FSDP engine, on 1 and (where there are 2) 2 GPUs, same data
+    # an 80 GB card (H100) takes 8,192 tokens per GPU and step: the local spec's TP=1 run peaks at ~100 GiB at 16,384
     gpus=1; [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && gpus=1,2
-    timeout 580 python3 bench/megatron_throughput.py --gpus "${GPUS:-$gpus}" --out "$out/megathru.json" 2>&1 \
+    mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1); tokens=16384
+    [ "$mem" -lt 100000 ] && tokens=8192
+    timeout 580 python3 bench/megatron_throughput.py --gpus "${GPUS:-$gpus}" --tokens "${TOKENS:-$tokens}" \
+      --out "$out/megathru.json" 2>&1 \
       | tee "$out/megathru.log" | tail -30 ;;
   sync)
     timeout 200 python3 bench/weight_sync.py --bucket-mb 2048 --json "$out/ws1.json" 2>&1 | tee "$out/ws1.log" | tail -20
