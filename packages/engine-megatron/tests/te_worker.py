@@ -159,7 +159,7 @@ def from_te(module: torch.nn.Module) -> bool:
 def layer_report(eng, parts: dict[str, object]) -> dict[str, object]:
     """Per decoder layer: the class of each part in ``parts`` (name -> expected TE class, or None for any
     Transformer Engine class) and whether it is that; the final norm's; local classes left in the decoder;
-    whether Megatron-Core found TE; which ``transformer_engine`` was imported."""
+    whether Megatron-Core found TE; which ``transformer_engine`` was imported; the model's CUDA fusions."""
     import transformer_engine
 
     from posttrain.megatron import _deps, build
@@ -181,6 +181,7 @@ def layer_report(eng, parts: dict[str, object]) -> dict[str, object]:
         "has_transformer_engine": _deps.has_transformer_engine(),
         "te_file": getattr(transformer_engine, "__file__", None),  # the stand-in has none
         "te_version": getattr(transformer_engine, "__version__", None),
+        "fusions": {name: getattr(model.config, name) for name in build.CUDA_TE_FUSIONS},
     }
 
 

@@ -86,12 +86,14 @@ def dense(tmp_path_factory) -> dict:
 
 
 def _assert_te_layers(report: dict) -> None:
-    """Every checked decoder part is the expected TE class and nothing of the local spec is left."""
+    """Every checked decoder part is the expected TE class, nothing of the local spec is left, and the fused
+    RoPE, SwiGLU and bias-dropout-add (``build.CUDA_TE_FUSIONS``) are on: the parity bounds hold with them."""
     assert report["has_transformer_engine"], "Megatron-Core found no Transformer Engine (HAVE_TE is false)"
     assert report["te_file"], f"transformer_engine is a stand-in, not the real package: {report}"
     wrong = {k: report["classes"][k] for k, ok in report["is_te"].items() if not ok}
     assert not wrong, f"not Transformer Engine modules: {wrong}"
     assert report["local_in_decoder"] == [], report["local_in_decoder"]
+    assert all(report["fusions"].values()), f"fusions off on CUDA with TE: {report['fusions']}"
 
 
 def _assert_parity(res: dict) -> None:

@@ -42,6 +42,14 @@ CPU_OFF_FUSIONS = (
 as Megatron's SequentialMLP)."""
 
 
+CUDA_TE_FUSIONS = {"apply_rope_fusion": True, "bias_activation_fusion": True, "bias_dropout_fusion": True}
+"""Fusions Megatron-LM's training turns on by default (its ``--no-rope-fusion``, ``--no-bias-swiglu-fusion``,
+``--no-bias-dropout-fusion`` flags) that TransformerConfig and Megatron-Bridge's GPT provider leave off: TE's
+fused RoPE for packed (THD) sequences, one kernel with no host sync where Megatron-Core's unfused THD RoPE reads
+the sequence lengths back per layer; the fused SwiGLU; the fused bias-dropout-add. Set on CUDA with TE only;
+``override_transformer_config`` may turn each off."""
+
+
 def parallel_sizes(cfg: McoreEngineConfig) -> dict[str, Any]:
     """The TP / PP / VPP / CP / EP / ETP sizes of ``cfg`` under Megatron's argument names."""
     return dict(
@@ -111,6 +119,18 @@ def _set_checked(obj: Any, overrides: dict[str, Any], key: str) -> None:
         setattr(obj, name, value)
 
 
+def _set_fusions(provider: Any, cfg: McoreEngineConfig, *, fused: bool) -> None:
+    """:data:`CUDA_TE_FUSIONS` on where TE runs on CUDA (``fused``), :data:`CPU_OFF_FUSIONS` off elsewhere;
+    ``gradient_accumulation_fusion`` off under Megatron-FSDP (its own gradient buffers) and without APEX's wgrad
+    kernel, which Megatron-Core's ColumnParallelLinear (the output layer, also on the TE spec) requires although
+    Megatron-Bridge turns the fusion on wherever TE imports."""
+    for name, value in (CUDA_TE_FUSIONS if fused else dict.fromkeys(CPU_OFF_FUSIONS, False)).items():
+        if hasattr(provider, name):
+            setattr(provider, name, value)
+    if cfg.use_megatron_fsdp or not _deps.has_apex_wgrad_fusion():
+        provider.gradient_accumulation_fusion = False
+
+
 def make_provider(
     bridge: Any,
     cfg: McoreEngineConfig,
@@ -150,14 +170,7 @@ def make_provider(
         # micro-batches (measured on gloo, PP=2 x VPP=2).
         provider.overlap_p2p_comm = True
         provider.batch_p2p_comm = False
-    if not (on_cuda and use_te):
-        for name in CPU_OFF_FUSIONS:
-            if hasattr(provider, name):
-                setattr(provider, name, False)
-    if cfg.use_megatron_fsdp or not _deps.has_apex_wgrad_fusion():
-        # Megatron-FSDP keeps its own gradient buffers; without APEX's wgrad kernel Megatron-Core's
-        # ColumnParallelLinear refuses the fusion (TE's layers would do it, the output layer cannot)
-        provider.gradient_accumulation_fusion = False
+    _set_fusions(provider, cfg, fused=on_cuda and use_te)
     if router_replay:
         provider.moe_enable_routing_replay = True
     if value_model:
