@@ -4,11 +4,11 @@ One launch per GPU count (``--gpus 1,2``, the default), all on the same data and
 
 - ``matmul_ceiling``: bf16 (fp32 with ``--tiny``) dense matmul FLOP/s, measured once, in the first launch; the
   later launches reuse it, so every MFU has the same denominator.
-- 1 GPU: ``megatron_tp1`` (TP=1), ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current
-  scaling, ``tensorwise``; skipped without TE), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on). Where TE is
-  installed, one more 1-GPU launch runs ``megatron_tp1_no_te``: TP=1 with TE hidden (``--hide-te``), Megatron-Core's
-  local layer spec.
-- 2 GPUs: ``megatron_tp2_sp`` (TP=2 + sequence parallel), ``megatron_fsdp_dp2`` (Megatron-FSDP, DP=2), then
+- 1 GPU: ``megatron_tp1`` (TP=1), ``megatron_fsdp`` (Megatron-FSDP, DP=1: the documents' path),
+  ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current scaling, ``tensorwise``; skipped
+  without TE), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on). Where TE is installed, one more 1-GPU launch
+  runs ``megatron_tp1_no_te``: TP=1 with TE hidden (``--hide-te``), Megatron-Core's local layer spec.
+- 2 GPUs: ``megatron_tp2_sp`` (TP=2 + sequence parallel), ``megatron_fsdp`` (Megatron-FSDP, DP=2), then
   ``fsdp_engine`` on both GPUs.
 
 The data is ``bench/train_throughput.py``'s: GPU g draws sequences of 64..4096 tokens (uniform) until about
@@ -54,12 +54,12 @@ LAYOUTS = {
     "megatron_tp1": {},
     "megatron_tp1_fp8": {"override_transformer_config": {"fp8": "hybrid", "fp8_recipe": "tensorwise"}},
     "megatron_tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
-    "megatron_fsdp_dp2": {"use_megatron_fsdp": True},
+    "megatron_fsdp": {"use_megatron_fsdp": True},
 }
 """Megatron engine config per run."""
 RUNS = {
-    1: ["megatron_tp1", "megatron_tp1_fp8", "fsdp_engine"],
-    2: ["megatron_tp2_sp", "megatron_fsdp_dp2", "fsdp_engine"],
+    1: ["megatron_tp1", "megatron_fsdp", "megatron_tp1_fp8", "fsdp_engine"],
+    2: ["megatron_tp2_sp", "megatron_fsdp", "fsdp_engine"],
 }
 """Runs of each launch, by GPU (process) count: each is a key of ``LAYOUTS`` or ``fsdp_engine``."""
 
@@ -212,7 +212,7 @@ def run(
     name: str, args: argparse.Namespace, cfg: dict[str, Any], device: torch.device, ceiling: float
 ) -> dict:
     """One run's result; an error (on every rank: a deterministic one) becomes the result."""
-    if name == "megatron_fsdp_dp2" and device.type != "cuda":
+    if name == "megatron_fsdp" and device.type != "cuda":
         return {"run": name, "gpus": dist.get_world_size(), "skipped": "Megatron-FSDP needs CUDA"}
     if name == "megatron_tp1_fp8" and not has_real_te():
         return {"run": name, "gpus": dist.get_world_size(), "skipped": "FP8 needs Transformer Engine"}
