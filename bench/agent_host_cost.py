@@ -1,15 +1,15 @@
-"""Host CPU cost of one agent turn, per phase: the work the agent loop does in the rollout's process between two
-generations, with no model and no vLLM.
+"""Host CPU cost of one agent turn, per phase: the work the agent loop does in the rollout's process between
+two generations, with no model and no vLLM.
 
-The agent loop runs in the same Python process as vLLM's ``AsyncLLM`` front end (``agent.loop=async``), so every
-millisecond it holds the GIL is one vLLM's output handler waits for. This bench times that work alone: the
-tokenizer of ``posttrain model init --size tiny`` (``--vocab 151936``: padded to Qwen2.5's vocabulary, as the
-``0.5b`` size has it), given bench/agent_throughput.py's template (``add_tool_call_rendering``; ``--template
-qwen2.5`` takes the Qwen2.5 template of the agent tests instead, which renders the tools' schemas in a system
-message), the ``calculator`` environment (posttrain-envs) with no tool latency, and the episode an SFT'd model
-plays in bench/agent_throughput.py: "What is 47 * 83 + 12 * 34?", three Hermes ``<tool_call>`` turns (both
-products, their sum) and the answer turn. A sampled turn is the ids of that text plus the stop token, with float32
-log-probs (a ``RolloutSample`` as the vLLM rollout returns it).
+The agent loop runs in the same Python process as vLLM's ``AsyncLLM`` front end (``agent.loop=async``), so
+every millisecond it holds the GIL is one vLLM's output handler waits for. This bench times that work alone:
+the tokenizer of ``posttrain model init --size tiny`` (``--vocab 151936``: padded to Qwen2.5's vocabulary, as
+the ``0.5b`` size has it), given bench/agent_throughput.py's template (``add_tool_call_rendering``;
+``--template qwen2.5`` takes the Qwen2.5 template of the agent tests instead, which renders the tools' schemas
+in a system message), the ``calculator`` environment (posttrain-envs) with no tool latency, and the episode an
+SFT'd model plays in bench/agent_throughput.py: "What is 47 * 83 + 12 * 34?", three Hermes ``<tool_call>``
+turns (both products, their sum) and the answer turn. A sampled turn is the ids of that text plus the stop
+token, with float32 log-probs (a ``RolloutSample`` as the vLLM rollout returns it).
 
 Per repetition, one fresh episode (``AgentLoop.start``) and its turns through the loop's own methods:
 
@@ -91,7 +91,8 @@ def make_loop(tok: Any) -> Any:
 
 
 def scripted_samples(tok: Any) -> list[Any]:
-    """The sampled turns of one episode: a ``RolloutSample`` per turn (ids + stop token, float32 log-probs)."""
+    """The sampled turns of one episode: a ``RolloutSample`` per turn (ids + stop token, float32
+    log-probs)."""
     from posttrain.core.rollout import RolloutSample
     from posttrain.trainers.data.synthetic import calculator_call
 
@@ -167,9 +168,9 @@ def turns_episode(loop: Any, samples: list[Any], clock: Clock) -> None:
 
 
 async def play_episodes(loop: Any, samples: list[Any], clock: Clock, count: int, at_once: int) -> None:
-    """``count`` rounds of ``at_once`` episodes played together through ``AgentLoop.play``, with a ``generate``
-    that answers at once with the episode's next scripted turn; a round's lap is per turn (its time over its
-    turns)."""
+    """``count`` rounds of ``at_once`` episodes played together through ``AgentLoop.play``, with a
+    ``generate`` that answers at once with the episode's next scripted turn; a round's lap is per turn (its
+    time over its turns)."""
     from posttrain.core.rollout import SamplingConfig
 
     sampling = SamplingConfig(seed=1)

@@ -1,12 +1,13 @@
-"""``trainer.mode=stream`` with the episode pool in the trainer's process or in its rollout process, alternating.
+"""``trainer.mode=stream`` with the episode pool in the trainer's process or in its rollout process,
+alternating.
 
-Runs ``posttrain grpo`` (docs/agents.md's stream settings: the tiny model, the calculator env, the HF rollout on
-the CPU) once per placement per round (ABBA order, after one uncounted warm-up run), and prints, per placement
-and as process/colocated, the median over runs of each phase's mean seconds over the steps between the first and
-the last, and of tokens/s over them; each run's value too. What it isolates: the trainer's phases beside the
-pool. Colocated, the pool's event loop and the rollout's Python share the trainer's interpreter lock (the random
-tiny model calls no tools); in a process they share only the two cores, where torch's threads of both compete
-too. Read the ratio as this CPU's, not a GPU's.
+Runs ``posttrain grpo`` (docs/agents.md's stream settings: the tiny model, the calculator env, the HF rollout
+on the CPU) once per placement per round (ABBA order, after one uncounted warm-up run), and prints, per
+placement and as process/colocated, the median over runs of each phase's mean seconds over the steps between
+the first and the last, and of tokens/s over them; each run's value too. What it isolates: the trainer's
+phases beside the pool. Colocated, the pool's event loop and the rollout's Python share the trainer's
+interpreter lock (the random tiny model calls no tools); in a process they share only the two cores, where
+torch's threads of both compete too. Read the ratio as this CPU's, not a GPU's.
 
     python bench/agent_placement.py --rounds 4 --steps 6 --out /tmp/agent_placement
 """
@@ -40,14 +41,15 @@ def run(out: Path, placement: str, k: int, steps: int, model: str, data: str) ->
         "agent.env=calculator", "agent.loop=async", "agent.max_turns=3", "agent.max_tokens_per_turn=48",
         "rollout.prompt_length=96", "rollout.response_length=160", "trainer.mode=stream",
         "trainer.max_staleness=2", f"trainer.total_training_steps={steps}", "trainer.save_freq=-1",
-        "trainer.logger=[file]", f"trainer.rollout_placement={placement}", f"trainer.default_local_dir={run_dir}",
+        "trainer.logger=[file]", f"trainer.rollout_placement={placement}",
+        f"trainer.default_local_dir={run_dir}",
     ]  # fmt: skip
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", type=Path, default=Path("/tmp/agent_placement"))

@@ -3,11 +3,11 @@
 :func:`play_stream` submits ``batches`` batches of the prompts (batch ``b`` samples with seed ``seed + b``, as
 the other arms' batches do) to one :class:`~posttrain.trainers.agents.stream.EpisodeStream` capped at one
 batch's episodes (or ``--stream-episodes``), then takes one batch's worth of finished groups at a time, in the
-order they finish, as the trainer's steps do. Between two takes it pauses the pool as the trainer does around a
-weight push (the gate closes, the requests in flight finish, the gate reopens on the next version): the drain is
-what a push costs the stream on top of the push itself, which every arm pays alike and the bench leaves out. A
-group's staleness is the number of pushes between its oldest turn and its take. No training runs between takes,
-so the pool never waits for a trainer: this measures the loop, like the other arms.
+order they finish, as the trainer's steps do. Between two takes it pauses the pool as the trainer does around
+a weight push (the gate closes, the requests in flight finish, the gate reopens on the next version): the
+drain is what a push costs the stream on top of the push itself, which every arm pays alike and the bench
+leaves out. A group's staleness is the number of pushes between its oldest turn and its take. No training runs
+between takes, so the pool never waits for a trainer: this measures the loop, like the other arms.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def play_stream(
 
 
 def stream_arms(caps: list[int] | None) -> list[str]:
-    """One stream arm per ``--stream-episodes`` cap: ``stream`` for 0 (one batch's episodes), ``streamN`` for N."""
+    """One stream arm per ``--stream-episodes`` cap: ``stream`` for 0 (one batch's episodes), ``streamN`` for
+    N."""
     names = [f"stream{c}" if c else "stream" for c in (caps or [0])]
     bad = [c for c in caps or [] if c < 0]
     if bad or len(set(names)) < len(names):

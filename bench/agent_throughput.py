@@ -1,51 +1,56 @@
-"""Multi-turn agent throughput: the asynchronous agent loop and the episode stream against the same loop with a
-barrier at every turn.
+"""Multi-turn agent throughput: the asynchronous agent loop and the episode stream against the same loop with
+a barrier at every turn.
 
-Every arm plays the same episodes of the ``calculator`` environment (posttrain-envs) over one rollout: "What is
-a * b + c * d?", up to ``--max-turns`` assistant turns (two products, their sum, the answer), every tool call
-sleeping ``--tool-latency`` plus a uniform ``[0, --tool-jitter]`` draw, like a tool behind a network.
+Every arm plays the same episodes of the ``calculator`` environment (posttrain-envs) over one rollout: "What
+is a * b + c * d?", up to ``--max-turns`` assistant turns (two products, their sum, the answer), every tool
+call sleeping ``--tool-latency`` plus a uniform ``[0, --tool-jitter]`` draw, like a tool behind a network.
 
 - ``async`` (``agent.loop=async``): each episode awaits ``VLLMRollout.agenerate`` for its turn (vLLM's
-  ``AsyncLLM``, ``rollout.executor=server``), runs its tools on a worker thread and asks for its next turn at once.
+  ``AsyncLLM``, ``rollout.executor=server``), runs its tools on a worker thread and asks for its next turn at
+  once.
 - ``barrier`` (``agent.loop=batched``): one ``rollout.generate`` over every live episode per turn, then every
   episode's tools, then the next turn.
-- ``stream`` (``trainer.mode=stream``'s pool, bench/agent_stream.py): the async loop's episodes with one batch's
-  episodes in flight across batches; the next batch's groups start as this batch's episodes end. Each extra
-  ``--stream-episodes N`` adds an arm ``streamN`` capped at N episodes (N above one batch's: more requests in
-  flight than any one-batch loop can have, and episodes of later batches generated before earlier takes).
+- ``stream`` (``trainer.mode=stream``'s pool, bench/agent_stream.py): the async loop's episodes with one
+  batch's episodes in flight across batches; the next batch's groups start as this batch's episodes end. Each
+  extra ``--stream-episodes N`` adds an arm ``streamN`` capped at N episodes (N above one batch's: more
+  requests in flight than any one-batch loop can have, and episodes of later batches generated before earlier
+  takes).
 
 A pass of an arm plays ``--batches`` batches of the questions (batch ``b`` with seed ``1 + b``): async and
 barrier one batch after another (the step's batch as the trainer's sync and one-step-off modes generate it),
 stream as one pool that takes a batch's worth of finished groups at a time and pauses as for a weight push
 between them.
 
-- ``trl`` (``--trl``): TRL 1.16's ``GRPOTrainer(environment_factory=...)`` on the same env, tasks, model, limits
-  and sampling, GRPO steps in its own subprocess after posttrain's arms (bench/trl_agent.py says what it
-  measures and how). ``over_trl`` is each posttrain arm's tokens/s/GPU over TRL's.
+- ``trl`` (``--trl``): TRL 1.16's ``GRPOTrainer(environment_factory=...)`` on the same env, tasks, model,
+  limits and sampling, GRPO steps in its own subprocess after posttrain's arms (bench/trl_agent.py says what
+  it measures and how). ``over_trl`` is each posttrain arm's tokens/s/GPU over TRL's.
 
-Variants (``--rollout vllm`` only): ``--variant NAME=JSON`` (repeatable; default ``default={}``) runs posttrain's
-arms once per variant, each over its own freshly built vLLM engine whose ``VLLMRolloutConfig.engine_kwargs``
-is the JSON (its keys win over posttrain's; a ``compilation_config`` is merged into posttrain's). E.g.
-``full_graphs={"compilation_config": {"cudagraph_mode": "FULL"}}``: vLLM's default FULL_AND_PIECEWISE runs steps that mix prefills with decodes (nearly every step of the
-async arm) with piecewise CUDA graphs, attention outside the graph; FULL captures whole graphs for them too where
-the attention backend allows (FlashAttention 3 on Hopper).
+Variants (``--rollout vllm`` only): ``--variant NAME=JSON`` (repeatable; default ``default={}``) runs
+posttrain's arms once per variant, each over its own freshly built vLLM engine whose
+``VLLMRolloutConfig.engine_kwargs`` is the JSON (its keys win over posttrain's; a ``compilation_config`` is
+merged into posttrain's). E.g.
+``full_graphs={"compilation_config": {"cudagraph_mode": "FULL"}}``: vLLM's default FULL_AND_PIECEWISE runs
+steps that mix prefills with decodes (nearly every step of the async arm) with piecewise CUDA graphs,
+attention outside the graph; FULL captures whole graphs for them too where the attention backend allows
+(FlashAttention 3 on Hopper).
 
 The model is ``posttrain model init --size SIZE`` (random weights of that shape, the offline ChatML tokenizer,
 given a template that also renders ``tool_calls``, as TRL requires: the same text for every message posttrain
 renders), fine-tuned first for ``--sft-steps`` plain AdamW steps on calculator traces so that it writes the
-tool-call format and ends its turns (its digits are guesses; the tool evaluates whatever it is given, so the turn
-structure is real). Reported per variant, arm and repeat (the arms interleaved, after one warm-up pass of each;
-TRL's steps after ``--trl-warmup`` untimed ones):
+tool-call format and ends its turns (its digits are guesses; the tool evaluates whatever it is given, so the
+turn structure is real). Reported per variant, arm and repeat (the arms interleaved, after one warm-up pass of
+each; TRL's steps after ``--trl-warmup`` untimed ones):
 
 - ``wall_s`` (weight sync outside the clock in every arm), ``model_tokens`` (sampled tokens only) and
-  ``tokens_per_s_per_gpu``; ``gpu_idle_s``: the seconds with no generation request in flight (waiting for tools
-  or the loop); ``gpu_busy_s`` = wall - idle; ``tokens_per_busy_s`` = tokens / busy seconds, how efficiently the
-  engine generates while it has work (a host-side clock: a request in flight counts as busy). With the vLLM
-  rollout also ``requests``, ``mean_in_flight``, ``itl_ms``, ``queue_ms``, ``prefill_ms``, ``front_ms`` and
-  ``prefix_hit`` (bench/request_log.py): tokens/s ~ requests in flight / time per decode step.
-- ``distinct_per_task``: the mean over prompts of the number of distinct trajectories among its ``--n`` episodes
-  (``--n`` when every episode of a GRPO group differs); turns per episode, tool calls and errors (malformed calls
-  included), truncated episodes.
+  ``tokens_per_s_per_gpu``; ``gpu_idle_s``: the seconds with no generation request in flight (waiting for
+  tools or the loop); ``gpu_busy_s`` = wall - idle; ``tokens_per_busy_s`` = tokens / busy seconds, how
+  efficiently the engine generates while it has work (a host-side clock: a request in flight counts as busy).
+  With the vLLM rollout also ``requests``, ``mean_in_flight``, ``itl_ms``, ``queue_ms``, ``prefill_ms``,
+  ``front_ms`` and ``prefix_hit`` (bench/request_log.py): tokens/s ~ requests in flight / time per decode
+  step.
+- ``distinct_per_task``: the mean over prompts of the number of distinct trajectories among its ``--n``
+  episodes (``--n`` when every episode of a GRPO group differs); turns per episode, tool calls and errors
+  (malformed calls included), truncated episodes.
 - a stream arm's ``episodes_in_flight``, ``requests_in_flight`` (time-weighted means over the pass),
   ``gate_wait_s`` (request-seconds held at the push gate) and ``staleness_mean``/``staleness_max``: per taken
   group, the versions pushed between its oldest turn and its take (the trainer drops groups staler than
@@ -55,8 +60,8 @@ TRL's steps after ``--trl-warmup`` untimed ones):
   barrier wall / barrier busy seconds: the speedup async would reach with no idle time and the barrier's
   generation efficiency.
 
-The first variant's ``runs``, ``mean``, ``async_speedup`` and ``stream_speedup`` are also at the top level. JSON to ``--out`` (written
-after every variant, again at the end) and stdout; one summary line to stderr.
+The first variant's ``runs``, ``mean``, ``async_speedup`` and ``stream_speedup`` are also at the top level.
+JSON to ``--out`` (written after every variant, again at the end) and stdout; one summary line to stderr.
 
 H200 (the 0.5B shape with vLLM, 256 episodes = 32 questions x 8; ``bash scripts/gpu_checks.sh agents`` runs
 this with the default and full_graphs variants, ``AGENT_TRL=1`` adds ``--trl``)::
@@ -117,8 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=None,
         help="a stream arm's cap on episodes in flight (trainer.stream_episodes; 0: one batch's, as the "
-        "barrier holds at most); repeatable, one stream arm per cap (named stream, or streamN for a cap N > 0); "
-        "default: 0",
+        "barrier holds at most); repeatable, one stream arm per cap (named stream, or streamN for a cap N > "
+        "0); default: 0",
     )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--out", default=None, help="JSON file")
@@ -212,7 +217,8 @@ def format_sft(model_dir: str, device: str, steps: int) -> None:
 
 
 class Timed:
-    """Forwards ``generate``/``agenerate`` to the rollout and records when generation requests are in flight."""
+    """Forwards ``generate``/``agenerate`` to the rollout and records when generation requests are in
+    flight."""
 
     def __init__(self, rollout: Any) -> None:
         from posttrain.core.rollout import serves_requests
@@ -337,8 +343,8 @@ def build_rollout(args, model_dir: str, engine_kwargs: dict[str, Any]):
 
 
 def posttrain_arms(args, variant: str, tok, prompts, model_dir: str, engine_kwargs: dict[str, Any]):
-    """Both of posttrain's arms over one rollout built with ``engine_kwargs`` (arms interleaved, one warm-up pass
-    each); releases the rollout."""
+    """Both of posttrain's arms over one rollout built with ``engine_kwargs`` (arms interleaved, one warm-up
+    pass each); releases the rollout."""
     rollout, rollout_cfg = build_rollout(args, model_dir, engine_kwargs)
     started = getattr(rollout, "started_with", {})
     report: dict[str, Any] = {
@@ -384,8 +390,8 @@ TOP_LEVEL = ("runs", "mean", "async_speedup", "stream_speedup", "async_skipped",
 
 
 def wait_for_memory(free_before: int, timeout_s: float = 60.0) -> None:
-    """Waits until the GPU has ``free_before`` bytes free again (less 1 GiB), so that a released engine's process
-    has given its memory back before the next one takes its share of what is free."""
+    """Waits until the GPU has ``free_before`` bytes free again (less 1 GiB), so that a released engine's
+    process has given its memory back before the next one takes its share of what is free."""
     deadline = time.monotonic() + timeout_s
     while torch.cuda.mem_get_info()[0] < free_before - 2**30 and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -440,8 +446,9 @@ def summary(report: dict[str, Any]) -> str:
     parts = []
     for name, v in report["variants"].items():
         arms = ", ".join(
-            f"{arm} {m['tokens_per_s_per_gpu']:.0f} tok/s/GPU (busy {m['gpu_busy_s']:.2f} of {m['wall_s']:.2f} s, "
-            f"{m['tokens_per_busy_s']:.0f} tok/busy-s, {m['distinct_per_task']:.2f} distinct/task"
+            f"{arm} {m['tokens_per_s_per_gpu']:.0f} tok/s/GPU (busy {m['gpu_busy_s']:.2f} of "
+            f"{m['wall_s']:.2f} s, {m['tokens_per_busy_s']:.0f} tok/busy-s, {m['distinct_per_task']:.2f} "
+            "distinct/task"
             + (f", {m['mean_in_flight']:.0f} in flight, itl {m['itl_ms']:.2f} ms" if "itl_ms" in m else "")
             + ")"
             for arm, m in v["mean"].items()

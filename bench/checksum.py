@@ -3,9 +3,9 @@ word checksum (:mod:`word_checksum`), on the same bucket in the same run.
 
 The bucket holds the tensors of a Qwen2.5-1.5B shape in bf16 (338 tensors, 3.09 GB in all, here cut into
 buckets of ``--bucket-mb``), each at a multiple of 256 bytes with its tail zeroed, as the sender packs them.
-Each checksum runs over every bucket once to warm up, then ``--reps`` times; the best time counts, reported as ms for the whole model and
-GB/s. Both must give each tensor a checksum that matches its own ``tensor_checksum``, checked once for a few
-tensors (the row hashes) so the timed code is the product's.
+Each checksum runs over every bucket once to warm up, then ``--reps`` times; the best time counts, reported as
+ms for the whole model and GB/s. Both must give each tensor a checksum that matches its own
+``tensor_checksum``, checked once for a few tensors (the row hashes) so the timed code is the product's.
 
     python bench/checksum.py [--device cuda|cpu] [--bucket-mb 2048] [--reps 3] [--json out.json]
 """

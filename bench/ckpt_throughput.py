@@ -3,16 +3,17 @@
 Default: a Qwen2.5-1.5B-shaped model (1.54 B params, fp32 master weights + AdamW exp_avg/exp_avg_sq, about
 18.5 GB) on one GPU, in one process. In the same call it measures
 
-- raw write: the same bytes, already in host memory, written to one file in ``--dir`` with fsync (the disk's rate);
+- raw write: the same bytes, already in host memory, written to one file in ``--dir`` with fsync (the disk's
+  rate);
 - raw read: that file read back after its pages were dropped from the page cache (``posix_fadvise``);
 - sync save: ``CheckpointManager.stage`` + ``save_role`` + ``commit`` (D2H, DCP write, fsync, rename);
 - load: ``load_role`` of model + optimizer + extra into the live model (page cache dropped first);
 - the checkpoint's size on disk (the tied embedding is stored once, so it is about the state's size);
 - ``prepare_role``: the pinned host buffers of the async snapshot allocated on a background thread, before the
-  first async save, as a trainer does after its first step: ``prepare_s`` is the time until they are ready, and
-  a stand-in for training (a loop of matrix products on the device, synchronised each iteration) runs on the
-  main thread meanwhile: ``probe_prepare_max_ms`` / ``probe_prepare_mean_ms`` against ``probe_idle_*`` show
-  whether the allocation stalls the training thread or the device (``--no-prepare`` skips this);
+  first async save, as a trainer does after its first step: ``prepare_s`` is the time until they are ready,
+  and a stand-in for training (a loop of matrix products on the device, synchronised each iteration) runs on
+  the main thread meanwhile: ``probe_prepare_max_ms`` / ``probe_prepare_mean_ms`` against ``probe_idle_*``
+  show whether the allocation stalls the training thread or the device (``--no-prepare`` skips this);
 - async save, twice: the time ``save_role`` blocks training (``async_first_blocking_s``: the first save, which
   allocates the pinned buffers itself with ``--no-prepare``; ``async_steady_blocking_s``: the second) and the
   time until the background write and commit are done.
@@ -21,8 +22,9 @@ Targets (issue 4): save >= 70% of the raw write rate; async blocking <= 1 s, the
 
 The disk's rate drifts between runs (raw writes of 0.92 and 1.52 GB/s on two fresh GPU machines), so
 ``--repeats N`` alternates N (raw write, sync save) pairs and reports the ratio of the medians next to each
-pair's ratio; ``--ratio-only`` stops there (no load, no async saves). ``--unstaged`` adds, to each round, DCP's
-own save of the same state (its writer threads copy device tensors with ``.cpu()``): the sync save before
+pair's ratio; ``--ratio-only`` stops there (no load, no async saves). ``--unstaged`` adds, to each round,
+DCP's own save of the same state (its writer threads copy device tensors with ``.cpu()``): the sync save
+before
 :mod:`posttrain.ckpt.staging`, as a same-run baseline.
 
     python bench/ckpt_throughput.py [--dir /tmp/ckpt_bench] [--threads 8] [--json out.json] [--no-prepare]
@@ -150,7 +152,8 @@ def save(mgr: CheckpointManager, state: RoleState, step: int, threads: int) -> f
 
 
 def probe(device: torch.device, until: Any, min_iters: int = 20) -> dict[str, float]:
-    """Time a stand-in training loop (matrix products, synchronised each iteration) until ``until()`` is true."""
+    """Time a stand-in training loop (matrix products, synchronised each iteration) until ``until()`` is
+    true."""
     n = 4096 if device.type == "cuda" else 256
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     times = []
@@ -176,8 +179,9 @@ def prepare(amgr: CheckpointManager, state: RoleState, device: torch.device) -> 
 
 
 def unstaged_save(state: RoleState, target: Path, threads: int) -> None:
-    """The baseline ``--unstaged`` times: DCP's own save of the same model + optimizer state (tied tensors once),
-    whose writer threads copy each device tensor with ``.cpu()`` (the sync save before the staging pool)."""
+    """The baseline ``--unstaged`` times: DCP's own save of the same model + optimizer state (tied tensors
+    once), whose writer threads copy each device tensor with ``.cpu()`` (the sync save before the staging
+    pool)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -196,7 +200,8 @@ def unstaged_save(state: RoleState, target: Path, threads: int) -> None:
 
 
 def save_pairs(args: argparse.Namespace, state: RoleState, root: Path, nbytes: int) -> dict[str, Any]:
-    """``args.repeats`` alternating (raw write, sync save[, unstaged save]) rounds; medians and per-round ratios."""
+    """``args.repeats`` alternating (raw write, sync save[, unstaged save]) rounds; medians and per-round
+    ratios."""
     raw, saved, unstaged, res = [], [], [], {}
     for i in range(args.repeats):  # alternating: disk drift hits both sides alike
         write_s, read_s = raw_write_read(

@@ -1,29 +1,31 @@
-"""Cost of checkpoint verification: a verified against an unverified save and load of a model with AdamW state.
+"""Cost of checkpoint verification: a verified against an unverified save and load of a model with AdamW
+state.
 
-Verified (the default of ``save_role``/``load_role``): the save computes every tensor's row-hash checksum on its
-device and refuses NaN/inf, then re-reads each written file for its segment CRCs; the load re-reads every file
-against them before DCP reads it, then checks the loaded tensors' checksums and finiteness. Unverified:
+Verified (the default of ``save_role``/``load_role``): the save computes every tensor's row-hash checksum on
+its device and refuses NaN/inf, then re-reads each written file for its segment CRCs; the load re-reads every
+file against them before DCP reads it, then checks the loaded tensors' checksums and finiteness. Unverified:
 ``verify=False`` (no checksums recorded, none checked). Each round runs an unverified and a verified arm, each
 a save (``CheckpointManager.stage`` + ``save_role`` + ``commit``) and then a load, the page cache of the files
 dropped before each load; the arms' order alternates from round to round. The medians and minima over
 ``--rounds`` and the overheads are printed (and written with ``--json``).
 
-With ``--baseline COMMIT`` each round runs twice more, as a subprocess of this script with ``--rounds 1``: once
-with the baseline's ``packages/*/src`` (``git archive``) first on ``PYTHONPATH`` and once with this tree's, which
-goes first alternating; the medians of both are printed side by side (same venv, same machine, same run), with
-``--phases`` each one's phases too.
+With ``--baseline COMMIT`` each round runs twice more, as a subprocess of this script with ``--rounds 1``:
+once with the baseline's ``packages/*/src`` (``git archive``) first on ``PYTHONPATH`` and once with this
+tree's, which goes first alternating; the medians of both are printed side by side (same venv, same machine,
+same run), with ``--phases`` each one's phases too.
 
 ``--load-schedules N`` then loads the last verified checkpoint N more times per schedule of the load's file
 check (as it is; with WILLNEED read-ahead; in name order instead of DCP's read order; and unverified), to see
 which one DCP's read suffers least from on the disk at hand.
 
 ``--phases`` also times, per arm and round, the steps a save and a load go through (:data:`PHASES`: the
-tensor checksums, DCP's write and read, the file CRCs, the manifest, the commit's fsync, the load's wait for its
-file check and its tensor check), by wrapping those functions in this process; their medians are printed per arm.
+tensor checksums, DCP's write and read, the file CRCs, the manifest, the commit's fsync, the load's wait for
+its file check and its tensor check), by wrapping those functions in this process; their medians are printed
+per arm.
 
     python bench/ckpt_verify.py --shape small --rounds 3            # CPU, ~200 MB of state
     python bench/ckpt_verify.py --shape medium --rounds 3 --phases   # CPU, ~1.9 GB, time per phase
-    python bench/ckpt_verify.py --shape small --rounds 3 --baseline 1b3d3c9   # against an earlier verification
+    python bench/ckpt_verify.py --shape small --rounds 3 --baseline 1b3d3c9  # against an earlier verification
     python bench/ckpt_verify.py --shape 1.5b --rounds 3 --dir /tmp/ckpt_bench   # one GPU, ~18.5 GB
 """
 
@@ -79,10 +81,11 @@ PHASES = (
     ("posttrain.ckpt.role", "verified_read", "file check wait", "exit"),
     ("posttrain.ckpt.role", "check_loaded", "tensor checks", "call"),
 )
-"""(module, function, phase, how) timed with ``--phases``; a function the module lacks is skipped (an older tree's
-sources with ``--baseline``). ``call``: the function's seconds; ``exit``: a context manager's, from the end of its
-body to its exit: ``syncing`` waits there for the fsyncs of the role's files that ran during the CRCs (a tree
-before it fsyncs inside DCP's write), ``verified_read`` for the file check that ran during DCP's read."""
+"""(module, function, phase, how) timed with ``--phases``; a function the module lacks is skipped (an older
+tree's sources with ``--baseline``). ``call``: the function's seconds; ``exit``: a context manager's, from the
+end of its body to its exit: ``syncing`` waits there for the fsyncs of the role's files that ran during the
+CRCs (a tree before it fsyncs inside DCP's write), ``verified_read`` for the file check that ran during DCP's
+read."""
 _phase_s: dict[str, float] = {}
 _installed: list[bool] = []
 
@@ -273,8 +276,8 @@ def main() -> None:
 
 
 def load_schedules(role: Path, state: RoleState, n: int) -> dict[str, dict[str, float]]:
-    """``n`` rounds of a load of ``role`` per schedule, the schedules' order alternating: unverified; verified as
-    it is (the file check reads the segments in DCP's read order, without read-ahead hints); verified with
+    """``n`` rounds of a load of ``role`` per schedule, the schedules' order alternating: unverified; verified
+    as it is (the file check reads the segments in DCP's read order, without read-ahead hints); verified with
     ``POSIX_FADV_WILLNEED`` on each 16 MiB piece; verified in name order. Medians of the load's seconds and of
     DCP's read."""
     from posttrain.ckpt import verify
@@ -308,9 +311,9 @@ def load_schedules(role: Path, state: RoleState, n: int) -> dict[str, dict[str, 
 def rounds(
     args: argparse.Namespace, state: RoleState
 ) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
-    """``args.rounds`` rounds of a save and a load per arm, the arms' order alternating round by round (the disk's
-    and the machine's drift, and whichever arm finds the other's pages cached, fall on both alike); seconds per
-    arm and, with ``--phases``, seconds per phase."""
+    """``args.rounds`` rounds of a save and a load per arm, the arms' order alternating round by round (the
+    disk's and the machine's drift, and whichever arm finds the other's pages cached, fall on both alike);
+    seconds per arm and, with ``--phases``, seconds per phase."""
     times: dict[str, list[float]] = {k: [] for k in ARMS}
     phases: dict[str, list[dict[str, float]]] = {k: [] for k in ARMS} if args.phases else {}
     shutil.rmtree(args.dir, ignore_errors=True)

@@ -1,7 +1,8 @@
 """``posttrain config show`` start-up time: this tree against a baseline commit, interleaved round by round.
 
 The baseline's ``packages/*/src`` are exported (``git archive``) to a temporary folder and put first on
-``PYTHONPATH``, so both arms run the same venv, console script and entry points; only the source differs. Per arm:
+``PYTHONPATH``, so both arms run the same venv, console script and entry points; only the source differs. Per
+arm:
 wall time of ``uv run posttrain config show`` (what a user types, uv's own check included), the CPU time
 (user + sys) of the whole process tree, and the sum of the top-level ``python -X importtime`` entries.
 

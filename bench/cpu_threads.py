@@ -1,8 +1,9 @@
 """SFT step time on this CPU with 1 torch thread, with one per core, and with ``threads.configure``'s choice.
 
-Runs ``posttrain sft --config sft_tiny`` (tiny offline model, synthetic arithmetic) for ``--steps`` steps per arm,
-the arms interleaved round by round (A, B, C, A, B, C, ...) so that a shared machine's changing load falls on all
-of them alike, and prints the median and range of ``perf/step_s`` (steps after the first) per arm.
+Runs ``posttrain sft --config sft_tiny`` (tiny offline model, synthetic arithmetic) for ``--steps`` steps per
+arm, the arms interleaved round by round (A, B, C, A, B, C, ...) so that a shared machine's changing load
+falls on all of them alike, and prints the median and range of ``perf/step_s`` (steps after the first) per
+arm.
 
     uv run python bench/cpu_threads.py --rounds 3 --steps 6
 """

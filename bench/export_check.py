@@ -5,9 +5,9 @@ validation set, next to the ``val/loss`` the trainer logged at step N. Exits 1 w
 
     python3 bench/export_check.py RUN [--rtol 1e-2] [--device cuda] [--dtype float32]
 
-The run's ``config.yaml`` gives the validation files, the tokenizer and the lengths, so the tokens and loss masks
-are the trainer's own (``SFTDataset``). A bfloat16 engine's loss against a float32 forward of its bfloat16 export
-differs by the engine's rounding: a few 1e-3 relative.
+The run's ``config.yaml`` gives the validation files, the tokenizer and the lengths, so the tokens and loss
+masks are the trainer's own (``SFTDataset``). A bfloat16 engine's loss against a float32 forward of its
+bfloat16 export differs by the engine's rounding: a few 1e-3 relative.
 """
 
 from __future__ import annotations

@@ -1,18 +1,20 @@
 """The HF rollout against plain ``model.generate`` on the same model and batch, timed in one run.
 
 Both sample (temperature 1, no top-k / top-p) the same left-aligned batch of random prompts for exactly
-``--new-tokens`` tokens: the model has no eos token, so neither stops early. ``model.generate`` is called on the
-rollout's own model (``HFRollout.model``) with its default cache; the rollout adds what an RL step needs (per-token
-log-probs, a seeded generator, stop tokens) and runs its device-side decode loop
-(:mod:`posttrain.rollout_hf.decode`). Each is run once to warm up, then ``--repeats`` times; the report gives the
-best and median seconds, tokens per second (new tokens only), peak memory and the ratio rollout / generate
+``--new-tokens`` tokens: the model has no eos token, so neither stops early. ``model.generate`` is called on
+the rollout's own model (``HFRollout.model``) with its default cache; the rollout adds what an RL step needs
+(per-token log-probs, a seeded generator, stop tokens) and runs its device-side decode loop
+(:mod:`posttrain.rollout_hf.decode`). Each is run once to warm up, then ``--repeats`` times; the report gives
+the best and median seconds, tokens per second (new tokens only), peak memory and the ratio rollout / generate
 (the target: at most 1.5).
 
 Default (CUDA): a Qwen2.5-0.5B-shaped random model (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate
-4864, vocabulary 151,936) in bf16, 256 prompts x 256 tokens, 256 new tokens. ``--tiny``: a small model on the CPU.
+4864, vocabulary 151,936) in bf16, 256 prompts x 256 tokens, 256 new tokens. ``--tiny``: a small model on the
+CPU.
 Run::
 
-    PYTHONPATH=packages/engine-core/src:packages/rollout-hf/src python bench/hf_rollout.py [--compile] [--json out.json]
+    PYTHONPATH=packages/engine-core/src:packages/rollout-hf/src \\
+        python bench/hf_rollout.py [--compile] [--json out.json]
     uv run python bench/hf_rollout.py --tiny       # CPU smoke run
 """
 

@@ -1,20 +1,22 @@
 """ATen ops per decoder layer of the FSDP engine (HF modules) and the TorchTitan engine, counted on a CPU.
 
-Both engines are built as ``titan_throughput.py`` builds them (FSDP2 over one gloo rank, bf16 compute, fp32 master
-weights, no recomputation) from one random 2-layer Qwen3 checkpoint of ``--shape``'s widths (vocabulary cut to
-2,048), and each runs one document of ``--tokens`` tokens through ``forward_backward_batch`` (after an untimed
-step) under a ``TorchDispatchMode`` that records every ATen op: its name, forward or backward, and the bytes its
-tensor arguments and results hold. Module hooks say which region ran it (norm, attention, mlp, the rest of the
-layer, or outside the decoder layers); a backward op belongs to the region whose forward created its autograd node.
+Both engines are built as ``titan_throughput.py`` builds them (FSDP2 over one gloo rank, bf16 compute, fp32
+master weights, no recomputation) from one random 2-layer Qwen3 checkpoint of ``--shape``'s widths (vocabulary
+cut to 2,048), and each runs one document of ``--tokens`` tokens through ``forward_backward_batch`` (after an
+untimed step) under a ``TorchDispatchMode`` that records every ATen op: its name, forward or backward, and the
+bytes its tensor arguments and results hold. Module hooks say which region ran it (norm, attention, mlp, the
+rest of the layer, or outside the decoder layers); a backward op belongs to the region whose forward created
+its autograd node.
 ``--fsdp-arm hf_norm`` builds the FSDP engine with ``engine.fused_rms_norm=false`` (HF's RMSNorm modules).
 
 Ops are classed as no kernel (views, allocations), matmul, attention, communication, host read
-(``_local_scalar_dense``: a device sync on a GPU) and memory-bound (the rest). Each op's bytes at ``--tokens`` and
-at twice that give a line, read at ``--at`` tokens; memory-bound kernels are estimated at bytes / ``--bandwidth`` +
-``--launch-us`` each. Two estimates: ``cpu_path`` runs the ops this CPU ran; ``cuda_path`` counts each
-``F.rms_norm`` call (which a CPU decomposes into HF's ops) as CUDA's one ``_fused_rms_norm`` kernel forward and one
-backward (2 and 3 tensors' bytes; 5 with a weight). Attention here is one SDPA call per document and its
-``cat``/``select``/``clone`` are that CPU loop's; on CUDA both engines call the same varlen kernel::
+(``_local_scalar_dense``: a device sync on a GPU) and memory-bound (the rest). Each op's bytes at ``--tokens``
+and at twice that give a line, read at ``--at`` tokens; memory-bound kernels are estimated at
+bytes / ``--bandwidth`` + ``--launch-us`` each. Two estimates: ``cpu_path`` runs the ops this CPU ran;
+``cuda_path`` counts each ``F.rms_norm`` call (which a CPU decomposes into HF's ops) as CUDA's one
+``_fused_rms_norm`` kernel forward and one backward (2 and 3 tensors' bytes; 5 with a weight). Attention here
+is one SDPA call per document and its ``cat``/``select``/``clone`` are that CPU loop's; on CUDA both engines
+call the same varlen kernel::
 
     OMP_NUM_THREADS=1 uv run python bench/layer_ops.py --out /tmp/layer_ops.json        # about 2 minutes
     OMP_NUM_THREADS=1 uv run python bench/layer_ops.py --arms fsdp --fsdp-arm hf_norm
@@ -62,7 +64,8 @@ LAYERS = 2
 Counts = dict[tuple[str, str, str, str], list[int]]
 """(inside a layer or outside, fwd or bwd, class, region/op) -> [count, bytes]."""
 FUSED = "rms_norm_call"
-"""Region of a ``torch.nn.functional.rms_norm`` call: decomposed on a CPU, one fused kernel each way on CUDA."""
+"""Region of a ``torch.nn.functional.rms_norm`` call: decomposed on a CPU, one fused kernel each way on
+CUDA."""
 
 
 def op_class(func: Any) -> str:
@@ -98,9 +101,9 @@ def _where(label: str) -> str:
 
 
 class Regions(TorchFunctionMode):
-    """Which region (norm, attention, mlp, layer, rms_norm_call, or outside) runs now. Forward: a stack pushed by
-    module hooks and by ``rms_norm`` calls. Backward: autograd nodes are numbered in creation order, so a node
-    belongs to the innermost region whose forward created its number."""
+    """Which region (norm, attention, mlp, layer, rms_norm_call, or outside) runs now. Forward: a stack pushed
+    by module hooks and by ``rms_norm`` calls. Backward: autograd nodes are numbered in creation order, so a
+    node belongs to the innermost region whose forward created its number."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,7 +121,8 @@ class Regions(TorchFunctionMode):
         return nr
 
     def push(self, region: str | None) -> None:
-        """Enter ``region`` (None: the enclosing one); labels are paths, e.g. ``/layer/norm/rms_norm_call``."""
+        """Enter ``region`` (None: the enclosing one); labels are paths, e.g.
+        ``/layer/norm/rms_norm_call``."""
         parent = self.stack[-1][0]
         self.stack.append((f"{parent}/{region}" if region else parent, self.seq()))
 
@@ -239,8 +243,9 @@ def record(eng: Any, tokens: int) -> Counts:
 
 
 def summary(small: Counts, large: Counts, args: argparse.Namespace, where: str) -> dict[str, Any]:
-    """Kernels per phase and class (per layer: divided by LAYERS); memory-bound kernels' bytes extrapolated from
-    ``--tokens`` and twice that to ``--at``, and the H200 estimate with the CPU's and CUDA's RMSNorm kernels."""
+    """Kernels per phase and class (per layer: divided by LAYERS); memory-bound kernels' bytes extrapolated
+    from ``--tokens`` and twice that to ``--at``, and the H200 estimate with the CPU's and CUDA's RMSNorm
+    kernels."""
     per = LAYERS if where == "layer" else 1
     res: dict[str, Any] = {}
     for phase in ("fwd", "bwd"):
@@ -263,7 +268,8 @@ def summary(small: Counts, large: Counts, args: argparse.Namespace, where: str) 
             gb = sum(b for _, b in rows) / 1e3
             launches = sum(c for c, _ in rows)
             res[phase][label] = {"kernels": launches, "gb": round(gb, 3),
-                                 "ms": round(gb * 1e9 / args.bandwidth * 1e3 + launches * args.launch_us / 1e3, 3)}  # fmt: skip
+                                 "ms": round(gb * 1e9 / args.bandwidth * 1e3
+                                             + launches * args.launch_us / 1e3, 3)}  # fmt: skip
     return res
 
 

@@ -5,8 +5,9 @@ One launch per GPU count (``--gpus 1,2``, the default), all on the same data and
 - ``matmul_ceiling``: bf16 (fp32 with ``--tiny``) dense matmul FLOP/s, measured once, in the first launch; the
   later launches reuse it, so every MFU has the same denominator.
 - 1 GPU: ``megatron_tp1`` (TP=1), ``megatron_fsdp`` (Megatron-FSDP, DP=1: the documents' path),
-  ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current scaling, ``tensorwise``; skipped
-  without TE), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on). Where TE is installed, one more 1-GPU launch
+  ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current scaling, ``tensorwise``;
+  skipped without TE), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on). Where TE is installed, one more
+  1-GPU launch
   runs ``megatron_tp1_no_te``: TP=1 with TE hidden (``--hide-te``), Megatron-Core's local layer spec.
 - 2 GPUs: ``megatron_tp2_sp`` (TP=2 + sequence parallel), ``megatron_fsdp`` (Megatron-FSDP, DP=2), then
   ``fsdp_engine`` on both GPUs.
@@ -17,18 +18,19 @@ script's own ``run_engine``. A Megatron data-parallel rank that spans k GPUs (TP
 of those k GPUs together, split into micro-batches of at most ``--tokens`` tokens (``use_dynamic_bsz``), so
 every run pushes the same tokens per GPU and the 2-GPU runs train on exactly the same sequences. The Megatron
 engines run the distributed optimizer; with Transformer Engine installed, its layer spec (``te_layers`` in the
-result), else the local layer spec with variable-length attention (the test suite's TE stand-in is registered, as
-in the tests).
+result), else the local layer spec with variable-length attention (the test suite's TE stand-in is registered,
+as in the tests).
 
 Reported per run, over timed steps after warm-up: real-token tokens/s, TFLOP/s per GPU and MFU = model FLOPs /
 time / (ceiling x GPUs; the bf16 ceiling for the FP8 run too) with FLOPs = 6 N tokens + 12 layers hidden
-sum(len^2) (``train_throughput.model_flops``), peak memory, and each Megatron run's MFU over the FSDP engine's at the same GPU count (``vs_fsdp``). A run that
-fails is recorded with its error and the others still run. ``--tiny``: the 2-layer model, short sequences,
-fp32, gloo on CPU when no GPU is present, no torch.compile; Megatron-FSDP needs CUDA and is skipped there.
+sum(len^2) (``train_throughput.model_flops``), peak memory, and each Megatron run's MFU over the FSDP engine's
+at the same GPU count (``vs_fsdp``). A run that fails is recorded with its error and the others still run.
+``--tiny``: the 2-layer model, short sequences, fp32, gloo on CPU when no GPU is present, no torch.compile;
+Megatron-FSDP needs CUDA and is skipped there.
 
-    uv run python bench/megatron_throughput.py --tiny                       # CPU smoke run, 1 then 2 processes
-    python3 bench/megatron_throughput.py --out megatron.json                 # 2 x H200, about 5-7 minutes
-    python3 bench/megatron_throughput.py --gpus 1 --out megatron.json        # 1 GPU: TE, FP8, no TE, FSDP
+    uv run python bench/megatron_throughput.py --tiny                      # CPU smoke run, 1 then 2 processes
+    python3 bench/megatron_throughput.py --out megatron.json                # 2 x H200, about 5-7 minutes
+    python3 bench/megatron_throughput.py --gpus 1 --out megatron.json       # 1 GPU: TE, FP8, no TE, FSDP
 """
 
 from __future__ import annotations
@@ -112,9 +114,10 @@ def use_repo_sources() -> None:
         sys.path.insert(0, str(REPO / "packages" / src))
 
 
-# ---------------------------------------------------------------------------------------------- model and data
+# --------------------------------------------------------------------------------------------- model and data
 def make_model(path: str, cfg: dict[str, Any], device: torch.device, tiny: bool) -> None:
-    """A random-init model with weights (Megatron-Bridge loads them), written once and reused by every launch."""
+    """A random-init model with weights (Megatron-Bridge loads them), written once and reused by every
+    launch."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     if (Path(path) / "config.json").is_file():
@@ -128,7 +131,8 @@ def make_model(path: str, cfg: dict[str, Any], device: torch.device, tiny: bool)
 
 
 def count_params(cfg: dict[str, Any]) -> int:
-    """N of the FLOP formula: the HF model's parameters, a tied embedding counted once (what the FSDP run counts)."""
+    """N of the FLOP formula: the HF model's parameters, a tied embedding counted once (what the FSDP run
+    counts)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     with torch.device("meta"):
@@ -137,7 +141,8 @@ def count_params(cfg: dict[str, Any]) -> int:
 
 
 def gpu_sequences(args: argparse.Namespace, cfg: dict[str, Any], gpu: int) -> list[list[torch.Tensor]]:
-    """Per step, the sequences ``train_throughput.run_engine`` trains on at rank ``gpu`` (same seed, same draws)."""
+    """Per step, the sequences ``train_throughput.run_engine`` trains on at rank ``gpu`` (same seed, same
+    draws)."""
     gen = torch.Generator().manual_seed(1000 + gpu)
     lo, hi = (8, 64) if args.tiny else (64, 4096)
     lengths = [tt.draw_lengths(gen, lo, hi, args.tokens) for _ in range(args.warmup + args.steps)]
@@ -256,7 +261,8 @@ def worker(args: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
-    prepare_environment()  # the TE stand-in unless TE is installed; on CPU Megatron-Core's torch.cuda calls redirected
+    # the TE stand-in unless TE is installed; on CPU Megatron-Core's torch.cuda calls redirected
+    prepare_environment()
     cfg = tt.TINY if args.tiny else tt.FULL
     if dist.get_rank() == 0:
         make_model(args.model_dir, cfg, device, args.tiny)
@@ -292,7 +298,8 @@ def torchrun(n: int, argv: list[str]) -> list[dict[str, Any]]:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """Markdown table of the runs, with each Megatron run's MFU over the FSDP engine's at the same GPU count."""
+    """Markdown table of the runs, with each Megatron run's MFU over the FSDP engine's at the same GPU
+    count."""
     fsdp = {r["gpus"]: r["mfu"] for r in results if r["run"] == "fsdp_engine" and "mfu" in r}
     lines = ["| run | GPUs | tokens/s | TFLOP/s/GPU | MFU | vs_fsdp | peak GiB | s/step |", "|---" * 8 + "|"]
     for r in results:
@@ -306,8 +313,9 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def launches(args: argparse.Namespace, counts: list[int]) -> list[tuple[int, list[str]]]:
-    """(processes, extra arguments) of each launch: one per GPU count, and where Transformer Engine is installed
-    and the 1-GPU Megatron run is asked for, one more that runs it with TE hidden (``megatron_tp1_no_te``)."""
+    """(processes, extra arguments) of each launch: one per GPU count, and where Transformer Engine is
+    installed and the 1-GPU Megatron run is asked for, one more that runs it with TE hidden
+    (``megatron_tp1_no_te``)."""
     out: list[tuple[int, list[str]]] = [(n, []) for n in counts]
     wanted = args.runs is None or "megatron_tp1" in args.runs.split(",")
     if 1 in counts and wanted and not args.hide_te and importlib.util.find_spec("transformer_engine"):

@@ -1,7 +1,7 @@
 """The rollout process's weight push (``trainer.rollout_placement=process``) on one device, transport against
 transport, in the same run: a receiving process takes the pushed stream as the rollout worker does
-(``posttrain.trainers.rl.remote_worker.ReceivedWeights``: verify every bucket's checksums, copy its tensors out,
-release it).
+(``posttrain.trainers.rl.remote_worker.ReceivedWeights``: verify every bucket's checksums, copy its tensors
+out, release it).
 
 - ``shared``: the trainer packs into a buffer the worker maps (``PairBucketTransport(shared=True)``): a
   shared-memory segment on the CPU, CUDA IPC on a GPU (``--device cuda``, worker on the same GPU);

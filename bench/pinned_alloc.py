@@ -5,7 +5,8 @@ with AdamW). ``posttrain.ckpt`` allocates them on a background thread after the 
 (``prepare_role``). This script measures, for the 1.5B state's tensor shapes, the main thread's stand-in
 training loop (bf16 matmuls, synchronised each iteration) while a background thread allocates the buffers by:
 
-- ``cuda_host_alloc``: ``torch.empty(..., pin_memory=True)`` (PyTorch's caching host allocator, cudaHostAlloc);
+- ``cuda_host_alloc``: ``torch.empty(..., pin_memory=True)`` (PyTorch's caching host allocator,
+  cudaHostAlloc);
 - ``touch_then_register``: ``torch.empty`` + ``zero_()`` (pages mapped without the CUDA driver), then
   ``cudaHostRegister`` per tensor;
 - ``touch_only``: ``torch.empty`` + ``zero_()``, no pinning (what the page faults alone cost).

@@ -1,9 +1,10 @@
 """Per-request timings of a vLLM rollout's server executor, for the agent bench: where a turn's time goes.
 
-:func:`attach` wraps the rollout's ``AsyncFront._one`` (every request of both agent loops passes through it) and
-records, per request, the host's submit and return times and vLLM's own ``RequestOutput.metrics``: when the
-engine core queued and scheduled it, and when it produced its first and last token (vLLM stamps these with
-``time.monotonic()`` in the engine-core process, the host's clock here). :meth:`RequestLog.summary` reduces them:
+:func:`attach` wraps the rollout's ``AsyncFront._one`` (every request of both agent loops passes through it)
+and records, per request, the host's submit and return times and vLLM's own ``RequestOutput.metrics``: when
+the engine core queued and scheduled it, and when it produced its first and last token (vLLM stamps these with
+``time.monotonic()`` in the engine-core process, the host's clock here). :meth:`RequestLog.summary` reduces
+them:
 
 - ``mean_in_flight``: requests in flight, averaged over the seconds with at least one (host side);
 - ``itl_ms``: engine-core seconds between a request's first and last token over its tokens after the first,

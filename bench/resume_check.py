@@ -1,8 +1,8 @@
-"""Compare a run resumed from a checkpoint with the uninterrupted run it was cut from: every logged number but the
-timings (``perf/``, ``timing_s/``) on the steps the resumed run logged, and the HF exports (``hf_model`` in
-``checkpoint.save_contents``) of its last checkpoint. Prints the largest relative difference of each metric that
-differs and the largest absolute weight difference; exits 1 when a metric is off by more than ``--rtol``, a
-weight by more than ``--atol`` or a step, metric or tensor is missing (the defaults, 0 and 0, ask for bits).
+"""Compare a run resumed from a checkpoint with the uninterrupted run it was cut from: every logged number but
+the timings (``perf/``, ``timing_s/``) on the steps the resumed run logged, and the HF exports (``hf_model``
+in ``checkpoint.save_contents``) of its last checkpoint. Prints the largest relative difference of each metric
+that differs and the largest absolute weight difference; exits 1 when a metric is off by more than ``--rtol``,
+a weight by more than ``--atol`` or a step, metric or tensor is missing (the defaults, 0 and 0, ask for bits).
 
     python3 bench/resume_check.py REF_RUN RESUMED_RUN [--rtol 1e-3] [--atol 1e-3]
 """

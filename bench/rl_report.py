@@ -1,5 +1,5 @@
-"""The report half of ``bench/rl_throughput.py`` (and ``bench/trl_grpo.py``): a run's per-step results summed up
-into one row (step time, tokens/s/GPU, each phase's seconds and share, peaks), the fixed-width table of the
+"""The report half of ``bench/rl_throughput.py`` (and ``bench/trl_grpo.py``): a run's per-step results summed
+up into one row (step time, tokens/s/GPU, each phase's seconds and share, peaks), the fixed-width table of the
 rows, and the JSON lines."""
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def drift_failures(rows: list[dict[str, Any]], limit: float) -> list[str]:
     """One line per run whose last step generated more than ``limit`` slower per token than its first."""
     return [
         f"{r['work']} {r['shape']} {r['rollout']} {r['launcher']} {r.get('mode', 'sync')}: generation "
-        f"{r['gen_s_each']} s over the steps, the last {100 * r['gen_drift']:.0f}% slower per token than the first "
-        f"(limit {100 * limit:.0f}%)"
+        f"{r['gen_s_each']} s over the steps, the last {100 * r['gen_drift']:.0f}% slower per token than the "
+        f"first (limit {100 * limit:.0f}%)"
         for r in rows
         if r.get("gen_drift") is not None and r["gen_drift"] > limit
     ]
@@ -125,12 +125,14 @@ def metrics_report(path: str, gpus: int = 1) -> str:
     rows = [r for r in rows if "perf/step_s" in r]
     gen = "timing_s/gen" if all("timing_s/gen" in r for r in rows) else "timing_s/wait_rollout"
     lines = [
-        f"step | step s | tok/s/GPU | {'gen' if gen == 'timing_s/gen' else 'wait_rollout'} s | update_actor s | tokens"
+        f"step | step s | tok/s/GPU | {'gen' if gen == 'timing_s/gen' else 'wait_rollout'} s | update_actor "
+        "s | tokens"
     ]
     for r in rows:
         lines.append(
-            f"{r.get('step', '?')} | {r['perf/step_s']:.2f} | {r['perf/tokens'] / r['perf/step_s'] / gpus:.0f} | "
-            f"{r.get(gen, 0.0):.2f} | {r.get('timing_s/update_actor', 0.0):.2f} | {r['perf/tokens']:.0f}"
+            f"{r.get('step', '?')} | {r['perf/step_s']:.2f} | "
+            f"{r['perf/tokens'] / r['perf/step_s'] / gpus:.0f} | {r.get(gen, 0.0):.2f} | "
+            f"{r.get('timing_s/update_actor', 0.0):.2f} | {r['perf/tokens']:.0f}"
         )
     if len(rows) > 1:
         timed = rows[1:]

@@ -1,6 +1,6 @@
-"""One run of ``bench/rl_throughput.py`` (and ``bench/trl_grpo.py``): the work a step does, the random-init model
-and the prompt parquet it needs (made once per work directory), and the ``key=value`` overrides that put it on
-the presets a user runs."""
+"""One run of ``bench/rl_throughput.py`` (and ``bench/trl_grpo.py``): the work a step does, the random-init
+model and the prompt parquet it needs (made once per work directory), and the ``key=value`` overrides that put
+it on the presets a user runs."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ class Work:
     tokens_per_gpu: int | None = None
     """``max_token_len_per_gpu`` of actor and reference (None: the preset's)."""
     preset: str = "grpo_gsm8k"
-    """The ``--config`` task preset the run starts from (``vllm_gpu`` is stacked on ``grpo_gsm8k`` for vLLM, as
-    examples/grpo_fsdp.sh does)."""
+    """The ``--config`` task preset the run starts from (``vllm_gpu`` is stacked on ``grpo_gsm8k`` for vLLM,
+    as examples/grpo_fsdp.sh does)."""
     mini_prompts: int | None = None
     """``actor.ppo_mini_batch_size`` per GPU (None: all the step's prompts, one optimizer step)."""
     bf16: bool = True
@@ -43,7 +43,8 @@ class Work:
 
 WORKS = {
     "bench": Work(shape=None, prompts=32, n=8, prompt_len=256, response_len=1024),
-    # the README's GRPO command: examples/grpo_fsdp.sh with data.train_batch_size=128 actor.ppo_mini_batch_size=64
+    # the README's GRPO command: examples/grpo_fsdp.sh with data.train_batch_size=128
+    # actor.ppo_mini_batch_size=64
     "readme": Work(shape=None, prompts=128, n=5, prompt_len=256, response_len=1024, mini_prompts=64),
     "small": Work(
         shape="0.5b",
@@ -82,7 +83,8 @@ def prepare_model(workdir: Path, shape: str, vocab: int | None) -> Path:
 
 
 def digit_prompts(tokenizer: Any, count: int, length: int, seed: int = 0) -> list[str]:
-    """``count`` user messages of random digits that render to exactly ``length`` tokens in the chat template."""
+    """``count`` user messages of random digits that render to exactly ``length`` tokens in the chat
+    template."""
     overhead = len(chat_ids(tokenizer, ""))
     if length <= overhead:
         raise ValueError(f"--prompt-len {length} must exceed the chat template's {overhead} tokens")
@@ -104,7 +106,8 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def prepare_data(workdir: Path, model_dir: Path, work: Work, rows: int) -> Path:
-    """A parquet of ``rows`` prompts in verl's columns (data_source synthetic_arithmetic: the ``####`` rule)."""
+    """A parquet of ``rows`` prompts in verl's columns (data_source synthetic_arithmetic: the ``####``
+    rule)."""
     from transformers import AutoTokenizer
 
     from posttrain.trainers.data.convert import write_parquet
@@ -130,8 +133,8 @@ def overrides(
     mode: str = "sync",
     placement: str = "colocated",
 ):
-    """The ``key=value`` list of one run: what examples/grpo_fsdp.sh passes on top of its presets (model, data,
-    batch, rollout, trainer) and the work's sizes; every other setting is the preset's."""
+    """The ``key=value`` list of one run: what examples/grpo_fsdp.sh passes on top of its presets (model,
+    data, batch, rollout, trainer) and the work's sizes; every other setting is the preset's."""
     prompts = work.prompts * world
     out = [
         f"model.path={model}",
@@ -173,9 +176,9 @@ def presets(work: Work, rollout: str) -> list[str]:
 
 def placement_overrides(placement: str, rollout: str, world: int, on_gpu: bool) -> list[str]:
     """Where an overlapped run's rollout generates: beside the trainer (vLLM's engine core in a process of its
-    own), or in a rollout process per trainer rank (vLLM in-process there) on the trainer's GPU (``process``) or
-    on a GPU of its own (``disaggregated``: GPUs ``world`` to ``2 * world - 1``); the CPU smoke run's rollout
-    process stays on the CPU."""
+    own), or in a rollout process per trainer rank (vLLM in-process there) on the trainer's GPU (``process``)
+    or on a GPU of its own (``disaggregated``: GPUs ``world`` to ``2 * world - 1``); the CPU smoke run's
+    rollout process stays on the CPU."""
     if placement == "colocated":
         return ["rollout.executor=multiprocess"] if rollout == "vllm" else []
     out = ["trainer.rollout_placement=process"]

@@ -2,57 +2,61 @@
 
 Each run builds the config with :func:`posttrain.trainers.config.load_config` from ``key=value`` overrides (as
 ``python -m posttrain.trainers.main_ppo`` does), constructs :class:`~posttrain.trainers.rl.trainer.RLTrainer`
-and calls its ``train_step()`` for ``--warmup`` untimed and ``--steps`` timed steps (validation and checkpoints,
-which ``fit()`` adds around the steps, are left out). Every run is its own subprocess (``python`` for the
-one-process launch, ``torchrun --nproc_per_node N`` for the other), so GPU memory is freed between runs and a
-crash loses only that run.
+and calls its ``train_step()`` for ``--warmup`` untimed and ``--steps`` timed steps (validation and
+checkpoints, which ``fit()`` adds around the steps, are left out). Every run is its own subprocess (``python``
+for the one-process launch, ``torchrun --nproc_per_node N`` for the other), so GPU memory is freed between
+runs and a crash loses only that run.
 
 Every run starts from the presets a user runs: ``--config grpo_gsm8k`` (with ``--config vllm_gpu`` stacked for
 vLLM, as examples/grpo_fsdp.sh does), and overrides only what that script passes (model, data, batch sizes,
-``rollout.n``, trainer paths) plus the work's lengths; what the presets leave null (activation recomputation, the
-reference's offload, vLLM's ``max_num_seqs``) the run chooses and logs (:mod:`posttrain.core.memory_policy`).
+``rollout.n``, trainer paths) plus the work's lengths; what the presets leave null (activation recomputation,
+the reference's offload, vLLM's ``max_num_seqs``) the run chooses and logs
+(:mod:`posttrain.core.memory_policy`).
 ``--set key=value`` adds overrides (e.g. the pre-choice settings: ``model.enable_gradient_checkpointing=true
 ref.engine.param_offload=true rollout.max_num_seqs=1024``).
 
 Model: a random-init Qwen2 from ``posttrain model init`` (the ``0.5b`` and ``1.5b`` Qwen2.5 shapes, with a
 151,936-token tokenizer), FSDP2 actor, bf16, KL loss to a reference (low_var_kl 0.001, as verl's GSM8K GRPO
-example). Data: the script writes prompts of exactly ``--prompt-len`` tokens (digits, one token each, in the chat
-template) with the ``synthetic_arithmetic`` rule reward. A random model seldom samples eos, so responses run to
-``--response-len``: the step does the full work (the table's ``clip`` column is the share that hit the cap).
-Works: ``bench`` (32 prompts x 8 responses per GPU, one optimizer step), ``readme`` (the README's GRPO command:
+example). Data: the script writes prompts of exactly ``--prompt-len`` tokens (digits, one token each, in the
+chat template) with the ``synthetic_arithmetic`` rule reward. A random model seldom samples eos, so responses
+run to ``--response-len``: the step does the full work (the table's ``clip`` column is the share that hit the
+cap).
+Works: ``bench`` (32 prompts x 8 responses per GPU, one optimizer step), ``readme`` (the README's GRPO
+command:
 128 prompts x 5 responses, mini-batches of 64 prompts), ``small`` (0.5B shape with a 448-token vocabulary,
 32 x 8 x up to 256 tokens, ``--config grpo_tiny``; also named ``issue``), ``tiny`` (CPU).
 
 Reported per run (after the warm-up): tokens/s/GPU = (prompt + response tokens over all ranks) / step time /
 GPUs, as NeMo-RL counts; each ``timing_s/<phase>`` metric of the trainer (gen, old_log_prob, ref, adv,
 update_actor, update_weights) in seconds and as a share of the step; peak memory over the steps (the ``torch``
-allocator's and the device's used memory from NVML, which also sees vLLM's pool; the highest rank's). One JSON line per run on stdout (and in
-``--json``), then a table.
+allocator's and the device's used memory from NVML, which also sees vLLM's pool; the highest rank's). One JSON
+line per run on stdout (and in ``--json``), then a table.
 
-``--modes sync,one_step_off`` measures ``trainer.mode`` in the same launch: in one_step_off step k+1's batch is
-generated while step k trains (``wait_rollout`` is the trainer waiting for it); the vLLM rollout then runs its
-engine core in its own process on the same GPU (``rollout.executor=multiprocess``) with its own memory budget
-(``rollout.gpu_memory_utilization`` of what the trainer left free), so generation and training share the GPU
-at the same time.
+``--modes sync,one_step_off`` measures ``trainer.mode`` in the same launch: in one_step_off step k+1's batch
+is generated while step k trains (``wait_rollout`` is the trainer waiting for it); the vLLM rollout then runs
+its engine core in its own process on the same GPU (``rollout.executor=multiprocess``) with its own memory
+budget (``rollout.gpu_memory_utilization`` of what the trainer left free), so generation and training share
+the GPU at the same time.
 
 ``--placements colocated,process,disaggregated`` (modes other than sync) moves the rollout into a process of
 its own per trainer rank (``trainer.rollout_placement=process``, vLLM in-process there): ``process`` on the
-trainer's GPU (the push through host memory), ``disaggregated`` on a GPU of its own (``--gpus`` trainer ranks and
-as many rollout GPUs, the push over NCCL); tokens/s/GPU then counts every GPU the run holds.
+trainer's GPU (the push through host memory), ``disaggregated`` on a GPU of its own (``--gpus`` trainer ranks
+and as many rollout GPUs, the push over NCCL); tokens/s/GPU then counts every GPU the run holds.
 
 This file is the command line; ``rl_runs.py`` holds the work, model, data and overrides of one run,
 ``rl_worker.py`` the subprocess that runs it and its launcher, ``rl_report.py`` the rows and the table.
 
-Every step's generation seconds, tokens and Python GC seconds are reported too (``gen_s_each``, warm-up first),
-and ``gen_drift`` (the last step's generation seconds per token over the first's, minus one); ``--check-drift``
-exits 1 when it passes 10%.
+Every step's generation seconds, tokens and Python GC seconds are reported too (``gen_s_each``, warm-up
+first), and ``gen_drift`` (the last step's generation seconds per token over the first's, minus one);
+``--check-drift`` exits 1 when it passes 10%.
 
-    uv run python bench/rl_throughput.py --tiny     # CPU, tiny model, both launches (minutes: ~9 s a step on 2 busy cores)
+    uv run python bench/rl_throughput.py --tiny     # CPU, tiny model, both launches
+                                                    # (minutes: ~9 s a step on 2 busy cores)
     python3 bench/rl_throughput.py --shapes 0.5b --rollouts hf,vllm --json rl.json          # one GPU
     python3 bench/rl_throughput.py --work small,bench --rollouts vllm --launchers torchrun --gpus 2
     python3 bench/rl_throughput.py --work readme --rollouts vllm --launchers torchrun --steps 3 --check-drift
     python3 bench/rl_throughput.py --shapes 0.5b --rollouts vllm --launchers process --modes sync,one_step_off
-    uv run python bench/rl_throughput.py --tiny --launchers process --modes sync,one_step_off   # CPU, a minute
+    uv run python bench/rl_throughput.py --tiny --launchers process --modes sync,one_step_off  # CPU, a minute
 """
 
 from __future__ import annotations

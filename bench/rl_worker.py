@@ -1,5 +1,6 @@
-"""The process side of ``bench/rl_throughput.py``: :func:`launch` runs a script's ``--worker SPEC`` as a subprocess
-(``python`` or ``torchrun``, in its own process group, killed at the timeout) and collects each rank's result;
+"""The process side of ``bench/rl_throughput.py``: :func:`launch` runs a script's ``--worker SPEC`` as a
+subprocess (``python`` or ``torchrun``, in its own process group, killed at the timeout) and collects each
+rank's result;
 :func:`worker` is that subprocess for a posttrain run: it builds the trainer from the spec's presets and
 overrides and times its steps, with the device memory peak (:class:`MemoryPeak`) and Python's GC time
 (:class:`GcClock`)."""

@@ -1,29 +1,30 @@
 """The host cost of packing a weight sync: engine-core's :class:`BucketSender` against the per-tensor pack it
 replaced (``--baseline`` arm, in the same run), on the 338-tensor layout of Qwen2.5-1.5B.
 
-The stream is the FSDP engine's on one rank: fp32 tensors as stored (views of the parameters, nothing gathered),
-cast to bf16 in the pack. Each sync packs every tensor into checksummed buckets and hands each bucket to a
-receiver that verifies every checksum and loads nothing, as ``bench/vllm_sync.py``'s ``pack`` does. Arms:
+The stream is the FSDP engine's on one rank: fp32 tensors as stored (views of the parameters, nothing
+gathered), cast to bf16 in the pack. Each sync packs every tensor into checksummed buckets and hands each
+bucket to a receiver that verifies every checksum and loads nothing, as ``bench/vllm_sync.py``'s ``pack``
+does. Arms:
 
 - ``new``: :class:`BucketSender` as the rollouts use it (one sender kept across syncs): the tensors copied in
   groups with ``torch._foreach_copy_``, each bucket's padding zeroed by one cached indexed fill, one
   ``as_strided`` per tensor on the receiver's side, the checksums' scan index cached per layout;
 - ``baseline``: the sender and receiver before, in the same run: one ``copy_`` into a cached buffer view per
-  tensor and one ``zero_`` of its padding (when its bytes are not a multiple of 256); a slice and two views per
-  tensor on the receiver's side; the checksums' scan index built for every bucket on both sides (the cache
+  tensor and one ``zero_`` of its padding (when its bytes are not a multiple of 256); a slice and two views
+  per tensor on the receiver's side; the checksums' scan index built for every bucket on both sides (the cache
   emptied before each).
 
-With ``--fsdp`` the stream is the FSDP2 engine's ``get_per_tensor_param`` on one rank (a Qwen2.5-1.5B-shaped model
-scaled by ``--scale``, saved and loaded as the trainer does), and the run also times the stream alone
+With ``--fsdp`` the stream is the FSDP2 engine's ``get_per_tensor_param`` on one rank (a Qwen2.5-1.5B-shaped
+model scaled by ``--scale``, saved and loaded as the trainer does), and the run also times the stream alone
 (``stream``) and the per-tensor step that takes one rank's full tensor out of its DTensor: ``local_tensor``
 (the DTensor's local tensor, detached, as the stream does now) against ``to_local`` (``to_local().detach()``
 under ``torch.no_grad()``, as it did before), over the same 338 DTensors.
 
-Printed per arm: the median sync time over ``--reps``, the same per tensor, and the ATen ops one sync dispatches
-(counted with a ``TorchDispatchMode``; on a GPU each is a kernel launch or a view: the host work this removes,
-whatever the device). ``--scale N`` divides every dimension by N (bucket bytes by N**2): the tensors keep their
-count, names, dtypes and order but get small, so a CPU run times the per-tensor host work rather than memory
-bandwidth; ``--scale 1 --device cuda`` is the full 3.09 GB sync on a GPU. Run::
+Printed per arm: the median sync time over ``--reps``, the same per tensor, and the ATen ops one sync
+dispatches (counted with a ``TorchDispatchMode``; on a GPU each is a kernel launch or a view: the host work
+this removes, whatever the device). ``--scale N`` divides every dimension by N (bucket bytes by N**2): the
+tensors keep their count, names, dtypes and order but get small, so a CPU run times the per-tensor host work
+rather than memory bandwidth; ``--scale 1 --device cuda`` is the full 3.09 GB sync on a GPU. Run::
 
     OMP_NUM_THREADS=1 uv run python bench/sync_pack.py [--scale 16] [--reps 20] [--device cpu] [--fsdp]
         [--json out.json]
@@ -133,7 +134,8 @@ class OpCounter(TorchDispatchMode):
 
 
 def fsdp_engine(scale: int) -> Any:
-    """The FSDP2 engine (one rank) on a random-init Qwen2.5-1.5B-shaped model with every dimension / ``scale``."""
+    """The FSDP2 engine (one rank) on a random-init Qwen2.5-1.5B-shaped model with every
+    dimension / ``scale``."""
     from vllm_sync import build_engine, save_model  # beside this file
     from weight_sync import QWEN25_15B as SHAPE
 

@@ -1,26 +1,30 @@
-"""Real-token MFU of the TorchTitan engine against the FSDP engine: same Qwen3 shape, same packed data, one launch.
+"""Real-token MFU of the TorchTitan engine against the FSDP engine: same Qwen3 shape, same packed data, one
+launch.
 
-The arms (``--arms``, default ``fsdp,torchtitan``) are engines built once each from the same random HF checkpoint,
-FSDP2 over the launch's ranks, bf16 compute / fp32 master weights and reductions (fp32 with ``--shape tiny``), no
-recomputation (``model.enable_gradient_checkpointing=false``):
+The arms (``--arms``, default ``fsdp,torchtitan``) are engines built once each from the same random HF
+checkpoint, FSDP2 over the launch's ranks, bf16 compute / fp32 master weights and reductions (fp32 with
+``--shape tiny``), no recomputation (``model.enable_gradient_checkpointing=false``):
 
 - ``fsdp``: ``FSDPLanguageModelEngine`` with the engine's defaults;
 - ``fsdp_hf_norm``: the same with ``engine.fused_rms_norm=false`` (HF's RMSNorm modules, the engine before
-  ``fused_rms_norm``); ``fsdp_compiled`` / ``fsdp_hf_norm_compiled``: those with ``engine.compile_layers=true``;
+  ``fused_rms_norm``); ``fsdp_compiled`` / ``fsdp_hf_norm_compiled``: those with
+  ``engine.compile_layers=true``;
 - ``torchtitan``: ``TorchTitanLanguageModelEngine`` (``--titan-compile``: its ``engine.compile``).
 
-Each engine waits in host memory and is moved to the device for its own timed blocks, so every arm runs with the
-same free memory. The arms run in turn (``--rounds``; the order rotates every round), each block ``--steps`` steps
-after ``--warmup`` untimed ones, on the same micro-batches: documents of lengths drawn uniformly from 64..4096
-(8..64 for tiny) packed up to ``--tokens`` tokens per rank, a token-mean ``-log_prob`` loss.
+Each engine waits in host memory and is moved to the device for its own timed blocks, so every arm runs with
+the same free memory. The arms run in turn (``--rounds``; the order rotates every round), each block
+``--steps`` steps after ``--warmup`` untimed ones, on the same micro-batches: documents of lengths drawn
+uniformly from 64..4096 (8..64 for tiny) packed up to ``--tokens`` tokens per rank, a token-mean ``-log_prob``
+loss.
 
-Reported per arm (the median block, and every block): seconds per step, real tokens/s and MFU = model FLOPs / time /
-(matmul ceiling x ranks), FLOPs = 6 N tokens + 12 layers (heads x head_dim) sum(len^2) on real tokens (recomputation
-not counted), the ceiling a dense matmul measured first in the same process; each arm's MFU over the first arm's,
-and the TorchTitan/FSDP MFU ratio when both run.
+Reported per arm (the median block, and every block): seconds per step, real tokens/s and MFU = model
+FLOPs / time / (matmul ceiling x ranks), FLOPs = 6 N tokens + 12 layers (heads x head_dim) sum(len^2) on real
+tokens (recomputation not counted), the ceiling a dense matmul measured first in the same process; each arm's
+MFU over the first arm's, and the TorchTitan/FSDP MFU ratio when both run.
 
 Shapes (``--shape``): ``1.7b`` Qwen3-1.7B (hidden 2048, 28 layers, 16 heads x 128, 8 KV heads, FFN 6144, vocab
-151936, tied), ``0.6b`` Qwen3-0.6B, ``tiny`` (2 layers, CPU/gloo when no GPU: a correctness run, no timing claims)::
+151936, tied), ``0.6b`` Qwen3-0.6B, ``tiny`` (2 layers, CPU/gloo when no GPU: a correctness run, no timing
+claims)::
 
     uv run python bench/titan_throughput.py --shape tiny --arms fsdp_hf_norm,fsdp,torchtitan   # CPU check
     python bench/titan_throughput.py --shape 1.7b --gpus 1 --out titan.json              # GPU machine
@@ -46,8 +50,8 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 intermediate_size=128, vocab_size=512),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, intermediate_size=128, vocab_size=512),
     "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128, intermediate_size=3072, vocab_size=151936),
     "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -64,7 +68,7 @@ ARMS = (*FSDP_ARMS, "torchtitan")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="1.7b", help="Qwen3 shape (tiny: a CPU check)")
     p.add_argument(
         "--gpus", type=int, default=1, help="ranks of the torchrun launch (CPU processes on a CPU)"
@@ -167,8 +171,8 @@ def loss_fn(out: dict[str, torch.Tensor], mb: Any, ctx: Any) -> tuple[torch.Tens
 
 
 def block(eng: Any, batches: list[Any], args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """One timed block (the engine moved to ``device`` first and parked again after): seconds per step, and real
-    tokens summed over all ranks."""
+    """One timed block (the engine moved to ``device`` first and parked again after): seconds per step, and
+    real tokens summed over all ranks."""
     from train_throughput import timed_loop
 
     eng.to(device)
@@ -192,14 +196,16 @@ def num_params(shape: str) -> int:
 def report(
     blocks: dict[str, list[dict[str, Any]]], args: argparse.Namespace, ceiling: float
 ) -> dict[str, Any]:
-    """Per arm: every block's s/step, real tokens/s and MFU, and the median MFU; MFU ratios to the first arm."""
+    """Per arm: every block's s/step, real tokens/s and MFU, and the median MFU; MFU ratios to the first
+    arm."""
     world, params = dist.get_world_size(), num_params(args.shape)
     result: dict[str, Any] = {"shape": args.shape, "ranks": world, "ceiling_tflops": ceiling / 1e12}
     for arm, arm_blocks in blocks.items():
         runs = []
         for b in arm_blocks:
             flops = model_flops(params, args.shape, b["lengths"]) / b["steps"] / b["sec"]
-            runs.append({"sec_per_step": round(b["sec"], 4), "real_tokens_per_s": round(sum(b["lengths"]) / b["steps"] / b["sec"], 1),
+            runs.append({"sec_per_step": round(b["sec"], 4),
+                         "real_tokens_per_s": round(sum(b["lengths"]) / b["steps"] / b["sec"], 1),
                          "mfu": round(flops / (ceiling * world), 4)})  # fmt: skip
         result[arm] = {"median_mfu": statistics.median(r["mfu"] for r in runs), "blocks": runs}
     first = args.arms[0]
@@ -243,8 +249,9 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or write_model(args.shape, str(Path(tmp) / "model"))
         result_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus),
-               __file__, *argv, "--model-dir", model_dir, "--result-file", str(result_file)]  # fmt: skip
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(args.gpus), __file__, *argv,
+               "--model-dir", model_dir, "--result-file", str(result_file)]  # fmt: skip
         env = {
             **os.environ,
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),

@@ -6,13 +6,15 @@ What it measures, in one launch per GPU count (all numbers per step, after warm-
 - ``engine``: ``FSDPLanguageModelEngine`` (FSDP2, bf16 params / fp32 reductions, packed sequences, chunked
   log-prob head) on micro-batches of sequences whose lengths are drawn uniformly from 64..4096, packed up to
   ``--tokens`` tokens per micro-batch and rank, with a token-mean ``-log_prob`` loss.
-- ``baseline_fixed``: the loop of shared/reference/platform.md: HF ``Qwen2ForCausalLM`` (sdpa) + ``fully_shard``
-  per decoder layer and root + ``MixedPrecisionPolicy(bf16, fp32)`` + fused AdamW, padded 8 x 2048.
+- ``baseline_fixed``: the loop of shared/reference/platform.md: HF ``Qwen2ForCausalLM``
+  (sdpa) + ``fully_shard`` per decoder layer and root + ``MixedPrecisionPolicy(bf16, fp32)`` + fused AdamW,
+  padded 8 x 2048.
 - ``baseline_varied``: the same loop on the varied lengths, 8 randomly drawn sequences per step padded to the
   longest (what a plain HF loop does).
 
 Reported per run: real-token tokens/s (padding excluded), MFU = model FLOPs / time / (ceiling x GPUs) with
-FLOPs = 6 N tokens + 12 layers hidden sum(len^2) (real tokens only; recomputation not counted), and peak memory.
+FLOPs = 6 N tokens + 12 layers hidden sum(len^2) (real tokens only; recomputation not counted), and peak
+memory.
 With ``--gpus 1,2`` both launches run and the 2-GPU scaling efficiency is printed.
 
 Model: Qwen2.5-1.5B shape (hidden 1536, 28 layers, 12 heads, 2 KV heads, FFN 8960, vocab 151936, tied
@@ -283,7 +285,8 @@ def run_baseline(
     ceiling: float,
     varied: bool,
 ) -> dict[str, Any]:
-    """platform.md's loop: HF sdpa model, fully_shard per layer + root, bf16/fp32 mixed precision, fused AdamW."""
+    """platform.md's loop: HF sdpa model, fully_shard per layer + root, bf16/fp32 mixed precision, fused
+    AdamW."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,52 +1,58 @@
-"""TRL 1.16's multi-turn GRPO, ``GRPOTrainer(environment_factory=...)``, on bench/agent_throughput.py's episodes.
+"""TRL 1.16's multi-turn GRPO, ``GRPOTrainer(environment_factory=...)``, on bench/agent_throughput.py's
+episodes.
 
 The peer arm of ``bench/agent_throughput.py --trl``, which runs it as a subprocess in the same launch, on the
-model it has just fine-tuned (:func:`run`, ``--worker`` is the subprocess). The work is posttrain's arms' work:
+model it has just fine-tuned (:func:`run`, ``--worker`` is the subprocess). The work is posttrain's arms'
+work:
 
 - environment: posttrain's ``calculator`` (posttrain-envs) behind TRL's environment contract
-  (:class:`CalculatorTask`): ``reset`` builds a fresh ``CalculatorEnv(latency_s, jitter_s)`` for every episode,
-  as posttrain's agent loop does, and the class's one public method, ``calculator``, calls that env's tool (the
-  same sleep of ``latency`` + uniform ``[0, jitter]`` from the same seed, the same evaluator, the same
-  docstring). The reward is the env's: 1 when the last turn's ``####`` answer is the row's ground truth.
-- tasks: the same ``calculator_rows(0, questions, seed=1, products=2)`` prompts, ``n`` generations each, all in
-  one generation batch (``generation_batch_size`` = the episodes; one optimizer step per batch, beta 0).
+  (:class:`CalculatorTask`): ``reset`` builds a fresh ``CalculatorEnv(latency_s, jitter_s)`` for every
+  episode, as posttrain's agent loop does, and the class's one public method, ``calculator``, calls that env's
+  tool (the same sleep of ``latency`` + uniform ``[0, jitter]`` from the same seed, the same evaluator, the
+  same docstring). The reward is the env's: 1 when the last turn's ``####`` answer is the row's ground truth.
+- tasks: the same ``calculator_rows(0, questions, seed=1, products=2)`` prompts, ``n`` generations each, all
+  in one generation batch (``generation_batch_size`` = the episodes; one optimizer step per batch, beta 0).
 - model and template: the same directory. Its chat template (:func:`add_tool_call_rendering`, applied by
-  agent_throughput.py before the format fine-tune, so both arms use it) renders assistant ``tool_calls`` the way
-  posttrain's traces write them, which TRL requires (``supports_tool_calling``); on every message posttrain
-  renders it is posttrain's ChatML template byte for byte (checked). TRL has no response parser for a template it
-  does not know; the tokenizer gets the one TRL picks for Qwen2.5's template (``qwen3_template`` in
-  ``trl.chat_template_utils``, Hermes ``<tool_call>{json}</tool_call>`` blocks), set on it as TRL's error asks.
-- limits and sampling: up to ``max_turns`` assistant turns (``max_tool_calling_iterations = max_turns - 1``), 128
-  new tokens a turn (``generation_kwargs``), 512 after the prompt (``max_completion_length``, posttrain's
+  agent_throughput.py before the format fine-tune, so both arms use it) renders assistant ``tool_calls`` the
+  way posttrain's traces write them, which TRL requires (``supports_tool_calling``); on every message
+  posttrain renders it is posttrain's ChatML template byte for byte (checked). TRL has no response parser for
+  a template it does not know; the tokenizer gets the one TRL picks for Qwen2.5's template (``qwen3_template``
+  in ``trl.chat_template_utils``, Hermes ``<tool_call>{json}</tool_call>`` blocks), set on it as TRL's error
+  asks.
+- limits and sampling: up to ``max_turns`` assistant turns (``max_tool_calling_iterations = max_turns - 1``),
+  128 new tokens a turn (``generation_kwargs``), 512 after the prompt (``max_completion_length``, posttrain's
   ``max_episode_tokens``), the same temperature, top-p 1, no top-k. vLLM's context is 736 tokens (TRL cuts an
   episode to its budget after a turn is sampled, so a turn may start at 96 + 512). The seeds differ (TRL seeds
   vLLM once, posttrain every request): the samples differ, their distribution does not.
 - the ids: the first prompt's ids and a tool result's ids (TRL's ``_get_tool_suffix_ids``, posttrain's
   ``ChatRenderer.continuation``) were checked equal on the tiny model; both arms are token-in-token-out.
 
-Generation: vLLM colocated in the trainer's process (``use_vllm=True, vllm_mode="colocate"``) with vLLM's sleep
-mode off (with it on, TRL 1.16 re-pushes every weight and sleeps vLLM around each turn's generate; posttrain's
-arms never sleep), or transformers' ``generate`` on a CPU (no vLLM), as bench/trl_grpo.py's CPU check.
+Generation: vLLM colocated in the trainer's process (``use_vllm=True, vllm_mode="colocate"``) with vLLM's
+sleep mode off (with it on, TRL 1.16 re-pushes every weight and sleeps vLLM around each turn's generate;
+posttrain's arms never sleep), or transformers' ``generate`` on a CPU (no vLLM), as bench/trl_grpo.py's CPU
+check.
 
-Measured per step, after ``warmup`` untimed steps (TRL's code unchanged; clocks are wrapped around methods of the
-trainer instance):
+Measured per step, after ``warmup`` untimed steps (TRL's code unchanged; clocks are wrapped around methods of
+the trainer instance):
 
 - ``wall_s``: the time inside ``GRPOTrainer._generate`` (prompt rendering, every turn's generate, the tools,
   parsing) less weight sync. Scoring, log-probs and training are outside it, as posttrain's arms time
   ``run_episodes`` only. **Weight sync is out of the clock in both arms**: posttrain's arms sync nothing, and
   TRL's ``vllm_generation.sync_weights`` (first turn of every step) is clocked (``sync_s``) and subtracted.
-- ``gpu_idle_s``: ``wall_s`` less the union of the intervals inside ``vllm_generation.generate`` (or the model's
-  ``generate``): the seconds with no generation running, as posttrain's arms count those with no request in flight.
+- ``gpu_idle_s``: ``wall_s`` less the union of the intervals inside ``vllm_generation.generate`` (or the
+  model's ``generate``): the seconds with no generation running, as posttrain's arms count those with no
+  request in flight.
 - ``model_tokens``: the sum of TRL's ``tool_mask`` (1 on sampled tokens, 0 on tool results; what its
   ``completions/mean_length`` averages), as posttrain sums its trajectories' loss masks: sampled tokens only.
-- ``tool_calls``, ``malformed``, ``tool_errors``, ``turns_per_episode``, ``truncated``, ``reward_mean``: from the
-  completions TRL hands its reward function. An assistant turn TRL returned without ``tool_calls`` in which
-  posttrain's Hermes parser finds a ``<tool_call>`` block is a call TRL could not parse: each such block is a
-  tool call and a malformed one, as posttrain counts them (TRL shows the model no error: the episode ends there).
-  A tool message holding TRL's ``{'error': ...}`` (a tool that raised, an unknown tool) is an error; errors add
-  to the malformed ones in ``tool_errors``, as posttrain's arms add theirs.
-- ``tool_s``: the seconds spent in tool calls (TRL 1.16's tool loop calls each episode's tools in turn, so they
-  add up) and ``step_s``, the whole optimizer step.
+- ``tool_calls``, ``malformed``, ``tool_errors``, ``turns_per_episode``, ``truncated``, ``reward_mean``: from
+  the completions TRL hands its reward function. An assistant turn TRL returned without ``tool_calls`` in
+  which posttrain's Hermes parser finds a ``<tool_call>`` block is a call TRL could not parse: each such block
+  is a tool call and a malformed one, as posttrain counts them (TRL shows the model no error: the episode ends
+  there).
+  A tool message holding TRL's ``{'error': ...}`` (a tool that raised, an unknown tool) is an error; errors
+  add to the malformed ones in ``tool_errors``, as posttrain's arms add theirs.
+- ``tool_s``: the seconds spent in tool calls (TRL 1.16's tool loop calls each episode's tools in turn, so
+  they add up) and ``step_s``, the whole optimizer step.
 
 This arm alone, on a model bench/agent_throughput.py fine-tuned (``WORKDIR/model`` of its ``--workdir``; the
 TRL run goes to ``WORKDIR/trl-run``), on a CPU::
@@ -112,7 +118,8 @@ class CalculatorTask:
         self._tool_seconds, self._env = tool_seconds, None
 
     def reset(self, **row: Any) -> None:
-        """A fresh env per episode, as posttrain's loop builds one (the same jitter draws); the prompt is as is."""
+        """A fresh env per episode, as posttrain's loop builds one (the same jitter draws); the prompt is as
+        is."""
         from posttrain.envs.calculator import CalculatorEnv
 
         self._env = CalculatorEnv(**self._kwargs)
@@ -160,7 +167,8 @@ def episode_stats(completion: list[dict], last_id: int | None, eos: set[int], tr
 
 
 def make_reward(log: list[dict[str, float]], eos: set[int]) -> Any:
-    """The reward function TRL calls once per generation batch: scores each episode, appends the batch's stats."""
+    """The reward function TRL calls once per generation batch: scores each episode, appends the batch's
+    stats."""
 
     def calculator_reward(completions, completion_ids, ground_truth, **_: Any) -> list[float]:
         rows = [
@@ -243,7 +251,8 @@ class Clocks:
 
 
 def grpo_config(spec: dict[str, Any]) -> Any:
-    """One generation batch of every episode per optimizer step; the limits and sampling of posttrain's arms."""
+    """One generation batch of every episode per optimizer step; the limits and sampling of posttrain's
+    arms."""
     from trl import GRPOConfig
 
     episodes = spec["questions"] * spec["n"]

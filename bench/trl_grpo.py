@@ -13,8 +13,8 @@ fp32 weights with gradient checkpointing, KL to a reference (``beta`` 0.001), lr
 Reported per run, in bench/rl_throughput.py's JSON format: step time (``on_step_begin`` to ``on_step_end`` of
 the transformers Trainer: generation, scoring, forward passes, backward and optimizer), tokens/s/GPU (prompt +
 completion tokens from TRL's ``num_tokens`` log), the seconds in vLLM generation (``gen``) and weight sync
-(``update_weights``), response lengths and peak memory. ``--report RL.jsonl TRL.jsonl`` prints posttrain's step
-time over TRL's for every work, shape and GPU count both files hold.
+(``update_weights``), response lengths and peak memory. ``--report RL.jsonl TRL.jsonl`` prints posttrain's
+step time over TRL's for every work, shape and GPU count both files hold.
 
     python3 bench/trl_grpo.py --shapes 0.5b --json trl.jsonl                  # on the GPU machine
     uv run --with trl==1.16.0 python bench/trl_grpo.py --tiny --no-vllm       # CPU check of the TRL side
@@ -168,8 +168,8 @@ def worker(spec_path: str) -> None:
     from trl import GRPOTrainer
 
     spec = json.loads(Path(spec_path).read_text())
-    # TRL's colocated vLLM loads weights through llm_engine.model_executor: the engine must live in this process
-    # (vLLM also turns this off itself for the external launcher TRL uses).
+    # TRL's colocated vLLM loads weights through llm_engine.model_executor: the engine must live in this
+    # process (vLLM also turns this off itself for the external launcher TRL uses).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     rows = pq.read_table(spec["data"], columns=["prompt"]).to_pylist()
     dataset = Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
@@ -237,10 +237,11 @@ def report(rl_path: str, trl_path: str) -> str:
         key = ("work", "shape", "gpus", "rollout")
         for r in (o for o in ours if all(o[k] == peer[k] for k in key)):
             lines.append(
-                f"{r['work']} {r['shape']} {r['gpus']} GPU rollout={r['rollout']}: posttrain ({r['launcher']}) "
-                f"{r['step_s']:.2f} s/step, {r['tokens_per_s_per_gpu']:.0f} tok/s/GPU; TRL {peer['trl']} "
-                f"{peer['step_s']:.2f} s/step, {peer['tokens_per_s_per_gpu']:.0f} tok/s/GPU; posttrain/TRL step "
-                f"time {r['step_s'] / peer['step_s']:.2f} (TRL/posttrain {peer['step_s'] / r['step_s']:.2f}x)"
+                f"{r['work']} {r['shape']} {r['gpus']} GPU rollout={r['rollout']}: posttrain "
+                f"({r['launcher']}) {r['step_s']:.2f} s/step, {r['tokens_per_s_per_gpu']:.0f} tok/s/GPU; TRL "
+                f"{peer['trl']} {peer['step_s']:.2f} s/step, {peer['tokens_per_s_per_gpu']:.0f} tok/s/GPU; "
+                f"posttrain/TRL step time {r['step_s'] / peer['step_s']:.2f} (TRL/posttrain "
+                f"{peer['step_s'] / r['step_s']:.2f}x)"
             )
     return "\n".join(lines) or "no (work, shape, gpus, rollout) appears in both files"
 

@@ -1,12 +1,12 @@
 """torch's variable-length flash attention for verl's packed ("remove padding") Hugging Face actor, where the
 flash-attn package has no wheel (torch 2.11 + CUDA 13, the GPU image).
 
-verl's ``use_remove_padding`` feeds the model one packed row, position ids that restart at 0 for each sequence,
-and no attention mask. HF's ``flash_attention_2`` then finds the sequence boundaries from those position ids and
-calls ``flash_attn_varlen_func``. This module registers the same computation under :data:`NAME` with
-``torch.nn.attention.varlen.varlen_attn`` (torch's flash kernel), so verl runs the attention it is tuned for
-instead of SDPA over a block-diagonal mask. It changes nothing in verl: importing it registers a name with
-transformers, which verl loads through its own plug-in hook::
+verl's ``use_remove_padding`` feeds the model one packed row, position ids that restart at 0 for each
+sequence, and no attention mask. HF's ``flash_attention_2`` then finds the sequence boundaries from those
+position ids and calls ``flash_attn_varlen_func``. This module registers the same computation
+under :data:`NAME` with ``torch.nn.attention.varlen.varlen_attn`` (torch's flash kernel), so verl runs the
+attention it is tuned for instead of SDPA over a block-diagonal mask. It changes nothing in verl: importing it
+registers a name with transformers, which verl loads through its own plug-in hook::
 
     actor_rollout_ref.model.external_lib=verl_torch_varlen \
     +actor_rollout_ref.model.override_config.attn_implementation=torch_varlen
@@ -31,8 +31,8 @@ _LAST: dict[str, Any] = {}
 
 
 def _boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Cumulative sequence starts (int32, with the total at the end) and the longest length, from packed position
-    ids (1, T) that restart at 0 for each sequence. One host sync per forward, not per layer."""
+    """Cumulative sequence starts (int32, with the total at the end) and the longest length, from packed
+    position ids (1, T) that restart at 0 for each sequence. One host sync per forward, not per layer."""
     if _LAST.get("ids") is position_ids:
         return _LAST["cu"], _LAST["max"]
     flat = position_ids.reshape(-1)
@@ -68,7 +68,8 @@ def torch_varlen_forward(
     if attention_mask is not None or query.shape[0] != 1:
         raise ValueError(
             f"{NAME} attention takes one packed row with no mask (verl's use_remove_padding=True); got batch "
-            f"{query.shape[0]} and a mask of shape {None if attention_mask is None else tuple(attention_mask.shape)}"
+            f"{query.shape[0]} and a mask of shape "
+            f"{None if attention_mask is None else tuple(attention_mask.shape)}"
         )
     if dropout:
         raise ValueError(
@@ -87,7 +88,8 @@ AttentionInterface.register(NAME, torch_varlen_forward)
 
 
 def _check() -> None:
-    """The registered function against causal SDPA per sequence, on CUDA in bf16 (GQA: 14 query, 2 kv heads)."""
+    """The registered function against causal SDPA per sequence, on CUDA in bf16 (GQA: 14 query, 2 kv
+    heads)."""
     torch.manual_seed(0)
     lens = [5, 300, 1, 77, 1024]
     pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0).cuda()
@@ -107,7 +109,8 @@ def _check() -> None:
     if err > 2e-2:
         raise SystemExit(f"{NAME}: max abs error {err:.3g} against per-sequence SDPA (bf16 bound 2e-2)")
     print(
-        f"{NAME}: matches per-sequence causal SDPA on {len(lens)} packed sequences ({T} tokens), max abs error {err:.2g}"
+        f"{NAME}: matches per-sequence causal SDPA on {len(lens)} packed sequences ({T} tokens), max abs "
+        f"error {err:.2g}"
     )
 
 

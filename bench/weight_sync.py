@@ -1,22 +1,22 @@
-"""Weight-sync bandwidth: the FSDP engine -> a receiving process, over CUDA IPC (GPU) or shared memory (CPU).
+r"""Weight-sync bandwidth: the FSDP engine -> a receiving process, over CUDA IPC (GPU) or shared memory (CPU).
 
 What one run measures, for a Qwen2.5-1.5B-shaped model in bf16 (3.09 GB; ``--tiny``: a small model on CPU):
 
 - ``gather``: iterating the engine's ``get_per_tensor_param`` stream (FSDP2 all-gather of each tensor, cast to
   bf16), nothing else.
-- ``pack``: the trainer side of a sync minus the gather: copying each tensor into the bucket and checksumming it
-  (engine-core's :class:`BucketSender`), plus the per-bucket hand-off.
-- ``transfer``: the receiver's read of each bucket out of the trainer's buffer into its own memory (the CUDA IPC
-  mapping, or the shared-memory segment), timed in the receiving process.
-- ``verify``: the receiver's checksum of every tensor; ``load``: copying the tensors into the receiving model's
-  parameters (an HF model; vLLM's layerwise reload adds its own processing on top of this).
+- ``pack``: the trainer side of a sync minus the gather: copying each tensor into the bucket and checksumming
+  it (engine-core's :class:`BucketSender`), plus the per-bucket hand-off.
+- ``transfer``: the receiver's read of each bucket out of the trainer's buffer into its own memory (the CUDA
+  IPC mapping, or the shared-memory segment), timed in the receiving process.
+- ``verify``: the receiver's checksum of every tensor; ``load``: copying the tensors into the receiving
+  model's parameters (an HF model; vLLM's layerwise reload adds its own processing on top of this).
 - ``copy``: a device-to-device copy of the same number of bytes in the sending process, in the same run
   (GPU0 -> GPU1 with ``--gpus 2``): the roofline the transfer is compared with.
 
 The receiving process is the code path of the vLLM worker extension (:class:`BucketOpener` +
 :class:`BucketReceiver`); vLLM itself is not needed. Run (1 or 2 GPUs, or CPU)::
 
-    PYTHONPATH=packages/engine-core/src:packages/ckpt/src:packages/engine-fsdp/src:packages/rollout-vllm/src \\
+    PYTHONPATH=packages/engine-core/src:packages/ckpt/src:packages/engine-fsdp/src:packages/rollout-vllm/src \
         python bench/weight_sync.py [--gpus 2] [--bucket-mb 512] [--reps 3] [--json out.json]
     ... python bench/weight_sync.py --tiny          # CPU, shared memory, a small model
 """
@@ -63,7 +63,8 @@ def sync(device: torch.device) -> None:
 
 
 def receiver_main(conn: Any, model_dir: str, device: str, dtype: torch.dtype) -> None:
-    """Receive buckets, time transfer / verify / load, reply per bucket and with totals at the end of a sync."""
+    """Receive buckets, time transfer / verify / load, reply per bucket and with totals at the end of a
+    sync."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from posttrain.core.weight_sync import Bucket, BucketReceiver

@@ -1,8 +1,8 @@
 """torchrun worker of test_ckpt_dist.py (2 gloo ranks, FSDP2, TinyLM with tied embeddings).
 
-``save``: train K steps of TinyLM, save (sync) at K with every content item, record the reference state; continue to N
-with async saves at every step (host buffers prepared ahead with ``prepare_role``; max_ckpt_to_keep=1), record the
-losses and final state of this uninterrupted run.
+``save``: train K steps of TinyLM, save (sync) at K with every content item, record the reference state;
+continue to N with async saves at every step (host buffers prepared ahead with ``prepare_role``;
+max_ckpt_to_keep=1), record the losses and final state of this uninterrupted run.
 ``resume``: in new processes, load step K from the tracker, check model/optimizer/extra against the reference,
 train to N and check losses and final parameters bit for bit; load step K into FSDP1 (with and without
 ``use_orig_params``); then load the async checkpoint of step N.

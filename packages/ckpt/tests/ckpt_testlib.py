@@ -1,4 +1,5 @@
-"""Shared pieces of the ckpt tests: a tiny Qwen2 model directory, deterministic training, exact comparisons."""
+"""Shared pieces of the ckpt tests: a tiny Qwen2 model directory, deterministic training, exact
+comparisons."""
 
 from __future__ import annotations
 

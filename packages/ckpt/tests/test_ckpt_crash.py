@@ -1,4 +1,5 @@
-"""Crash injection: a real process dies while saving step 2; resume must find step 1 intact and nothing lost."""
+"""Crash injection: a real process dies while saving step 2; resume must find step 1 intact and nothing
+lost."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Save on 2 gloo ranks (FSDP2, tied embeddings), resume on 2 ranks in new processes (bitwise), load on 1 process.
+"""Save on 2 gloo ranks (FSDP2, tied embeddings), resume on 2 ranks in new processes (bitwise), load on 1
+process.
 
 Two torchrun launches in all (see ckpt_dist_worker.py); the 1-process checks run in the pytest process.
 """

@@ -1,5 +1,5 @@
-"""CUDA paths: async save snapshots device tensors into pinned host buffers prepared in the background; load back
-onto the device."""
+"""CUDA paths: async save snapshots device tensors into pinned host buffers prepared in the background; load
+back onto the device."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""LoRA roles: a tiny tied Qwen2 with a peft adapter, saved through save_role, exported merged and adapter-only."""
+"""LoRA roles: a tiny tied Qwen2 with a peft adapter, saved through save_role, exported merged and
+adapter-only."""
 
 from __future__ import annotations
 

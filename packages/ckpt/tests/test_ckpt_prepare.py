@@ -1,4 +1,5 @@
-"""Host buffers allocated ahead of the first async save: reused by the snapshot, and the files match a sync save."""
+"""Host buffers allocated ahead of the first async save: reused by the snapshot, and the files match a sync
+save."""
 
 from __future__ import annotations
 

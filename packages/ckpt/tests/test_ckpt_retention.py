@@ -1,5 +1,5 @@
-"""Retention (``posttrain.ckpt.retain``), the one implementation the step manager and the megatron engine's direct
-saves share: which step directories go, which stay, and what a crash while deleting leaves behind."""
+"""Retention (``posttrain.ckpt.retain``), the one implementation the step manager and the megatron engine's
+direct saves share: which step directories go, which stay, and what a crash while deleting leaves behind."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def test_candidates_can_be_given(tmp_path: Path) -> None:
 
 def test_a_crash_while_deleting_leaves_hidden_debris(tmp_path: Path, monkeypatch) -> None:
     """The directory to delete is renamed first: a deletion that dies half-way leaves ``.tmp.old.*`` (never
-    read, removed by the next retention), not a damaged ``global_step_<N>`` that could pass as a checkpoint."""
+    read, removed by the next retention), not a damaged ``global_step_<N>`` that could pass as a
+    checkpoint."""
     for s in (1, 2):
         _complete(tmp_path, s)
     rmtree = shutil.rmtree

@@ -1,4 +1,5 @@
-"""Host staging of the synchronous save: exact-size host copies, held until released; host tensors untouched."""
+"""Host staging of the synchronous save: exact-size host copies, held until released; host tensors
+untouched."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tied parameters in one process: written once, aliases in the manifest, loads (also older checkpoints) exact."""
+"""Tied parameters in one process: written once, aliases in the manifest, loads (also older checkpoints)
+exact."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Verified checkpoints in one process: damaged files are named (file and tensor), resume falls back to the newest
-intact step, NaN/inf is never saved, loaded or exported, and ``posttrain ckpt verify`` reports it all."""
+"""Verified checkpoints in one process: damaged files are named (file and tensor), resume falls back to the
+newest intact step, NaN/inf is never saved, loaded or exported, and ``posttrain ckpt verify`` reports it
+all."""
 
 from __future__ import annotations
 
@@ -161,7 +162,8 @@ def test_intact_checkpoint_loads_without_warnings(two_steps: Path) -> None:
 
 def test_export_hf_names_the_convert_command_for_another_layout(two_steps: Path, tmp_path: Path) -> None:
     """A role whose manifest names a layout keyed by the backend's own names (the Megatron native one) is not
-    exported under wrong names: export-hf says which command converts it, before reading or writing anything."""
+    exported under wrong names: export-hf says which command converts it, before reading or writing
+    anything."""
     role = two_steps / "global_step_2" / "actor"
     manifest = json.loads((role / "manifest.json").read_text())
     manifest["layout"] = "megatron-dist-ckpt"

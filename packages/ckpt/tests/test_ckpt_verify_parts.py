@@ -1,7 +1,7 @@
 """The pieces that make verification cheap give the same answers as the plain computations: span CRCs cut into
 pieces and combined equal ``zlib.crc32``, bucketed tensor checksums equal ``tensor_checksum`` and name every
-non-finite tensor, a save fsyncs every file of the role before its manifest is written, and the load's check in
-DCP's read order finds what the check in file order finds."""
+non-finite tensor, a save fsyncs every file of the role before its manifest is written, and the load's check
+in DCP's read order finds what the check in file order finds."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def test_bucketed_finiteness_names_each_tensor(small: int, monkeypatch: pytest.M
 def test_save_fsyncs_every_role_file_before_its_manifest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """DCP writes without its own fsync; the save fsyncs each file of the role (while the CRCs are computed)."""
+    """DCP writes without its own fsync; the save fsyncs each file of the role (while the CRCs are
+    computed)."""
     synced: list[Path] = []
     real = layout.fsync_path
 
@@ -100,8 +101,8 @@ def test_save_fsyncs_every_role_file_before_its_manifest(
 
 
 def test_check_in_dcp_read_order_finds_the_same(tmp_path: Path) -> None:
-    """The load's check reads the segments in DCP's order (every stored item has a place in it) and reports what
-    the check in file order reports."""
+    """The load's check reads the segments in DCP's order (every stored item has a place in it) and reports
+    what the check in file order reports."""
     model, opt = tiny_model()
     step(model, opt, 1)
     save_role(tmp_path, RoleState(model=model, optimizer=opt), RoleInfo(), CONTENTS, 1)

@@ -1,6 +1,6 @@
 """The pair transport moves whole buckets, the zero bytes after an odd-sized last tensor included, so the
-receiver's checksums pass: over gloo (both members in one process, one thread each), and over NCCL from one GPU
-to another (two processes, with two GPUs)."""
+receiver's checksums pass: over gloo (both members in one process, one thread each), and over NCCL from one
+GPU to another (two processes, with two GPUs)."""
 
 import socket
 import threading
@@ -45,7 +45,8 @@ def test_odd_sized_tensors_cross_the_gloo_pair_verified():
 
 
 def _nccl_member(rank: int, port: int, out) -> None:
-    """Member ``rank`` of an NCCL pair on GPU ``rank``: 0 sends three buckets of the weights, 1 verifies them."""
+    """Member ``rank`` of an NCCL pair on GPU ``rank``: 0 sends three buckets of the weights, 1 verifies
+    them."""
     import pickle
 
     from posttrain.core.dist_transport import nccl_pair_group

@@ -1,4 +1,5 @@
-"""The one dtype parser: every alias maps onto its torch dtype, anything else names the value and the choices."""
+"""The one dtype parser: every alias maps onto its torch dtype, anything else names the value and the
+choices."""
 
 from __future__ import annotations
 

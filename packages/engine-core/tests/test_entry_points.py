@@ -1,7 +1,7 @@
-"""Registries built from installed distributions' entry points: a distribution written here (dist-info metadata
-plus a module, on sys.path) is found, its config class imports on first use and builds its engine or rollout,
-and two distributions that claim one name are refused with both named. (engine-core's own venv has no engine installed; the installed
-engines are checked in the trainers' tests.)"""
+"""Registries built from installed distributions' entry points: a distribution written here (dist-info
+metadata plus a module, on sys.path) is found, its config class imports on first use and builds its engine or
+rollout, and two distributions that claim one name are refused with both named. (engine-core's own venv has no
+engine installed; the installed engines are checked in the trainers' tests.)"""
 
 from __future__ import annotations
 

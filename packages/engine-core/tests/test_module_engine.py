@@ -1,4 +1,5 @@
-"""The shared engine over one module: micro-batch loop, optimizer calls, offload moves and the clipped norm."""
+"""The shared engine over one module: micro-batch loop, optimizer calls, offload moves and the clipped
+norm."""
 
 import math
 

@@ -1,4 +1,5 @@
-"""The one registry: duplicates raise, unknown names list what exists, a config class builds its engine/rollout."""
+"""The one registry: duplicates raise, unknown names list what exists, a config class builds its
+engine/rollout."""
 
 from dataclasses import dataclass
 from typing import ClassVar

@@ -30,8 +30,8 @@ def test_sampling_config_is_built_from_the_rollout_config():
 
 
 def test_a_plain_rollout_config_becomes_a_rollouts_own():
-    """``cls.of``: a plain RolloutConfig keeps every shared field and takes the rollout's defaults (its name too);
-    the rollout's own config is kept; another rollout's config is refused (its knobs would be lost)."""
+    """``cls.of``: a plain RolloutConfig keeps every shared field and takes the rollout's defaults (its name
+    too); the rollout's own config is kept; another rollout's config is refused (its knobs would be lost)."""
     from dataclasses import dataclass, fields
 
     from posttrain.core.rollout import RolloutConfig

@@ -117,7 +117,8 @@ def test_bucket_checksums_equal_the_per_tensor_checksums(chunk_rows):
 
 def test_every_byte_position_changes_its_row_hash():
     """The row hash's coefficient of each of the 256 byte positions is non-zero modulo 2**56, so changing any
-    one byte by any amount changes the checksum; checked on the float64-free integer math and on real flips."""
+    one byte by any amount changes the checksum; checked on the float64-free integer math and on real
+    flips."""
     w, c = (x.tolist() for x in _tables(torch.device("cpu")))
     for k in range(256):
         coeff = sum(ci * wk for ci, wk in zip(c, w[k])) % 2**64
@@ -281,8 +282,9 @@ def test_copy_groups_hold_at_most_their_bytes_of_the_stream(limit):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_copies_on_cuda_cast_like_copy():
-    """torch._foreach_copy_'s CUDA kernel (the fast path: one source dtype, contiguous) casts as ``copy_`` does,
-    in groups split by source dtype, by a non-contiguous source and by the group limit, from the GPU and the CPU."""
+    """torch._foreach_copy_'s CUDA kernel (the fast path: one source dtype, contiguous) casts as ``copy_``
+    does, in groups split by source dtype, by a non-contiguous source and by the group limit, from the GPU and
+    the CPU."""
     g = torch.Generator().manual_seed(8)
     weights = [(f"f{i}", torch.randn(1000 + 7 * i, 33, generator=g)) for i in range(5)]
     weights += [("ids", torch.arange(77)), ("h", torch.randn(5, 9, generator=g).half())]

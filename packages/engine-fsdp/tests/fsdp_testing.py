@@ -24,7 +24,8 @@ def tiny_config(tie: bool = True) -> Any:
 
 
 def save_tiny_model(path: str | Path, *, value_model: bool = False, tie: bool = True, seed: int = 0) -> str:
-    """A random :func:`tiny_config` model (causal LM or one-label token classifier) saved as an HF directory."""
+    """A random :func:`tiny_config` model (causal LM or one-label token classifier) saved as an HF
+    directory."""
     return testing.save_tiny_model(
         path, seed=seed, value_model=value_model, max_position_embeddings=512, tie_word_embeddings=tie
     )
@@ -104,7 +105,8 @@ def make_engine(
 
 
 def full_grads(eng: Any) -> dict[str, torch.Tensor] | None:
-    """Name -> full gradient (gathered from shards) of every trainable parameter; None for FSDP1 flat params."""
+    """Name -> full gradient (gathered from shards) of every trainable parameter; None for FSDP1 flat
+    params."""
     from torch.distributed.tensor import DTensor
 
     from posttrain.fsdp.modeling import _WRAPPER_PARTS
@@ -186,7 +188,8 @@ def save_tiny_adapter(model_dir: str, adapter_dir: str | Path, seed: int = 1) ->
 
 
 DIST_LENGTHS = [5, 9, 3, 17, 11, 7, 20, 4, 30, 6]
-"""Sequences of the data-parallel step checks; rank 0 takes the first eight (three micro-batches of <= 32 tokens), rank 1 the last two (two micro-batches, plus one filler pass)."""
+"""Sequences of the data-parallel step checks; rank 0 takes the first eight (three micro-batches of <= 32
+tokens), rank 1 the last two (two micro-batches, plus one filler pass)."""
 
 
 def dist_cases(work: str | Path) -> dict[str, dict[str, Any]]:

@@ -1,6 +1,6 @@
-"""Packed attention's compute dtype and its fallback decision: a one-process engine (fp32 module under autocast)
-hands attention the same q/k/v dtype as FSDP2 with one rank, and the per-sequence loop is never taken on CUDA
-without a warning that names the cause and the fix."""
+"""Packed attention's compute dtype and its fallback decision: a one-process engine (fp32 module under
+autocast) hands attention the same q/k/v dtype as FSDP2 with one rank, and the per-sequence loop is never
+taken on CUDA without a warning that names the cause and the fix."""
 
 from __future__ import annotations
 

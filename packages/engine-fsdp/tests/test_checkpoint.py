@@ -85,9 +85,9 @@ def test_async_save_through_the_engine_hook(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_save_checkpoint_keeps_the_newest_saves_of_its_role(tmp_path: Path) -> None:
-    """``save_checkpoint(<root>/global_step_<N>/actor, max_ckpt_to_keep=2)`` prunes the older finished saves (a
-    save that died before its manifest is neither counted nor deleted); ``checkpoint.max_ckpt_to_keep`` is the
-    default; a save into a step manager's staging directory leaves retention to the manager."""
+    """``save_checkpoint(<root>/global_step_<N>/actor, max_ckpt_to_keep=2)`` prunes the older finished saves
+    (a save that died before its manifest is neither counted nor deleted); ``checkpoint.max_ckpt_to_keep`` is
+    the default; a save into a step manager's staging directory leaves retention to the manager."""
     eng = _engine(save_tiny_model(tmp_path / "lm"), max_ckpt_to_keep=1)
     root = tmp_path / "run"
     (root / "global_step_9" / "actor").mkdir(parents=True)  # died mid-save: no manifest

@@ -85,7 +85,8 @@ def test_wrap_policy_picks_the_fsdp1_units(lm_dir: str):
 
 
 def _saved_head_rows(path: str, **engine) -> list[int]:
-    """Token rows of every (tokens, vocab) fp32 tensor autograd keeps from the training forward for backward."""
+    """Token rows of every (tokens, vocab) fp32 tensor autograd keeps from the training forward for
+    backward."""
     config = tiny_config()
     rows: list[int] = []
     in_forward = [True]

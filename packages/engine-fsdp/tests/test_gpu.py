@@ -1,7 +1,7 @@
 """CUDA-only checks (run on the GPU machine): the variable-length attention kernel against per-sequence SDPA,
 bf16 engine log-probs against an fp32 HF forward, a one-process engine against FSDP2 with one rank (the varlen
-path, no fallback), the fp32 fallback's warning, the fused RMSNorm's CUDA kernels, and offload to host memory and
-back."""
+path, no fallback), the fp32 fallback's warning, the fused RMSNorm's CUDA kernels, and offload to host memory
+and back."""
 
 from __future__ import annotations
 
@@ -104,11 +104,11 @@ def test_compiled_layers_equal_eager(tmp_path) -> None:
     """``compile_layers`` (bf16, varlen attention inside the compiled graph): the same log-probs, losses and
     updated params as eager up to bf16 rounding, over two packed lengths (one dynamic graph serves both).
 
-    The params' bound comes from Adam: whatever the gradient, one step moves an element by at most about ``lr``
-    (``m / sqrt(v)`` is within [-1, 1] on the first step and close to it after), so an element whose tiny gradient
-    rounds to the other sign under compilation lands up to ``2 * lr`` away per step: ``2 * lr * steps`` bounds a
-    rounding-flipped update. Such flips are rare; a wrong compiled gradient moves most elements, so the mean
-    difference must also stay far below ``lr``."""
+    The params' bound comes from Adam: whatever the gradient, one step moves an element by at most about
+    ``lr`` (``m / sqrt(v)`` is within [-1, 1] on the first step and close to it after), so an element whose
+    tiny gradient rounds to the other sign under compilation lands up to ``2 * lr`` away per step:
+    ``2 * lr * steps`` bounds a rounding-flipped update. Such flips are rare; a wrong compiled gradient moves
+    most elements, so the mean difference must also stay far below ``lr``."""
     path = save_tiny_model(tmp_path / "lm")
     lr = 1e-4
     runs = {}
@@ -128,9 +128,9 @@ def test_compiled_layers_equal_eager(tmp_path) -> None:
     diffs = torch.cat([(p1[n].float() - p0[n].float()).abs().flatten() for n in p0])
     moved = torch.cat([(p0[n].float() - s0[n].float()).abs().flatten() for n in p0])
     stats = (
-        f"losses {l0} vs {l1}; log-prob max diff {(lp1 - lp0).abs().max():.3e}; param diff max {diffs.max():.3e} "
-        f"mean {diffs.mean():.3e}, {(diffs > lr / 2).float().mean():.2e} of elements past lr/2; eager moved "
-        f"params by {moved.mean():.3e} on average"
+        f"losses {l0} vs {l1}; log-prob max diff {(lp1 - lp0).abs().max():.3e}; param diff max "
+        f"{diffs.max():.3e} mean {diffs.mean():.3e}, {(diffs > lr / 2).float().mean():.2e} of elements past "
+        f"lr/2; eager moved params by {moved.mean():.3e} on average"
     )
     print(stats)
     for n in s0:
@@ -160,9 +160,9 @@ def _norm_ops(norm: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tup
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_rms_norm_is_one_cuda_kernel_each_way(dtype: torch.dtype) -> None:
-    """``FusedRMSNorm`` on CUDA runs ``_fused_rms_norm`` forward and ``_fused_rms_norm_backward`` backward (plus the
-    weight multiply), none of HF's pow/mean/rsqrt, and gives HF's ``Qwen3RMSNorm`` results up to the fused kernel's
-    fp32 summation order (a bf16 rounding step at most)."""
+    """``FusedRMSNorm`` on CUDA runs ``_fused_rms_norm`` forward and ``_fused_rms_norm_backward`` backward
+    (plus the weight multiply), none of HF's pow/mean/rsqrt, and gives HF's ``Qwen3RMSNorm`` results up to the
+    fused kernel's fp32 summation order (a bf16 rounding step at most)."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     from posttrain.fsdp.norms import FusedRMSNorm

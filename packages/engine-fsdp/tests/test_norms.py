@@ -1,6 +1,6 @@
-"""``engine.fused_rms_norm``: :class:`FusedRMSNorm` is HF's RMSNorm (forward and backward, bitwise on a CPU) for
-every model type it is swapped into, and a Qwen3 engine with it gives HF's log-probs and the loss and gradients
-of the same engine with HF's modules."""
+"""``engine.fused_rms_norm``: :class:`FusedRMSNorm` is HF's RMSNorm (forward and backward, bitwise on a CPU)
+for every model type it is swapped into, and a Qwen3 engine with it gives HF's log-probs and the loss and
+gradients of the same engine with HF's modules."""
 
 from __future__ import annotations
 

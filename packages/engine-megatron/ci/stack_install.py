@@ -1,10 +1,12 @@
-"""Install the built posttrain-engine-megatron wheel into a Megatron user's stack with plain pip; nothing in it moves.
+"""Install the built posttrain-engine-megatron wheel into a Megatron user's stack with plain pip; nothing in
+it moves.
 
 The stack stands in for an NGC-style environment: torch, a transformers newer than Megatron-Bridge's cap, the
 newest numpy, megatron-core 0.19.2 and Megatron-Bridge 0.6.2 installed without their dependencies (as from
 source). The script builds the engine-core, ckpt and engine-megatron wheels, records ``pip list``, runs
-``pip install <engine-megatron wheel> --find-links <dist>``, records ``pip list`` again and fails when a package
-of the stack was up- or downgraded or removed. Then the engine must import and resolve through its entry points.
+``pip install <engine-megatron wheel> --find-links <dist>``, records ``pip list`` again and fails when a
+package of the stack was up- or downgraded or removed. Then the engine must import and resolve through its
+entry points.
 
     python packages/engine-megatron/ci/stack_install.py WORK_DIR [--python PYTHON]
 
@@ -23,7 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ["posttrain-engine-core", "posttrain-ckpt", "posttrain-engine-megatron"]
-# The user's stack. transformers and numpy are newer than what Megatron-Bridge 0.6.2 pins / the workspace locks.
+# The user's stack. transformers and numpy are newer than what Megatron-Bridge 0.6.2 pins / the workspace
+# locks.
 STACK = ["torch==2.14.0", "transformers==5.24.0", "numpy==2.5.5", "packaging"]
 STACK_NO_DEPS = ["megatron-core==0.19.2", "megatron-bridge==0.6.2"]
 IMPORT_CHECK = """
@@ -73,7 +76,7 @@ def build_stack(work: Path, python: str) -> tuple[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("work", type=Path, help="scratch folder (wheels and the stack's venv)")
     ap.add_argument("--python", default=sys.executable, help="Python 3.12 for the stack's venv")
     args = ap.parse_args(argv)

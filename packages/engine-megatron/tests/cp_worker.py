@@ -1,10 +1,11 @@
 """torchrun worker for the context-parallel tests: CP=2 against CP=1 (DP=2, the same batch on both ranks) and
 against plain HF + torch.
 
-Usage: ``torchrun --nproc-per-node 2 cp_worker.py HF_DIR OUT_DIR DTYPES [JSON engine overrides]`` with DTYPES a
-comma-separated list (``float32``, ``bfloat16``). For each dtype: log-probs of five packed sequences of odd
-lengths (and, with per-token temperatures, log-probs and entropy; and a value model's values), then one training
-step (token-mean NLL, clipped Adam). Rank 0 writes ``OUT_DIR/cp_results.json``: ``{dtype: {name: difference}}``.
+Usage: ``torchrun --nproc-per-node 2 cp_worker.py HF_DIR OUT_DIR DTYPES [JSON engine overrides]`` with DTYPES
+a comma-separated list (``float32``, ``bfloat16``). For each dtype: log-probs of five packed sequences of odd
+lengths (and, with per-token temperatures, log-probs and entropy; and a value model's values), then one
+training step (token-mean NLL, clipped Adam). Rank 0 writes ``OUT_DIR/cp_results.json``:
+``{dtype: {name: difference}}``.
 """
 
 from __future__ import annotations

@@ -4,12 +4,13 @@ Runs on 2 gloo CPU ranks, or on 2 GPUs (NCCL) when CUDA is available.
 
 Usage: ``torchrun --nproc-per-node 2 cross_backend_worker.py HF_DIR FSDP_ROLE_DIR OUT_DIR``. For each layout
 (TP=2 with sequence parallelism, PP=2, DP=2 with the distributed optimizer) a megatron engine loads the FSDP
-engine's role directory (saved after two steps), trains step 3 (at DP=2 each rank takes half the sequences) and
-saves a portable checkpoint to ``OUT_DIR/<layout>/actor``. Rank 0 writes ``OUT_DIR/<layout>.pt``: the step's
-loss and grad norm and the exported parameters. Then a TP=2 bf16 engine loads the FSDP checkpoint and saves it
-again to ``OUT_DIR/tp2_bf16/actor`` at once, and a DP=2 bf16 engine (distributed optimizer) does the same with
-``checkpoint.async_save`` through a background writer: the save must return before the manifest exists, which
-appears once the write job ran (the tests compare all of them with the FSDP checkpoint bit for bit).
+engine's role directory (saved after two steps), trains step 3 (at DP=2 each rank takes half the sequences)
+and saves a portable checkpoint to ``OUT_DIR/<layout>/actor``. Rank 0 writes ``OUT_DIR/<layout>.pt``: the
+step's loss and grad norm and the exported parameters. Then a TP=2 bf16 engine loads the FSDP checkpoint and
+saves it again to ``OUT_DIR/tp2_bf16/actor`` at once, and a DP=2 bf16 engine (distributed optimizer) does the
+same with ``checkpoint.async_save`` through a background writer: the save must return before the manifest
+exists, which appears once the write job ran (the tests compare all of them with the FSDP checkpoint bit for
+bit).
 :func:`optim` and :func:`batch` are shared with the tests.
 """
 

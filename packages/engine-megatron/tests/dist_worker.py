@@ -1,10 +1,12 @@
-"""torchrun worker for the 2-rank tests: TP=2 (sequence parallel), PP=2 and PP=2 x VPP=2 against HF references.
+"""torchrun worker for the 2-rank tests: TP=2 (sequence parallel), PP=2 and PP=2 x VPP=2 against HF
+references.
 
-Usage: ``torchrun --nproc-per-node 2 dist_worker.py HF_DIR OUT_DIR [JSON engine overrides]``. PP=2 x VPP=2 (the
-interleaved schedule, a 4-layer model) is checked forward-only and training with 2 and 4 micro-batches; on
-CUDA, Megatron-FSDP at DP=2 too. Writes ``OUT_DIR/results_rank<r>.json``
-(differences to the references) and ``OUT_DIR/tp2_ckpt`` (a TP=2 checkpoint after one step; the same state saved
-asynchronously in ``OUT_DIR/tp2_ckpt_async``) with ``OUT_DIR/tp2_params.pt`` (the exported parameters then).
+Usage: ``torchrun --nproc-per-node 2 dist_worker.py HF_DIR OUT_DIR [JSON engine overrides]``. PP=2 x VPP=2
+(the interleaved schedule, a 4-layer model) is checked forward-only and training with 2 and 4 micro-batches;
+on CUDA, Megatron-FSDP at DP=2 too. Writes ``OUT_DIR/results_rank<r>.json``
+(differences to the references) and ``OUT_DIR/tp2_ckpt`` (a TP=2 checkpoint after one step; the same state
+saved asynchronously in ``OUT_DIR/tp2_ckpt_async``) with ``OUT_DIR/tp2_params.pt`` (the exported parameters
+then).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """torchrun worker for the Megatron-FSDP checkpoint test (CUDA only: Megatron-FSDP allocates CUDA streams).
 
-``torchrun --nproc-per-node 2 fsdp_ckpt_worker.py save HF_DIR OUT_DIR``: data-parallel size 2, one training step,
-save to ``OUT_DIR/ckpt``, a second step (the reference), then a fresh engine loads the checkpoint and must hold
-the same parameters and Adam moments and take the same second step. ``--nproc-per-node 1 ... load1 HF_DIR
-OUT_DIR``: the same checkpoint loaded at data-parallel size 1 (resharding), then the second step over the whole
-batch. Each run writes ``OUT_DIR/<phase>_results.json``; the reference tensors go to ``OUT_DIR/*.pt``.
+``torchrun --nproc-per-node 2 fsdp_ckpt_worker.py save HF_DIR OUT_DIR``: data-parallel size 2, one training
+step, save to ``OUT_DIR/ckpt``, a second step (the reference), then a fresh engine loads the checkpoint and
+must hold the same parameters and Adam moments and take the same second step. ``--nproc-per-node 1 ... load1
+HF_DIR OUT_DIR``: the same checkpoint loaded at data-parallel size 1 (resharding), then the second step over
+the whole batch. Each run writes ``OUT_DIR/<phase>_results.json``; the reference tensors go to
+``OUT_DIR/*.pt``.
 ``FSDP_CKPT_DTYPE=bfloat16`` runs the engines in bfloat16 (default float32).
 """
 

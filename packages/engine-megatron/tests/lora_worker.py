@@ -1,13 +1,14 @@
-"""torchrun worker for the 2-rank LoRA tests: LoRA engines at TP=2 (sequence parallel) and PP=2 against HF + peft.
+"""torchrun worker for the 2-rank LoRA tests: LoRA engines at TP=2 (sequence parallel) and PP=2 against
+HF + peft.
 
-Usage: ``torchrun --nproc-per-node 2 lora_worker.py HF_DIR OUT_DIR``. For each layout, after one training step,
-the rank that holds the outputs (TP rank 0 of the last pipeline stage) loads the adapter stream into peft on
-the HF model and records the largest differences between the engine's log-probs and peft's, between the merged
-stream and peft's ``merge_and_unload``, and between the engine inside ``disable_adapter()`` and the HF base
-model; plus how far the adapter moves the log-probs, the layers the adapter stream covers and whether every
-rank streamed the same names and config. The layouts: TP=2, PP=2, and PP=2 adapting only a layer of the second
-stage (the first stage trains nothing, its gradient clipping must still meet the other's collectives). Each rank
-writes ``OUT_DIR/results_rank<r>.json`` ({layout: ...}).
+Usage: ``torchrun --nproc-per-node 2 lora_worker.py HF_DIR OUT_DIR``. For each layout, after one training
+step, the rank that holds the outputs (TP rank 0 of the last pipeline stage) loads the adapter stream into
+peft on the HF model and records the largest differences between the engine's log-probs and peft's, between
+the merged stream and peft's ``merge_and_unload``, and between the engine inside ``disable_adapter()`` and the
+HF base model; plus how far the adapter moves the log-probs, the layers the adapter stream covers and whether
+every rank streamed the same names and config. The layouts: TP=2, PP=2, and PP=2 adapting only a layer of the
+second stage (the first stage trains nothing, its gradient clipping must still meet the other's collectives).
+Each rank writes ``OUT_DIR/results_rank<r>.json`` ({layout: ...}).
 """
 
 from __future__ import annotations

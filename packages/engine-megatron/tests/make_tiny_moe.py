@@ -1,5 +1,5 @@
-"""Write a random-init tiny Qwen3-MoE (:data:`posttrain.core.testing.TINY_QWEN3_MOE`) that uses the tokenizer of a
-``posttrain model init`` directory, so the RL loop can run on an MoE model offline.
+"""Write a random-init tiny Qwen3-MoE (:data:`posttrain.core.testing.TINY_QWEN3_MOE`) that uses the tokenizer
+of a ``posttrain model init`` directory, so the RL loop can run on an MoE model offline.
 
 Usage: ``python make_tiny_moe.py TOKENIZER_DIR OUT_DIR``.
 """

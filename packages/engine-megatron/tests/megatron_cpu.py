@@ -1,12 +1,12 @@
 """Test-only environment for running Megatron-Core / Megatron-Bridge without CUDA or Transformer Engine.
 
-Megatron-Core 0.19 hard-codes ``torch.cuda`` calls (current device, seeding, RNG-state save/restore, synchronize)
-and Megatron-Bridge imports ``transformer_engine.pytorch`` unconditionally. For CPU tests (and for GPU runs on a
-machine without Transformer Engine) this module redirects those few calls to their CPU equivalents and
-registers an empty Transformer Engine stand-in *after* ``megatron.core.models.gpt.gpt_layer_specs`` has been
-imported, so Megatron-Core has already recorded that TE is absent and builds local (non-TE) layers, and tells
-Megatron-Bridge's PEFT (LoRA) that TE is absent too. The posttrain package itself never does any of this; only
-tests and benchmarks call this.
+Megatron-Core 0.19 hard-codes ``torch.cuda`` calls (current device, seeding, RNG-state save/restore,
+synchronize) and Megatron-Bridge imports ``transformer_engine.pytorch`` unconditionally. For CPU tests (and
+for GPU runs on a machine without Transformer Engine) this module redirects those few calls to their CPU
+equivalents and registers an empty Transformer Engine stand-in *after*
+``megatron.core.models.gpt.gpt_layer_specs`` has been imported, so Megatron-Core has already recorded that TE
+is absent and builds local (non-TE) layers, and tells Megatron-Bridge's PEFT (LoRA) that TE is absent too. The
+posttrain package itself never does any of this; only tests and benchmarks call this.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ def _stub_module(name: str) -> types.ModuleType:
 
 
 def install_te_standin() -> None:
-    """Register an empty ``transformer_engine`` after Megatron-Core decided it has no TE, then tell the bridge's
-    PEFT that TE is absent: without TE, Megatron-Core exports mock TE linear classes, which the PEFT would
-    pass to ``isinstance`` when it wraps a linear (LoRA). Nothing changes where a real TE was imported."""
+    """Register an empty ``transformer_engine`` after Megatron-Core decided it has no TE, then tell the
+    bridge's PEFT that TE is absent: without TE, Megatron-Core exports mock TE linear classes, which the PEFT
+    would pass to ``isinstance`` when it wraps a linear (LoRA). Nothing changes where a real TE was
+    imported."""
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401  (records HAVE_TE=False first)
 
     if "transformer_engine" in sys.modules:
@@ -116,9 +117,10 @@ _MODE: list[CpuDeviceMode] = []
 
 
 def _list_split_sizes(all_to_all_single):
-    """``all_to_all_single`` taking split sizes as tensors too: the MoE dispatcher turns them into lists only when
-    they were on a GPU, and c10d takes no tensors there. A wrapper, not the mode above: the activation-recompute
-    backward (``model.enable_gradient_checkpointing``) calls it where the mode is not active."""
+    """``all_to_all_single`` taking split sizes as tensors too: the MoE dispatcher turns them into lists only
+    when they were on a GPU, and c10d takes no tensors there. A wrapper, not the mode above: the
+    activation-recompute backward (``model.enable_gradient_checkpointing``) calls it where the mode is not
+    active."""
 
     def call(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
         def listed(sizes):
@@ -164,9 +166,9 @@ class _HiddenTransformerEngine(importlib.abc.MetaPathFinder):
 
 
 def hide_transformer_engine() -> None:
-    """Make an installed Transformer Engine unimportable in this process, so that Megatron-Core records it absent
-    and builds its local layer spec (a baseline next to TE's on the same machine). Call before anything imports
-    Megatron or TE, then :func:`prepare_environment`."""
+    """Make an installed Transformer Engine unimportable in this process, so that Megatron-Core records it
+    absent and builds its local layer spec (a baseline next to TE's on the same machine). Call before anything
+    imports Megatron or TE, then :func:`prepare_environment`."""
     if any(k == "transformer_engine" or k.startswith("transformer_engine.") for k in sys.modules):
         raise RuntimeError("hide_transformer_engine: transformer_engine is already imported in this process")
     sys.meta_path.insert(0, _HiddenTransformerEngine())
@@ -195,8 +197,8 @@ def init_single_process() -> None:
 
 
 def make_tiny_qwen2(path: str, seed: int = 0, **overrides) -> str:
-    """Save ``posttrain.core.testing``'s tiny Qwen2 (fp32, ``overrides`` applied) to ``path``, its biases and norms
-    perturbed."""
+    """Save ``posttrain.core.testing``'s tiny Qwen2 (fp32, ``overrides`` applied) to ``path``, its biases and
+    norms perturbed."""
     model = tiny_model(seed=seed, **overrides)
     with torch.no_grad():  # non-trivial biases and norms, so a wrong mapping cannot hide
         for name, p in model.named_parameters():
@@ -207,7 +209,8 @@ def make_tiny_qwen2(path: str, seed: int = 0, **overrides) -> str:
 
 
 def hf_log_probs(model, batch) -> torch.Tensor:
-    """Reference: per-token log-probs of ``batch`` from an HF model, one sequence at a time (float64 softmax)."""
+    """Reference: per-token log-probs of ``batch`` from an HF model, one sequence at a time (float64
+    softmax)."""
     out = []
     for seq in batch.split_tokens(batch.input_ids):
         logits = model(seq[None]).logits[0].double()
@@ -224,7 +227,8 @@ def nll_loss(model_output, micro, ctx):
 
 
 def reference_step(hf_path: str, batch, lr: float, clip: float):
-    """Plain HF + torch: token-mean NLL over the batch, its grad norm, one clipped AdamW step (no weight decay).
+    """Plain HF + torch: token-mean NLL over the batch, its grad norm, one clipped AdamW step (no weight
+    decay).
 
     Returns (loss, grad_norm, {hf name: updated parameter})."""
     from transformers import AutoModelForCausalLM
@@ -279,7 +283,8 @@ def sample_batch():
 
 
 def trainer_assets(root, *, size: str, num_train: int, num_test: int, digits: int) -> dict:
-    """A model of ``posttrain model init``'s ``size`` and the synthetic arithmetic task on disk under ``root``:
+    """A model of ``posttrain model init``'s ``size`` and the synthetic arithmetic task on disk under
+    ``root``:
     ``{"root", "model", "train", "test"}`` (paths), what the trainer tests point their runs at."""
     from posttrain.trainers.data.convert import write_parquet
     from posttrain.trainers.data.synthetic import arithmetic_rows

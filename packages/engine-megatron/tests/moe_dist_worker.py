@@ -3,9 +3,10 @@
 Layouts: ``ep2`` (EP=2, so DP=2: each rank trains on half the sequences and the all-to-all dispatcher sends
 tokens to the rank holding their experts) and ``tp2_ep2_etp1`` (TP=2 with sequence parallelism for attention,
 EP=2 with expert tensor parallelism 1: each rank holds two whole experts). Each is checked against plain HF +
-torch on the whole batch: log-probs, then one clipped AdamW step (loss, grad norm, every updated parameter with the
-exported per-expert tensors placed into transformers' fused expert parameters). Megatron's load-balancing loss is
-set to 0 (``moe_aux_loss_coeff``), so its gradients are the NLL's alone, as in the reference.
+torch on the whole batch: log-probs, then one clipped AdamW step (loss, grad norm, every updated parameter
+with the exported per-expert tensors placed into transformers' fused expert parameters). Megatron's
+load-balancing loss is set to 0 (``moe_aux_loss_coeff``), so its gradients are the NLL's alone, as in the
+reference.
 
 Usage: ``torchrun --nproc-per-node 2 moe_dist_worker.py OUT_DIR``; writes ``OUT_DIR/moe_dist_rank<r>.json``.
 """

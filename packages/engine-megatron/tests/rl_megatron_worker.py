@@ -2,13 +2,13 @@
 ``megatron_cpu.py`` (CUDA calls redirected, Transformer Engine stand-in).
 
 Usage: ``torchrun --standalone --nproc-per-node N rl_megatron_worker.py [--record DIR] [posttrain grpo args]
-[--then [--record DIR] [args] ...]``: each ``--then`` starts another run in the same processes (one launch pays
-Megatron's ~20 s import once per rank, not once per run).
-The arguments extend :data:`CPU_DEFAULTS` (float32 megatron actor and reference, HF rollout, a two-step run with
-small batches, :func:`digit_share` as the reward); ``algorithm.adv_estimator=gae`` makes it PPO with a critic
-(``grpo`` only sets the estimator's default). With ``--record DIR`` each rank writes ``DIR/rank<r>.pt``: per
-step, the packed batch as the advantage phase gets it (input ids, scores, old and reference log-probs, and
-with a critic its values) and the advantages and returns it computed.
+[--then [--record DIR] [args] ...]``: each ``--then`` starts another run in the same processes (one launch
+pays Megatron's ~20 s import once per rank, not once per run).
+The arguments extend :data:`CPU_DEFAULTS` (float32 megatron actor and reference, HF rollout, a two-step run
+with small batches, :func:`digit_share` as the reward); ``algorithm.adv_estimator=gae`` makes it PPO with a
+critic (``grpo`` only sets the estimator's default). With ``--record DIR`` each rank writes
+``DIR/rank<r>.pt``: per step, the packed batch as the advantage phase gets it (input ids, scores, old and
+reference log-probs, and with a critic its values) and the advantages and returns it computed.
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ def main() -> None:
     prepare_environment()
     from posttrain.trainers.main_ppo import run
 
-    # The runs share this process group (as the one-process reference shares the test's), so the trainers do not
-    # tear it down between runs and Megatron's model-parallel groups, made once, serve every run.
+    # The runs share this process group (as the one-process reference shares the test's), so the trainers do
+    # not tear it down between runs and Megatron's model-parallel groups, made once, serve every run.
     torch.distributed.init_process_group("gloo")
 
     for args in split_runs(sys.argv[1:]):

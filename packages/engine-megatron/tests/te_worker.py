@@ -1,13 +1,13 @@
 """torchrun worker (ONE GPU, the real Transformer Engine) for ``test_gpu_te.py``.
 
-Usage: ``torchrun --nproc-per-node 1 te_worker.py {dense,fsdp,moe} OUT_DIR``; writes ``OUT_DIR/<mode>_results.json``
-with raw measurements only (the test holds the bounds):
+Usage: ``torchrun --nproc-per-node 1 te_worker.py {dense,fsdp,moe} OUT_DIR``; writes
+``OUT_DIR/<mode>_results.json`` with raw measurements only (the test holds the bounds):
 
-- ``dense``: a tiny Qwen2 whose sizes TE's kernels take (head_dim 64, hidden 256) through the engine at TP=1 in
-  float32 and in bfloat16 (Megatron DDP): which classes the decoder's layers are, and the per-token log-probs'
-  deviation from an HF forward of the same weights on the GPU (float32, TF32 matmuls off). The HF forward is
-  also run with TF32 matmuls and in bfloat16 (the noise scales the bounds are derived from), and for an HF model
-  of another seed (what a wrong weight mapping would look like).
+- ``dense``: a tiny Qwen2 whose sizes TE's kernels take (head_dim 64, hidden 256) through the engine at TP=1
+  in float32 and in bfloat16 (Megatron DDP): which classes the decoder's layers are, and the per-token
+  log-probs' deviation from an HF forward of the same weights on the GPU (float32, TF32 matmuls off). The HF
+  forward is also run with TF32 matmuls and in bfloat16 (the noise scales the bounds are derived from), and
+  for an HF model of another seed (what a wrong weight mapping would look like).
 - ``fsdp``: the same model through Megatron-FSDP (``use_megatron_fsdp``, DP=1), float32 and bfloat16.
 - ``moe``: a tiny Qwen3-MoE (:data:`posttrain.core.testing.TINY_QWEN3_MOE`, head_dim 64) with
   ``moe_grouped_gemm=True`` at EP=1: expert classes; R2 records routing in a forward-only pass and a training
@@ -84,7 +84,8 @@ def matmul_tf32(enabled: bool):
 
 
 def load_hf(path: str):
-    """The HF model on the GPU in float32 with eager attention (and eager experts where transformers has them)."""
+    """The HF model on the GPU in float32 with eager attention (and eager experts where transformers has
+    them)."""
     from transformers import AutoModelForCausalLM
 
     kw = dict(dtype=torch.float32, attn_implementation="eager")
@@ -96,7 +97,8 @@ def load_hf(path: str):
 
 
 def gpu_log_probs(model, batch) -> torch.Tensor:
-    """Per-token log-probs of ``batch`` from an HF model on the GPU, one sequence at a time (float64 softmax)."""
+    """Per-token log-probs of ``batch`` from an HF model on the GPU, one sequence at a time (float64
+    softmax)."""
     out = []
     with torch.no_grad():
         for seq in batch.split_tokens(batch.input_ids):
@@ -108,7 +110,8 @@ def gpu_log_probs(model, batch) -> torch.Tensor:
 
 
 def hf_references(path: str, batch, with_bf16: bool = True) -> dict[str, torch.Tensor]:
-    """HF log-probs: ``fp32`` (TF32 off, the reference), ``tf32`` (TF32 matmuls) and ``bf16`` (bfloat16 weights)."""
+    """HF log-probs: ``fp32`` (TF32 off, the reference), ``tf32`` (TF32 matmuls) and ``bf16`` (bfloat16
+    weights)."""
     model = load_hf(path)
     refs = {}
     with matmul_tf32(False):
@@ -142,7 +145,8 @@ def qualname(module: torch.nn.Module) -> str:
 
 
 def local_modules(model: torch.nn.Module) -> list[str]:
-    """Classes in ``model`` from Megatron-Core's local spec or posttrain's local layers (none with the TE spec)."""
+    """Classes in ``model`` from Megatron-Core's local spec or posttrain's local layers (none with the TE
+    spec)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -224,7 +228,8 @@ def run_engines(hf: str, batch, keep, refs, **engine_kw) -> dict[str, object]:
 
 
 def run_dense(out_dir: Path, **engine_kw) -> dict[str, object]:
-    """TP=1 (Megatron DDP, or what ``engine_kw`` selects): TE layer classes, log-probs against HF, HF noise."""
+    """TP=1 (Megatron DDP, or what ``engine_kw`` selects): TE layer classes, log-probs against HF, HF
+    noise."""
     from megatron_cpu import make_tiny_qwen2
 
     hf = make_tiny_qwen2(str(out_dir / "hf"), **TE_QWEN2)
@@ -245,7 +250,8 @@ def run_fsdp(out_dir: Path) -> dict[str, object]:
 
 
 def experts_report(eng) -> dict[str, object]:
-    """Each MoE layer's experts class and whether its fc1 / fc2 are TE ``GroupedLinear``s; the provider flag."""
+    """Each MoE layer's experts class and whether its fc1 / fc2 are TE ``GroupedLinear``s; the provider
+    flag."""
     import transformer_engine.pytorch as te
 
     from posttrain.megatron import build
@@ -264,7 +270,8 @@ def experts_report(eng) -> dict[str, object]:
 
 
 def capture_pass(eng, batch, routing) -> torch.Tensor:
-    """Log-probs of one training-mode forward/backward with ``fields['routed_experts'] = routing`` (no step)."""
+    """Log-probs of one training-mode forward/backward with ``fields['routed_experts'] = routing`` (no
+    step)."""
     from megatron_cpu import nll_loss
 
     captured: list[torch.Tensor] = []
@@ -307,8 +314,8 @@ def r2_checks(eng, batch, num_experts: int) -> dict[str, object]:
 
 
 def observed_routing(eng, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, (T, layers, experts) bool maps the routers used) of a forward-only pass, read by forward hooks
-    on Megatron-Core's ``TopKRouter``s (one micro-batch, no padding at TP=1)."""
+    """(log-probs, (T, layers, experts) bool maps the routers used) of a forward-only pass, read by forward
+    hooks on Megatron-Core's ``TopKRouter``s (one micro-batch, no padding at TP=1)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     routers = [m for m in eng.chunks[0].modules() if isinstance(m, TopKRouter)]
@@ -324,8 +331,8 @@ def observed_routing(eng, batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def r3_checks(eng, batch, num_experts: int, top_k: int) -> dict[str, object]:
-    """R3: the routers' own routing (read by hooks) given as ``routed_experts`` in a forward-only and a training
-    pass; a shifted routing given the same way."""
+    """R3: the routers' own routing (read by hooks) given as ``routed_experts`` in a forward-only and a
+    training pass; a shifted routing given the same way."""
     free_lp, free_maps = observed_routing(eng, batch)
     indices = free_maps.float().topk(top_k, dim=-1).indices.to(torch.int32)  # (T, layers, k)
     batch.fields["routed_experts"] = indices

@@ -1,14 +1,15 @@
-"""The Megatron engine's GRPO update on a multi-turn batch against an HF + plain-torch reference (one CPU process).
+"""The Megatron engine's GRPO update on a multi-turn batch against an HF + plain-torch reference (one CPU
+process).
 
 Four episodes in two GRPO groups, with environment ids (tool calls' results, mask 0) between the model's turns
 and rollout log-probs on the model's ids only (0 on the environment's), are packed by the trainer's
-``build_batch``, get GRPO advantages from ``compute_advantages`` and old and reference log-probs on every id (so
-only the loss mask keeps the environment's ids out), and take one optimizer step of the actor loss
+``build_batch``, get GRPO advantages from ``compute_advantages`` and old and reference log-probs on every id
+(so only the loss mask keeps the environment's ids out), and take one optimizer step of the actor loss
 (clipped policy loss with dual clip, plus the low-variance KL to a reference policy) on the Megatron engine in
 two micro-batches of two sequences. The reference recomputes the loss by hand from a plain HF model's float64
-log-probs over the model's ids only, back-propagates, clips the gradient norm and takes one ``torch.optim.AdamW``
-step. Adam's epsilon is 1, so the first step is ``lr * g / (|g| + 1)``: each weight's update follows its
-gradient's value, not only its sign, and equal updates mean equal gradients.
+log-probs over the model's ids only, back-propagates, clips the gradient norm and takes one
+``torch.optim.AdamW`` step. Adam's epsilon is 1, so the first step is ``lr * g / (|g| + 1)``: each weight's
+update follows its gradient's value, not only its sign, and equal updates mean equal gradients.
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ def hf_model(path: str):
 
 
 def multi_turn_batch(path: str):
-    """The packed batch of :data:`EPISODES` as the trainer builds it. The older policy's log-probs (the model's
-    own, perturbed; on one id of each failed episode far enough below for the dual clip to act) are the rollout's
-    log-probs on the model's ids (0 on the environment's, as the agent loop records them) and the recomputed
-    ``old_log_probs`` on every id, as the actor recomputes them: only the loss mask leaves the environment's ids
-    out. Reference log-probs perturbed the other way; GRPO advantages."""
+    """The packed batch of :data:`EPISODES` as the trainer builds it. The older policy's log-probs (the
+    model's own, perturbed; on one id of each failed episode far enough below for the dual clip to act) are
+    the rollout's log-probs on the model's ids (0 on the environment's, as the agent loop records them) and
+    the recomputed ``old_log_probs`` on every id, as the actor recomputes them: only the loss mask leaves the
+    environment's ids out. Reference log-probs perturbed the other way; GRPO advantages."""
     from megatron_cpu import hf_log_probs
 
     from posttrain.core.batch import PackedBatch
@@ -88,7 +89,8 @@ def reference_loss(log_probs: torch.Tensor, batch, agg: str) -> torch.Tensor:
 
 
 def reference_step(path: str, batch, agg: str, clip: float):
-    """(loss, grad norm before clipping, {HF name: update}) of one clipped AdamW step (eps 1) on the HF model."""
+    """(loss, grad norm before clipping, {HF name: update}) of one clipped AdamW step (eps 1) on the HF
+    model."""
     from megatron_cpu import hf_log_probs
 
     model = hf_model(path)

@@ -89,8 +89,9 @@ def _dcp_tensors(role) -> dict[str, torch.Tensor]:
 
 
 def test_portable_async_save_equals_the_sync_one(megatron_env, tiny_qwen2, packed_batch, tmp_path):
-    """engine.portable_checkpoint with async_save: the call returns after the snapshot, the manifest and the commit
-    come after the background write, the files equal a sync save bit for bit, and a second save waits."""
+    """engine.portable_checkpoint with async_save: the call returns after the snapshot, the manifest and the
+    commit come after the background write, the files equal a sync save bit for bit, and a second save
+    waits."""
     from dataclasses import replace
 
     from megatron_cpu import make_engine, nll_loss
@@ -147,7 +148,8 @@ def test_portable_async_save_equals_the_sync_one(megatron_env, tiny_qwen2, packe
 
 def test_direct_async_save_prunes_only_once_it_is_written(megatron_env, tiny_qwen2, tmp_path):
     """A save straight into ``<root>/global_step_<N>/<role>`` with ``max_ckpt_to_keep``: the older checkpoint
-    is deleted behind the background write (posttrain.ckpt.retain), never while the new one is being written."""
+    is deleted behind the background write (posttrain.ckpt.retain), never while the new one is being
+    written."""
     from dataclasses import replace
 
     from megatron_cpu import make_engine

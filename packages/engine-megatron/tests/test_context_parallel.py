@@ -1,10 +1,10 @@
 """Context parallelism without Transformer Engine.
 
-In one process: the split puts each row at the position Megatron-Core's THD RoPE gives it, and the all-gather-KV
-attention of every rank's chunks equals causal attention over whole sequences. On two gloo ranks (one torchrun
-launch, ``cp_worker.py``): at CP=2 on packed sequences of odd lengths, log-probs equal the HF forward and CP=1
-(also with temperatures and entropy), and one training step gives the loss, grad norm and parameters of CP=1
-and of plain HF + torch.
+In one process: the split puts each row at the position Megatron-Core's THD RoPE gives it, and the
+all-gather-KV attention of every rank's chunks equals causal attention over whole sequences. On two gloo ranks
+(one torchrun launch, ``cp_worker.py``): at CP=2 on packed sequences of odd lengths, log-probs equal the HF
+forward and CP=1 (also with temperatures and entropy), and one training step gives the loss, grad norm and
+parameters of CP=1 and of plain HF + torch.
 """
 
 from __future__ import annotations

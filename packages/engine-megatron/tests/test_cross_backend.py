@@ -1,13 +1,14 @@
-"""The megatron engine against the FSDP engine on one CPU process, fp32: first-step parity and cross-backend resume.
+"""The megatron engine against the FSDP engine on one CPU process, fp32: first-step parity and cross-backend
+resume.
 
-Both engines start from the same tiny Qwen2 directory, see the same packed batches and use the same AdamW config
-(weight decay 0: Megatron exempts biases and norms from weight decay, torch's AdamW does not). The FSDP engine
-runs FSDP2 over the one-rank gloo group of the Megatron fixture. Resume goes through the FSDP engine's checkpoint
-layout (HF names, flattened AdamW state): FSDP -> Megatron with its default config, Megatron -> FSDP with
-``engine.portable_checkpoint=true``. Each resumed step must equal the original engine continuing; FSDP -> Megatron ->
-FSDP without a step in between must give the same tensors bit for bit (fp32 and bf16 Megatron). Two gloo ranks
-(``cross_backend_worker.py``) do the same at TP=2, PP=2 and DP=2 with the distributed optimizer, the last also
-with an async portable save.
+Both engines start from the same tiny Qwen2 directory, see the same packed batches and use the same AdamW
+config (weight decay 0: Megatron exempts biases and norms from weight decay, torch's AdamW does not). The FSDP
+engine runs FSDP2 over the one-rank gloo group of the Megatron fixture. Resume goes through the FSDP engine's
+checkpoint layout (HF names, flattened AdamW state): FSDP -> Megatron with its default config, Megatron ->
+FSDP with ``engine.portable_checkpoint=true``. Each resumed step must equal the original engine continuing;
+FSDP -> Megatron -> FSDP without a step in between must give the same tensors bit for bit (fp32 and bf16
+Megatron). Two gloo ranks (``cross_backend_worker.py``) do the same at TP=2, PP=2 and DP=2 with the
+distributed optimizer, the last also with an async portable save.
 """
 
 from __future__ import annotations
@@ -201,7 +202,8 @@ def _dcp_tensors(role: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(("dtype", "tied"), [("float32", False), ("bfloat16", False), ("float32", True)])
 def test_fsdp_checkpoint_through_megatron_is_bit_exact(megatron_env, tiny_qwen2, tmp_path, dtype, tied):
     """FSDP save -> megatron load -> portable save writes the same fp32 master weights and Adam state, also
-    when the megatron model runs in bf16 (the optimizer keeps fp32 main parameters) and with tied embeddings."""
+    when the megatron model runs in bf16 (the optimizer keeps fp32 main parameters) and with tied
+    embeddings."""
     from megatron_cpu import make_engine, make_tiny_qwen2
 
     if tied:

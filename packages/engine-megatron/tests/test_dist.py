@@ -1,6 +1,6 @@
-"""Two gloo ranks: TP=2 (sequence parallel), PP=2 (1F1B) and PP=2 x VPP=2 (interleaved 1F1B) equal the HF reference
-(so each equals TP=1), and a TP=2 checkpoint, saved synchronously or asynchronously, loads at TP=1 (dist_ckpt
-resharding)."""
+"""Two gloo ranks: TP=2 (sequence parallel), PP=2 (1F1B) and PP=2 x VPP=2 (interleaved 1F1B) equal the HF
+reference (so each equals TP=1), and a TP=2 checkpoint, saved synchronously or asynchronously, loads at TP=1
+(dist_ckpt resharding)."""
 
 from __future__ import annotations
 

@@ -89,8 +89,9 @@ def test_first_step_loss_grad_norm_and_update_equal_hf_reference(megatron_env, t
 def test_gradient_checkpointing_recomputes_each_layer_and_trains_alike(
     megatron_env, tiny_qwen2, packed_batch, checkpointing
 ):
-    """``model.enable_gradient_checkpointing`` is Megatron's full per-layer recompute: every decoder layer runs
-    forward twice per micro-batch with it (once without), and the step's loss, grad norm and update equal HF's."""
+    """``model.enable_gradient_checkpointing`` is Megatron's full per-layer recompute: every decoder layer
+    runs forward twice per micro-batch with it (once without), and the step's loss, grad norm and update equal
+    HF's."""
     from megatron_cpu import make_engine, nll_loss, reference_step
 
     ref_loss, ref_norm, ref_params = reference_step(tiny_qwen2, packed_batch, lr=1e-3, clip=1.0)
@@ -112,8 +113,8 @@ def test_gradient_checkpointing_recomputes_each_layer_and_trains_alike(
 
 
 def test_chunked_head_with_entropy_trains_like_one_chunk(megatron_env, tiny_qwen2, packed_batch):
-    """Loss = NLL - 0.1 entropy at temperature 0.8: 3-token head chunks (recomputed in backward) give the loss,
-    grad norm and update of one chunk holding every token."""
+    """Loss = NLL - 0.1 entropy at temperature 0.8: 3-token head chunks (recomputed in backward) give the
+    loss, grad norm and update of one chunk holding every token."""
     from megatron_cpu import make_engine, nll_loss
 
     def loss_fn(out, mb, ctx):

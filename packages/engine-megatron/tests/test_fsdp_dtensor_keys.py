@@ -1,10 +1,11 @@
 """The fsdp_dtensor preprocessing resolves every checkpoint key of a bfloat16 model (CPU, one rank).
 
-A bfloat16 engine wraps its GPTModel in a Float16Module inside the DDP / Megatron-FSDP wrapper, while the model
-state dict (``state_dict_for_save_checkpoint``) names parameters as the GPTModel does. Megatron-Core's helpers
-resolve a model key as ``root.get_parameter("module." + key)`` and an optimizer key (a wrapper parameter name) as
-``chunk.module.get_parameter(key minus one "module.")``. Megatron-FSDP itself needs CUDA; the key structure is the
-DDP wrapper's here, the same Float16Module in between (``test_gpu_te.py`` saves the Megatron-FSDP checkpoint).
+A bfloat16 engine wraps its GPTModel in a Float16Module inside the DDP / Megatron-FSDP wrapper, while the
+model state dict (``state_dict_for_save_checkpoint``) names parameters as the GPTModel does. Megatron-Core's
+helpers resolve a model key as ``root.get_parameter("module." + key)`` and an optimizer key (a wrapper
+parameter name) as ``chunk.module.get_parameter(key minus one "module.")``. Megatron-FSDP itself needs CUDA;
+the key structure is the DDP wrapper's here, the same Float16Module in between (``test_gpu_te.py`` saves the
+Megatron-FSDP checkpoint).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Device tests (2 GPUs, carried Megatron wheels, no Transformer Engine): TP=2, PP=2 and Megatron-FSDP equal the
-HF reference, a tiny Qwen3-MoE at EP=2 trains with router replay, and a Megatron-FSDP checkpoint (fsdp_dtensor)
-round-trips at DP=2 and reshards to DP=1. Run by the lead on the GPU machine:
+"""Device tests (2 GPUs, carried Megatron wheels, no Transformer Engine): TP=2, PP=2 and Megatron-FSDP equal
+the HF reference, a tiny Qwen3-MoE at EP=2 trains with router replay, and a Megatron-FSDP checkpoint
+(fsdp_dtensor) round-trips at DP=2 and reshards to DP=1. Run by the lead on the GPU machine:
 ``eval "$(bash scripts/install_megatron_wheels.sh)"; pytest packages/engine-megatron/tests/test_gpu.py``."""
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 On one GPU: ``torch.nn.attention.varlen.varlen_attn`` (flash, bf16) with fewer queries than keys is causal
 aligned to the bottom right, as the all-gather-KV attention needs. On two GPUs: ``cp_worker.py`` in bf16 (the
-varlen path) with the distributed optimizer, CP=2 against CP=1 and the fp32 HF reference. Run by the lead on the
-GPU machine: ``eval "$(bash scripts/install_megatron_wheels.sh)"; pytest packages/engine-megatron/tests/test_gpu_cp.py``.
+varlen path) with the distributed optimizer, CP=2 against CP=1 and the fp32 HF reference. Run by the lead on
+the GPU machine:
+``eval "$(bash scripts/install_megatron_wheels.sh)"; pytest packages/engine-megatron/tests/test_gpu_cp.py``.
 """
 
 from __future__ import annotations

@@ -3,15 +3,15 @@
 With TE importable, ``megatron_cpu.install_te_standin`` registers nothing and Megatron-Core's ``HAVE_TE`` is
 true, so ``posttrain.megatron.attention.layer_spec`` returns Megatron-Core's TE spec (fused norm + linear, TE
 attention on packed THD streams, TE grouped GEMM for MoE experts) and ``build.make_provider`` keeps the
-provider's fused kernels on. Each test launches ``te_worker.py`` under torchrun with one process (NCCL, one GPU)
-and asserts on the numbers it writes.
+provider's fused kernels on. Each test launches ``te_worker.py`` under torchrun with one process (NCCL, one
+GPU) and asserts on the numbers it writes.
 
 Bounds are derived from the run itself, not fixed: TE computes float32 GEMMs in TF32 (cuBLAS
-``COMPUTE_32F_FAST_TF32``), so the float32 bound is :data:`FACTOR` times how far HF's own forward moves with TF32
-matmuls (floored at :data:`FP32_FLOOR`, the 2-GPU float32 parity bound of ``test_gpu.py``); the bfloat16 bounds
-are :data:`FACTOR` times how far HF's own bfloat16 forward is from its float32 one (max and mean over tokens). An
-HF model of another seed must be farther from the reference than every bound, so the bounds can catch a wrong
-weight mapping.
+``COMPUTE_32F_FAST_TF32``), so the float32 bound is :data:`FACTOR` times how far HF's own forward moves with
+TF32 matmuls (floored at :data:`FP32_FLOOR`, the 2-GPU float32 parity bound of ``test_gpu.py``); the bfloat16
+bounds are :data:`FACTOR` times how far HF's own bfloat16 forward is from its float32 one (max and mean over
+tokens). An HF model of another seed must be farther from the reference than every bound, so the bounds can
+catch a wrong weight mapping.
 
 Install TE first (docs/megatron-engine.md, "Prebuilt here instead"), then on the GPU machine:
 ``bash scripts/te_build_gpu.sh install .te-parts/prebuilt; eval "$(bash scripts/install_megatron_wheels.sh)";
@@ -40,7 +40,8 @@ INSTALL = "bash scripts/te_build_gpu.sh install .te-parts/prebuilt"
 
 
 def _te_import_error() -> str | None:
-    """Why ``import transformer_engine.pytorch`` fails here (None when it imports or there is no GPU to try on).
+    """Why ``import transformer_engine.pytorch`` fails here (None when it imports or there is no GPU to try
+    on).
 
     The import runs in a child process so this pytest process never loads TE (other test files register a
     TE stand-in in-process)."""
@@ -49,7 +50,8 @@ def _te_import_error() -> str | None:
     if not torch.cuda.is_available():
         return None
     # torch first, as every user of TE does: TE's core library needs libnccl.so.2, which a pip-installed torch
-    # brings into the process (``import transformer_engine`` alone fails on a venv with torch 2.11.0 from PyPI)
+    # brings into the process (``import transformer_engine`` alone fails on a venv with torch 2.11.0 from
+    # PyPI)
     probe = [sys.executable, "-c", "import torch, transformer_engine.pytorch"]
     try:
         proc = subprocess.run(probe, capture_output=True, text=True, timeout=120)
@@ -113,9 +115,9 @@ def test_te_layer_spec_is_built(dense):
     """The engine built from a tiny HF Qwen2 at TP=1 on one GPU, in float32 and in bfloat16, has Transformer
     Engine layers: per decoder layer ``linear_qkv`` and ``mlp.linear_fc1`` are ``te.pytorch.LayerNormLinear``,
     ``linear_proj`` and ``mlp.linear_fc2`` ``te.pytorch.Linear``, ``core_attention``
-    ``te.pytorch.DotProductAttention``; the final norm is a TE class; the decoder holds none of Megatron-Core's
-    local linears / attention or torch norms; ``_deps.has_transformer_engine()`` is true and the imported
-    ``transformer_engine`` is a real package (it has a file; the stand-in has none)."""
+    ``te.pytorch.DotProductAttention``; the final norm is a TE class; the decoder holds none of
+    Megatron-Core's local linears / attention or torch norms; ``_deps.has_transformer_engine()`` is true and
+    the imported ``transformer_engine`` is a real package (it has a file; the stand-in has none)."""
     for dtype in ("fp32", "bf16"):
         _assert_te_layers(dense[f"{dtype}_layers"])
 
@@ -129,7 +131,8 @@ def test_te_logprobs_equal_hf(dense):
 
 
 def test_megatron_fsdp_te_logprobs_equal_hf(tmp_path):
-    """The same through Megatron-FSDP (``use_megatron_fsdp=True``, the distributed optimizer, DP=1 on one GPU):
+    """The same through Megatron-FSDP (``use_megatron_fsdp=True``, the distributed optimizer, DP=1 on one
+    GPU):
     the layers are TE's in float32 and bfloat16, and the log-probs meet the bounds of
     :func:`test_te_logprobs_equal_hf`."""
     res = _run("fsdp", tmp_path)
@@ -140,17 +143,18 @@ def test_megatron_fsdp_te_logprobs_equal_hf(tmp_path):
 
 def test_moe_grouped_gemm_router_replay(tmp_path):
     """A tiny Qwen3-MoE (``posttrain.core.testing.TINY_QWEN3_MOE``, head_dim 64; the model of
-    ``tests/make_tiny_moe.py`` without its tokenizer) with ``moe_grouped_gemm=True`` at EP=1 on one GPU, float32.
+    ``tests/make_tiny_moe.py`` without its tokenizer) with ``moe_grouped_gemm=True`` at EP=1 on one GPU,
+    float32.
 
-    Built: every layer's experts are Megatron-Core's ``TEGroupedMLP`` over TE ``GroupedLinear``s, attention and
-    norms are TE's. R2 (moe_worker.py's checks): recording the routing twice gives the same experts; a training
-    pass replaying the record gives the recorded log-probs exactly; replaying experts shifted by one changes them
-    by more than 1e-3; three training steps on the replayed routing lower the loss. The recorded pass matches
-    HF float32: the median token deviation is within FACTOR x HF's own TF32 median deviation (the median, since a
-    near-tie can flip a token's experts under TF32 noise). R3: the routers' own routing, read by forward hooks
-    and given as ``routed_experts``, reproduces the free pass's log-probs exactly in a forward-only and in a
-    training pass, the routers use exactly those experts, and a shifted routing is what the routers then use and
-    changes the log-probs by more than 1e-3."""
+    Built: every layer's experts are Megatron-Core's ``TEGroupedMLP`` over TE ``GroupedLinear``s, attention
+    and norms are TE's. R2 (moe_worker.py's checks): recording the routing twice gives the same experts; a
+    training pass replaying the record gives the recorded log-probs exactly; replaying experts shifted by one
+    changes them by more than 1e-3; three training steps on the replayed routing lower the loss. The recorded
+    pass matches HF float32: the median token deviation is within FACTOR x HF's own TF32 median deviation (the
+    median, since a near-tie can flip a token's experts under TF32 noise). R3: the routers' own routing, read
+    by forward hooks and given as ``routed_experts``, reproduces the free pass's log-probs exactly in a
+    forward-only and in a training pass, the routers use exactly those experts, and a shifted routing is what
+    the routers then use and changes the log-probs by more than 1e-3."""
     res = _run("moe", tmp_path)
     _assert_te_layers(res["layers"])
     assert res["moe_grouped_gemm"]
@@ -172,8 +176,9 @@ def test_moe_grouped_gemm_router_replay(tmp_path):
 def test_megatron_fsdp_bf16_checkpoint_round_trip(tmp_path):
     """A bfloat16 Megatron-FSDP engine (TE layers, the distributed optimizer, DP=1 on one GPU) saves an
     fsdp_dtensor checkpoint after one step and a fresh engine loads it: the same parameters and Adam moments
-    (exactly), the same LR step, and a second step of the same loss. In bfloat16 the model sits in a Float16Module
-    inside Megatron-FSDP; the float32 test of ``test_gpu.py`` never had one, and the save failed on it."""
+    (exactly), the same LR step, and a second step of the same loss. In bfloat16 the model sits in a
+    Float16Module inside Megatron-FSDP; the float32 test of ``test_gpu.py`` never had one, and the save failed
+    on it."""
     from megatron_cpu import make_tiny_qwen2
 
     hf = make_tiny_qwen2(str(tmp_path / "hf"))

@@ -1,4 +1,5 @@
-"""LoRA in the megatron engine (one CPU process, TP=1; 2 gloo ranks at TP=2 and PP=2) against transformers + peft.
+"""LoRA in the megatron engine (one CPU process, TP=1; 2 gloo ranks at TP=2 and PP=2) against
+transformers + peft.
 
 One engine is trained for one step (so the adapter's B is non-zero); its adapter stream is loaded into peft on
 the HF model, which is the reference for the engine's log-probs, its merged stream and its base model.
@@ -219,8 +220,8 @@ def test_selecting_no_linear_is_a_value_error(megatron_env, tiny_qwen2):
 
 @pytest.fixture(scope="module")
 def two_rank_results(tiny_qwen2, tmp_path_factory):
-    """``lora_worker.py`` on 2 gloo ranks: TP=2 with sequence parallelism, PP=2 (one layer per stage), PP=2 with
-    adapters in the second stage only."""
+    """``lora_worker.py`` on 2 gloo ranks: TP=2 with sequence parallelism, PP=2 (one layer per stage), PP=2
+    with adapters in the second stage only."""
     out = tmp_path_factory.mktemp("lora_dist")
     torchrun(Path(__file__).with_name("lora_worker.py"), tiny_qwen2, out)
     results = {}
@@ -235,11 +236,11 @@ def two_rank_results(tiny_qwen2, tmp_path_factory):
     [("tp2", [0, 1], [0, 1]), ("pp2", [0, 1], [0, 1]), ("pp2_idle_stage", [1], [1])],
 )
 def test_two_rank_lora_equals_hf_peft(two_rank_results, layout, layers, trained_ranks):
-    """Sharded (TP) or staged (PP) adapters, after one training step: the gathered adapter stream and peft config
-    load into peft and give the engine's log-probs; the merged stream equals ``merge_and_unload``; every rank
-    streams the same. ``pp2_idle_stage`` adapts only layer 1, so the first pipeline stage has nothing to train
-    and still steps with the second (Megatron-Core's first grad clipping ran a collective only where there were
-    parameters, and hung, until ``build_optimizer`` ran it on every rank)."""
+    """Sharded (TP) or staged (PP) adapters, after one training step: the gathered adapter stream and peft
+    config load into peft and give the engine's log-probs; the merged stream equals ``merge_and_unload``;
+    every rank streams the same. ``pp2_idle_stage`` adapts only layer 1, so the first pipeline stage has
+    nothing to train and still steps with the second (Megatron-Core's first grad clipping ran a collective
+    only where there were parameters, and hung, until ``build_optimizer`` ran it on every rank)."""
     results = two_rank_results[layout]
     assert results["adapter_layers"] == layers  # every stage's adapters are in the stream
     assert results["ranks_with_trainable_params"] == trained_ranks

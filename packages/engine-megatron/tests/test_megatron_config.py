@@ -1,5 +1,6 @@
 """McoreEngineConfig: its own rules, that it resolves by name without megatron-core, that a Python-built
-``PostTrainConfig(model_engine="megatron")`` builds the megatron engine, and the knobs it refuses or implements."""
+``PostTrainConfig(model_engine="megatron")`` builds the megatron engine, and the knobs it refuses or
+implements."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Two ranks (gloo here, NCCL on GPUs): a tiny Qwen3-MoE at EP=2 (DP=2) and at TP=2 + SP with EP=2, ETP=1 equals
-plain HF + torch: log-probs, loss, grad norm and every updated parameter (experts included)."""
+"""Two ranks (gloo here, NCCL on GPUs): a tiny Qwen3-MoE at EP=2 (DP=2) and at TP=2 + SP with EP=2, ETP=1
+equals plain HF + torch: log-probs, loss, grad norm and every updated parameter (experts included)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The native Megatron checkpoint (portable_checkpoint=false) is verified like the portable one: checksums at save,
-every file checked before a load, the loaded tensors checked after, resume falls back past a damaged step naming
-the file and tensor, ``posttrain ckpt verify`` reads it, NaN is never saved, bad hf_save_kwargs are refused."""
+"""The native Megatron checkpoint (portable_checkpoint=false) is verified like the portable one: checksums at
+save, every file checked before a load, the loaded tensors checked after, resume falls back past a damaged
+step naming the file and tensor, ``posttrain ckpt verify`` reads it, NaN is never saved, bad hf_save_kwargs
+are refused."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """The RL loop on the Megatron engine (CPU, gloo): two ranks with TP=2, and two with PP=2, reproduce the
-one-process TP=1 GRPO run step for step (same rollouts and rewards; old and reference log-probs, losses and grad
-norms equal up to float32 reduction order), and both ranks of the model-parallel group hold the same batch. PPO
-with a critic (GAE) does the same at TP=2 (actor, reference and critic): the critic's values, the advantages and
-returns made from them, and the critic's loss metrics equal the TP=1 run's.
+one-process TP=1 GRPO run step for step (same rollouts and rewards; old and reference log-probs, losses and
+grad norms equal up to float32 reduction order), and both ranks of the model-parallel group hold the same
+batch. PPO with a critic (GAE) does the same at TP=2 (actor, reference and critic): the critic's values, the
+advantages and returns made from them, and the critic's loss metrics equal the TP=1 run's.
 
-Sampling is not forced greedy: the rollout's weights are the actor's, which agree across layouts to ~1e-7 after
-an update, so with the same seed the sampled tokens agree unless a draw lands that close to a boundary."""
+Sampling is not forced greedy: the rollout's weights are the actor's, which agree across layouts to ~1e-7
+after an update, so with the same seed the sampled tokens agree unless a draw lands that close to a
+boundary."""
 
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ CLOSE = {
     "actor/entropy": 1e-5,
     "actor/grad_norm": 5e-5,  # TP=2 measured 4e-6 relative (sharded norm), PP=2 2e-8
 }
-"""Logged metrics that agree to float32 noise (relative tolerance, absolute below 1); rewards, response lengths
-and token counts agree exactly."""
+"""Logged metrics that agree to float32 noise (relative tolerance, absolute below 1); rewards, response
+lengths and token counts agree exactly."""
 
 CRITIC_CLOSE = {
     "critic/loss": 1e-5,
@@ -102,9 +103,9 @@ def results(assets, megatron_env):
     """{run name: (metrics rows, per-rank lists of recorded batches)} for every two-rank layout of
     :data:`RUNS` and their TP=1 references (one list of batches).
 
-    One torchrun per parallel layout runs that layout's GRPO run and then its PPO run in the same two processes
-    (``--then``), so each rank imports Megatron once; the launches go in the background while the references
-    run here, GRPO then PPO, as in the workers."""
+    One torchrun per parallel layout runs that layout's GRPO run and then its PPO run in the same two
+    processes (``--then``), so each rank imports Megatron once; the launches go in the background while the
+    references run here, GRPO then PPO, as in the workers."""
     from rl_megatron_worker import CPU_DEFAULTS, recording
 
     from posttrain.trainers.logging import read_metrics

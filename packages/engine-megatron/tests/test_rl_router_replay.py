@@ -2,9 +2,9 @@
 
 Every actor update micro-batch carries ``routed_experts`` and the routers use exactly those experts (read by
 forward hooks on Megatron-Core's routers), including after the first optimizer step has moved the router
-weights. Before any update the replayed log-probs equal the old log-probs bitwise (one sequence per micro-batch
-in both passes, so the computations are the same). R2's routing is the old-log-prob pass's record; R3's is the
-rollout's, and with it the old log-probs equal the rollout's own to float32 noise.
+weights. Before any update the replayed log-probs equal the old log-probs bitwise (one sequence per
+micro-batch in both passes, so the computations are the same). R2's routing is the old-log-prob pass's record;
+R3's is the rollout's, and with it the old log-probs equal the rollout's own to float32 noise.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def _filer(into: list[torch.Tensor]):
 
 
 def as_maps(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """(T, layers, k) expert ids -> (T, layers, experts) bool; -1 rows -> experts 0..k-1 (the engine's fill)."""
+    """(T, layers, k) expert ids -> (T, layers, experts) bool; -1 rows -> experts 0..k-1 (the engine's
+    fill)."""
     idx = torch.where(indices < 0, torch.arange(indices.shape[-1]), indices.long())
     return torch.zeros(*indices.shape[:2], num_experts, dtype=torch.bool).scatter_(2, idx, True)
 

@@ -1,8 +1,9 @@
 """MoE router replay on one CPU process (a tiny Qwen3-MoE, local SequentialMLP experts).
 
 R2: the log-prob pass records routing and a training pass replays exactly that routing, also when the training
-pass splits the batch into other, reordered micro-batches. R3: the routing the HF rollout recorded, replayed by
-the engine, gives HF's log-probs, and the routers keep using the rollout's experts after their weights change.
+pass splits the batch into other, reordered micro-batches. R3: the routing the HF rollout recorded, replayed
+by the engine, gives HF's log-probs, and the routers keep using the rollout's experts after their weights
+change.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ def test_r2_records_and_replays_routing(megatron_env, tiny_moe, packed_batch):
 def test_r2_replay_follows_tokens_into_reordered_micro_batches(megatron_env, tiny_moe, packed_batch):
     """One forward-only micro-batch records; a token budget of 14 splits the update into 3 micro-batches of
     the sequences [1], [3], [0, 2] (balanced partition), and each replays its own tokens' routing: bitwise the
-    log-probs of the same micro-batches routed by the (unchanged) routers, and the recording pass's log-probs up
-    to the float32 noise of another packing."""
+    log-probs of the same micro-batches routed by the (unchanged) routers, and the recording pass's log-probs
+    up to the float32 noise of another packing."""
     from megatron_cpu import nll_loss
 
     from posttrain.core.config import RouterReplayConfig
@@ -142,7 +143,8 @@ def observed_routing(eng, batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def as_maps(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """(T, layers, k) expert ids -> (T, layers, experts) bool; -1 rows -> experts 0..k-1 (the engine's fill)."""
+    """(T, layers, k) expert ids -> (T, layers, experts) bool; -1 rows -> experts 0..k-1 (the engine's
+    fill)."""
     idx = torch.where(indices < 0, torch.arange(indices.shape[-1]), indices.long())
     return torch.zeros(*indices.shape[:2], num_experts, dtype=torch.bool).scatter_(2, idx, True)
 

@@ -206,7 +206,8 @@ def test_hidden_transformer_engine_gives_the_local_spec(tmp_path):
 
 
 def test_missing_bridge_names_the_install(monkeypatch):
-    """Megatron-Bridge is a prerequisite, not a dependency: without it the first use says how to install it."""
+    """Megatron-Bridge is a prerequisite, not a dependency: without it the first use says how to install
+    it."""
     import sys
 
     from posttrain.megatron._deps import import_bridge

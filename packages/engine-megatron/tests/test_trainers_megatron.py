@@ -1,8 +1,8 @@
 """SFT and GRPO through the trainers with ``model_engine=megatron`` (CPU, one rank, the test environment of
 ``megatron_cpu.py``): checkpoints in Megatron's dist_ckpt layout with the HF export (``hf_model``), and a run
-resumed from a mid-run checkpoint that repeats the uninterrupted run bitwise (every logged number but the timings,
-and the exported weights). The SFT run's validation loss equals an HF forward of its own export. The checks are
-``bench/resume_check.py`` and ``bench/export_check.py``, the scripts the GPU runs use.
+resumed from a mid-run checkpoint that repeats the uninterrupted run bitwise (every logged number but the
+timings, and the exported weights). The SFT run's validation loss equals an HF forward of its own export. The
+checks are ``bench/resume_check.py`` and ``bench/export_check.py``, the scripts the GPU runs use.
 
 The GPU form of these runs (the examples' scripts on the 0.5B shape, Megatron-FSDP's fsdp_dtensor layout, real
 Transformer Engine) is ``scripts/gpu_checks.sh megatronrun``."""
@@ -94,7 +94,8 @@ BENCH = Path(__file__).resolve().parents[3] / "bench"
 
 
 def bench(script: str, *args: object) -> str:
-    """Run ``bench/<script>`` as a user would; its output, or an AssertionError with it when it exits non-zero."""
+    """Run ``bench/<script>`` as a user would; its output, or an AssertionError with it when it exits
+    non-zero."""
     proc = subprocess.run(
         [sys.executable, str(BENCH / script), *map(str, args)], capture_output=True, text=True
     )
@@ -112,7 +113,8 @@ def test_sft_checkpoints_are_megatron_dist_ckpt_with_an_hf_export(sft_runs):
 
 
 def test_sft_resume_repeats_the_run_bitwise(sft_runs):
-    """bench/resume_check.py at its defaults: every untimed metric of steps 5-8 and the step-8 export equal."""
+    """bench/resume_check.py at its defaults: every untimed metric of steps 5-8 and the step-8 export
+    equal."""
     assert "over steps 5-8: within tolerance" in bench("resume_check.py", *sft_runs)
 
 

@@ -1,10 +1,10 @@
-"""``engine.vanilla_mbridge=true``: the deprecated standalone ``mbridge`` (0.15.1, the test dependency group) builds
-a tiny Qwen2 on the CPU (local layers: no Transformer Engine) and equals the HF model, at TP=1 in this process and
-at TP=2 with sequence parallelism on 2 gloo ranks (this file is also that torchrun worker:
+"""``engine.vanilla_mbridge=true``: the deprecated standalone ``mbridge`` (0.15.1, the test dependency group)
+builds a tiny Qwen2 on the CPU (local layers: no Transformer Engine) and equals the HF model, at TP=1 in this
+process and at TP=2 with sequence parallelism on 2 gloo ranks (this file is also that torchrun worker:
 ``torchrun --nproc-per-node 2 test_vanilla_mbridge.py HF_DIR OUT_DIR``).
 
-One engine per layout: its log-probs before training against the HF forward, its exported weights against the HF
-state dict, then one training step against the plain HF + AdamW reference step.
+One engine per layout: its log-probs before training against the HF forward, its exported weights against the
+HF state dict, then one training step against the plain HF + AdamW reference step.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from posttrain.core.testing import torchrun
 
 
 def compare_with_hf(eng, hf_path: str) -> dict | None:
-    """Differences to the HF model (on the rank that holds the outputs; None elsewhere). Every rank calls it."""
+    """Differences to the HF model (on the rank that holds the outputs; None elsewhere). Every rank calls
+    it."""
     from megatron_cpu import hf_log_probs, nll_loss, reference_step, sample_batch
     from transformers import AutoModelForCausalLM
 

@@ -1,12 +1,13 @@
 """The megatron engine with vLLM as the rollout, on the CPU: ``posttrain grpo model_engine=megatron
 rollout.name=vllm`` under a one-process torchrun (gloo), float32 on both sides. Every step pushes the Megatron
 actor's weights into vLLM (Megatron-Bridge's HF export, checksummed by the weight-sync bridge), and vLLM's
-log-probs of its own samples equal the actor's recomputed ones. With a learning rate large enough that one update
-moves the log-probs by far more than the bound, a push that missed a tensor, mapped a name wrong or came a step
-late fails here.
+log-probs of its own samples equal the actor's recomputed ones. With a learning rate large enough that one
+update moves the log-probs by far more than the bound, a push that missed a tensor, mapped a name wrong or
+came a step late fails here.
 
 Needs vLLM that runs on the CPU: ``packages/engine-megatron/ci/vllm_cpu.sh`` builds that venv (the nox session
-``megatron_vllm_cpu``) and sets POSTTRAIN_REQUIRE_VLLM=1, under which a missing vLLM fails instead of skipping.
+``megatron_vllm_cpu``) and sets POSTTRAIN_REQUIRE_VLLM=1, under which a missing vLLM fails instead of
+skipping.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ if os.environ.get("POSTTRAIN_REQUIRE_VLLM") != "1":
 
     if not current_platform.device_type:  # e.g. the workspace's CUDA build of vLLM on a machine without a GPU
         pytest.skip(
-            "vLLM found no platform to run on here (packages/engine-megatron/ci/vllm_cpu.sh builds one that runs "
-            "on the CPU)",
+            "vLLM found no platform to run on here (packages/engine-megatron/ci/vllm_cpu.sh builds one that "
+            "runs on the CPU)",
             allow_module_level=True,
         )
 

@@ -1,7 +1,7 @@
-"""Run by test_dist.py under torchrun (2 gloo ranks). ``fsdp2``: one FSDP2 step, each rank on part of the batch;
-the engine saves a checkpoint. ``tp``: tensor parallelism over both ranks (one data-parallel rank), the whole batch
-on each; rank 0 also writes the log-probs before the step, and ``correct`` (token accuracy) of the sequences in
-``acc_seqs.pt`` when the test wrote them. ``ep``: the Qwen3-MoE model in ``moe/`` with expert
+"""Run by test_dist.py under torchrun (2 gloo ranks). ``fsdp2``: one FSDP2 step, each rank on part of the
+batch; the engine saves a checkpoint. ``tp``: tensor parallelism over both ranks (one data-parallel rank), the
+whole batch on each; rank 0 also writes the log-probs before the step, and ``correct`` (token accuracy) of the
+sequences in ``acc_seqs.pt`` when the test wrote them. ``ep``: the Qwen3-MoE model in ``moe/`` with expert
 parallelism over both ranks (FSDP2 of the rest), each rank on part of the batch, gradients recorded. Rank 0
 writes the streamed weights, grad norm and loss."""
 

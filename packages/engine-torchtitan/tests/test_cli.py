@@ -1,5 +1,6 @@
-"""``posttrain sft`` and ``posttrain grpo`` with ``model_engine=torchtitan`` on a tiny Qwen3 (in process), a run
-saved by the torchtitan engine resumed by the FSDP engine, and a model torchtitan lacks refused up front."""
+"""``posttrain sft`` and ``posttrain grpo`` with ``model_engine=torchtitan`` on a tiny Qwen3 (in process), a
+run saved by the torchtitan engine resumed by the FSDP engine, and a model torchtitan lacks refused up
+front."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The torchtitan value model (PPO critic) against the FSDP engine's on the same token-classification checkpoint:
+"""The torchtitan value model (PPO critic) against the FSDP engine's on the same token-classification
+checkpoint:
 values per token and one step's gradients by HF name (fp32, one process)."""
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Two gloo ranks (one torchrun launch) equal one process: an FSDP2 step, each rank on part of the batch (unequal
-micro-batch counts), gives the single-process step's weights and grad norm; so does a TP=2 step (tensor parallelism
-over both ranks, the whole batch on each), with the same loss and log-probs. The 2-rank FSDP2 checkpoint resumes in
-one process on the FSDP engine (N -> M ranks, across backends). fp32 throughout: rtol 1e-5 (atol 1e-6 on weights,
-1e-5 on log-probs), the summation-order noise of gloo's all-reduce and the TP matmul split."""
+"""Two gloo ranks (one torchrun launch) equal one process: an FSDP2 step, each rank on part of the batch
+(unequal micro-batch counts), gives the single-process step's weights and grad norm; so does a TP=2 step
+(tensor parallelism over both ranks, the whole batch on each), with the same loss and log-probs. The 2-rank
+FSDP2 checkpoint resumes in one process on the FSDP engine (N -> M ranks, across backends). fp32 throughout:
+rtol 1e-5 (atol 1e-6 on weights, 1e-5 on log-probs), the summation-order noise of gloo's all-reduce and the TP
+matmul split."""
 
 from __future__ import annotations
 
@@ -77,8 +78,8 @@ def test_two_ranks_equal_one_process(tmp_path: Path) -> None:
 
 def test_expert_parallel_equals_one_process(tmp_path: Path) -> None:
     """Qwen3-MoE with ep_size=2 on two gloo ranks (each rank two of the four experts, tokens exchanged by
-    torchtitan's all-to-all; FSDP2 for the rest), each rank on part of the batch: every gradient, the grad norm and
-    the updated weights equal one process's step on the whole batch."""
+    torchtitan's all-to-all; FSDP2 for the rest), each rank on part of the batch: every gradient, the grad
+    norm and the updated weights equal one process's step on the whole batch."""
     save_tiny_model(tmp_path / "moe", "qwen3_moe", **MOE)
     ref = make_engine(str(tmp_path / "moe"), max_token_len_per_gpu=16)
     ref_grads: dict = {}

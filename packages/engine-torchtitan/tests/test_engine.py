@@ -31,8 +31,8 @@ LLAMA31_ROPE = {
 
 @pytest.mark.parametrize("model_type", ["qwen3", "llama", "llama3.1"])
 def test_logits_and_log_probs_equal_hf(model_type, tmp_path):
-    """A packed row of four documents gives each document's HF logits (HF in fp32 on the CPU; the engine on its
-    own device, fp32 there too), and the log-probs/entropy they imply (Qwen3 with tied embeddings, Llama-3
+    """A packed row of four documents gives each document's HF logits (HF in fp32 on the CPU; the engine on
+    its own device, fp32 there too), and the log-probs/entropy they imply (Qwen3 with tied embeddings, Llama-3
     without, Llama-3.1 with its RoPE scaling)."""
     extra = {"rope_scaling": LLAMA31_ROPE} if model_type == "llama3.1" else {}
     model_type = model_type.replace("3.1", "")
@@ -57,7 +57,8 @@ def test_logits_and_log_probs_equal_hf(model_type, tmp_path):
 
 
 def test_gradients_equal_fsdp_engine(model_dir):
-    """One step's gradients (micro-batched, entropy bonus, temperatures) equal the FSDP engine's by HF name."""
+    """One step's gradients (micro-batched, entropy bonus, temperatures) equal the FSDP engine's by HF
+    name."""
     from posttrain.fsdp.config import FSDP2EngineConfig
     from posttrain.fsdp.engine import FSDPLanguageModelEngine
 
@@ -173,8 +174,8 @@ def test_bad_settings_refused_with_the_fix(tmp_path):
 
 
 def test_fsdp2_checkpoint_resumes_on_torchtitan_and_exports_hf(tmp_path):
-    """A role saved by the FSDP engine (model, optimizer, extra, hf_model) loads into the torchtitan engine with
-    the same weights and AdamW moments; the torchtitan engine's own hf_model export is those weights."""
+    """A role saved by the FSDP engine (model, optimizer, extra, hf_model) loads into the torchtitan engine
+    with the same weights and AdamW moments; the torchtitan engine's own hf_model export is those weights."""
     from safetensors.torch import load_file
 
     from posttrain.fsdp.config import FSDP2EngineConfig
@@ -218,9 +219,9 @@ def test_fsdp2_checkpoint_resumes_on_torchtitan_and_exports_hf(tmp_path):
 
 
 def test_cuda_attention_follows_the_compute_dtype():
-    """On CUDA only a bfloat16 compute dtype takes torchtitan's varlen kernel (it casts q/k/v to bfloat16); fp32
-    and fp16 take the per-document SDPA in their own dtype, with a warning that names the fix. Choosing builds
-    configs only, so this runs without a GPU."""
+    """On CUDA only a bfloat16 compute dtype takes torchtitan's varlen kernel (it casts q/k/v to bfloat16);
+    fp32 and fp16 take the per-document SDPA in their own dtype, with a warning that names the fix. Choosing
+    builds configs only, so this runs without a GPU."""
     from posttrain.torchtitan.attention import PackedSDPA, inner_attention_config
 
     cuda = torch.device("cuda", 0)

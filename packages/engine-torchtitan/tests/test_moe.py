@@ -1,5 +1,5 @@
-"""Qwen3-MoE on the torchtitan engine against Hugging Face's model of the same checkpoint (fp32, CPU): logits, the
-per-expert HF weight stream, and one step's gradients."""
+"""Qwen3-MoE on the torchtitan engine against Hugging Face's model of the same checkpoint (fp32, CPU): logits,
+the per-expert HF weight stream, and one step's gradients."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def test_logits_equal_hf(moe_dir):
 
 
 def test_weight_stream_is_hf_per_expert(moe_dir, tmp_path):
-    """Before training the stream is the checkpoint's safetensors, name for name (one tensor per expert); after
-    a step it saves as an HF directory whose model gives the engine's log-probs."""
+    """Before training the stream is the checkpoint's safetensors, name for name (one tensor per expert);
+    after a step it saves as an HF directory whose model gives the engine's log-probs."""
     from safetensors.torch import load_file, save_file
 
     eng = make_engine(moe_dir)
@@ -92,8 +92,8 @@ def _hf_grads(hf) -> dict[str, torch.Tensor]:
 
 
 def test_gradients_equal_hf(moe_dir):
-    """One step (several micro-batches, entropy off) gives HF's gradients for every parameter, experts and router
-    included."""
+    """One step (several micro-batches, entropy off) gives HF's gradients for every parameter, experts and
+    router included."""
     batch = make_batch(LENGTHS, seed=1)
     batch.meta["calculate_entropy"] = False
     eng = make_engine(moe_dir, max_token_len_per_gpu=20)
@@ -114,8 +114,8 @@ def test_gradients_equal_hf(moe_dir):
 
 
 def test_checkpoint_resumes_on_torchtitan_only(moe_dir, tmp_path):
-    """A MoE role (grouped experts) saved after a step loads into a fresh engine with the same weights and AdamW
-    moments; hf_model is refused for it, and a MoE role the FSDP engine saved is refused by name."""
+    """A MoE role (grouped experts) saved after a step loads into a fresh engine with the same weights and
+    AdamW moments; hf_model is refused for it, and a MoE role the FSDP engine saved is refused by name."""
     from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
     from posttrain.fsdp.config import FSDP2EngineConfig
     from posttrain.fsdp.engine import FSDPLanguageModelEngine

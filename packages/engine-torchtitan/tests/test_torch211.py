@@ -1,10 +1,10 @@
 """The engine's path for torch 2.11 (the GPU image's torch), taken here by hiding what 2.11 lacks.
 
-torchtitan 0.3.0's FSDP module needs ``torch.distributed.fsdp.DataParallelMeshDims`` (torch >= 2.12); without it
-the engine imports torchtitan's model modules bare and shards with torch's ``fully_shard``
-(:mod:`posttrain.torchtitan.compat`). Two gloo ranks on that path equal one process on torchtitan's own path, and
-the FSDP units it builds are the ones torchtitan's ``apply_fsdp_to_decoder`` builds. A Qwen3-MoE takes the same
-step there in one process; in a process group it is refused before the model is built."""
+torchtitan 0.3.0's FSDP module needs ``torch.distributed.fsdp.DataParallelMeshDims`` (torch >= 2.12); without
+it the engine imports torchtitan's model modules bare and shards with torch's ``fully_shard``
+(:mod:`posttrain.torchtitan.compat`). Two gloo ranks on that path equal one process on torchtitan's own path,
+and the FSDP units it builds are the ones torchtitan's ``apply_fsdp_to_decoder`` builds. A Qwen3-MoE takes the
+same step there in one process; in a process group it is refused before the model is built."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def test_torch211_path_two_ranks_equal_one_process(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_torch211_path_moe_in_one_process(tmp_path: Path) -> None:
-    """A Qwen3-MoE in one process on the 2.11 path (torchtitan's model modules imported bare) takes the same step
-    as on torchtitan's own path: the grad norm and every updated weight."""
+    """A Qwen3-MoE in one process on the 2.11 path (torchtitan's model modules imported bare) takes the same
+    step as on torchtitan's own path: the grad norm and every updated weight."""
     from test_moe import MOE
 
     save_tiny_model(tmp_path / "moe", "qwen3_moe", **MOE)
@@ -133,8 +133,8 @@ def test_torch_varlen_attention_equals_packed_sdpa() -> None:
 
 
 def test_moe_under_torch_distributed_refused_before_build(tmp_path: Path, monkeypatch) -> None:
-    """On a torch without ``DataParallelMeshDims`` (2.11) a MoE model in a process group is refused by name before
-    the model is built (torch's ``fully_shard`` path has dense decoders' units only)."""
+    """On a torch without ``DataParallelMeshDims`` (2.11) a MoE model in a process group is refused by name
+    before the model is built (torch's ``fully_shard`` path has dense decoders' units only)."""
     import torch.distributed.fsdp as fsdp
     from test_moe import MOE
 

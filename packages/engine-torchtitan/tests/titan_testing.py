@@ -90,7 +90,8 @@ def load_hf(path: str) -> Any:
 
 
 def packed_and_hf_logits(eng: Any, hf: Any, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the engine module's logits of ``batch`` as one packed row, HF's one document at a time), on the CPU."""
+    """(the engine module's logits of ``batch`` as one packed row, HF's one document at a time), on the
+    CPU."""
     from posttrain.torchtitan.attention import packed_metadata
 
     cu = batch.cu_seqlens.tolist()

@@ -1,8 +1,8 @@
-"""Run by test_torch211.py under torchrun (2 gloo ranks) on a torch made to look like 2.11 for the engine: without
-``torch.distributed.fsdp.DataParallelMeshDims``, hidden before anything imports torchtitan. One FSDP2 step as in
-dist_worker.py; rank 0 writes the streamed weights, the grad norm and which import path the engine took. With
-``moe`` after the work folder, run as a plain process: the Qwen3-MoE in ``moe/`` takes one step in one process
-(the MoE path on 2.11; under a process group it is refused)."""
+"""Run by test_torch211.py under torchrun (2 gloo ranks) on a torch made to look like 2.11 for the engine:
+without ``torch.distributed.fsdp.DataParallelMeshDims``, hidden before anything imports torchtitan. One FSDP2
+step as in dist_worker.py; rank 0 writes the streamed weights, the grad norm and which import path the engine
+took. With ``moe`` after the work folder, run as a plain process: the Qwen3-MoE in ``moe/`` takes one step in
+one process (the MoE path on 2.11; under a process group it is refused)."""
 
 from __future__ import annotations
 

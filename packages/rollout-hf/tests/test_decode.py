@@ -28,7 +28,8 @@ def generate_reference(model, prompt: list[int], steps: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def sliding_dir(tmp_path_factory) -> str:
-    """The tiny model with every layer a (wide) sliding-window layer: HF builds its masks, static cache too."""
+    """The tiny model with every layer a (wide) sliding-window layer: HF builds its masks, static cache
+    too."""
     from transformers import AutoModelForCausalLM
 
     model = build_tiny_model()
@@ -72,7 +73,8 @@ def test_rows_that_stop_early_leave_the_others_unchanged(tiny_model_dir):
 
 
 def test_sampling_is_multinomials_draw():
-    """The same tokens as ``torch.multinomial`` on the same probabilities and generator (the old loop's draw)."""
+    """The same tokens as ``torch.multinomial`` on the same probabilities and generator (the old loop's
+    draw)."""
     gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
     logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(1)) * 3
     sampling = SamplingConfig(temperature=0.8, top_k=50)

@@ -174,8 +174,8 @@ def test_update_weights_gives_the_greedy_tokens_of_the_new_model(tiny_model_dir)
 
 
 def test_dummy_load_format_starts_random_and_needs_a_full_sync(tiny_model_dir):
-    """``rollout.load_format=dummy``: random weights built from the config, generation and an adapter-only sync
-    refused until every weight has arrived, then the greedy tokens of the synced model."""
+    """``rollout.load_format=dummy``: random weights built from the config, generation and an adapter-only
+    sync refused until every weight has arrived, then the greedy tokens of the synced model."""
     rollout = make_rollout(tiny_model_dir, load_format="dummy")
     name = "model.embed_tokens.weight"
     assert not torch.equal(rollout.model.state_dict()[name], build_tiny_model().state_dict()[name])
@@ -190,8 +190,8 @@ def test_dummy_load_format_starts_random_and_needs_a_full_sync(tiny_model_dir):
 
 
 def test_deterministic_turns_on_deterministic_kernels(tiny_model_dir, monkeypatch):
-    """``deterministic=True`` (the trainer's ``actor.engine.full_determinism``) makes torch raise on ops without
-    a deterministic kernel and sets cuBLAS's workspace, process-wide; restored after the test."""
+    """``deterministic=True`` (the trainer's ``actor.engine.full_determinism``) makes torch raise on ops
+    without a deterministic kernel and sets cuBLAS's workspace, process-wide; restored after the test."""
     for var in ("CUBLAS_WORKSPACE_CONFIG", "NVTE_ALLOW_NONDETERMINISTIC_ALGO"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)

@@ -1,5 +1,5 @@
-"""HFRollout's routing record (``rollout.return_routed_experts``) against a full HF forward over each generated
-sequence, with the top-k recomputed from the router's input as Qwen3-MoE defines it."""
+"""HFRollout's routing record (``rollout.return_routed_experts``) against a full HF forward over each
+generated sequence, with the top-k recomputed from the router's input as Qwen3-MoE defines it."""
 
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
-    """Reference forwards share the CPU with vLLM's worker; two OpenMP threads made them ~8x slower on 2 cores.
+    """Reference forwards share the CPU with vLLM's worker; two OpenMP threads made them ~8x slower on 2
+    cores.
     (Set before any in-process vLLM worker starts: it turns ``torch.set_num_threads`` into a no-op.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

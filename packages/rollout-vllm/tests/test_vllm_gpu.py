@@ -1,6 +1,6 @@
 """On a GPU: vLLM colocated with the FSDP engine in one process, its memory budget taken from what the trainer
-left free, sleep levels 1 and 2 with the memory they give back measured, and the trained weights served after every
-wake + sync (greedy tokens and log-probs against the HF reference, bf16 tolerance derived per check).
+left free, sleep levels 1 and 2 with the memory they give back measured, and the trained weights served after
+every wake + sync (greedy tokens and log-probs against the HF reference, bf16 tolerance derived per check).
 
 Run alone (one vLLM engine with sleep mode per process: vLLM's CuMem allocator allows one instance):
 ``pytest -m gpu packages/rollout-vllm/tests/test_vllm_gpu.py -s`` prints one JSON line of memory figures.

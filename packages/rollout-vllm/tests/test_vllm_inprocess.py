@@ -1,7 +1,8 @@
-"""Real vLLM with its worker in this process: generation, verified weight syncs from the FSDP engine, LoRA, traps.
+"""Real vLLM with its worker in this process: generation, verified weight syncs from the FSDP engine, LoRA,
+traps.
 
-One engine serves the whole module (vLLM start-up is the slow part). Every test first syncs the weights it checks
-against, so the tests do not depend on each other's order, except the last, which releases the engine.
+One engine serves the whole module (vLLM start-up is the slow part). Every test first syncs the weights it
+checks against, so the tests do not depend on each other's order, except the last, which releases the engine.
 """
 
 from __future__ import annotations
@@ -179,9 +180,10 @@ def test_prefix_cache_is_reset_after_every_sync(rollout, engine, model_dir):
 
 
 def test_a_sync_resets_the_prefix_cache_only_after_requests_filled_it(rollout, engine):
-    """vLLM's reset walks every KV block, so a sync resets the prefix cache only when a request ran since the last
-    reset; vLLM's sleep resets it too (on a GPU; on a CPU there is no sleep mode). The trap's prompts, generated
-    before each update and again after, give the new weights' tokens whether the sync reset or skipped."""
+    """vLLM's reset walks every KV block, so a sync resets the prefix cache only when a request ran since the
+    last reset; vLLM's sleep resets it too (on a GPU; on a CPU there is no sleep mode). The trap's prompts,
+    generated before each update and again after, give the new weights' tokens whether the sync reset or
+    skipped."""
     prompts = random_prompts(3, 66, seed=5)
     check_greedy(rollout, sync_engine(rollout, engine), prompts, max_new_tokens=8)
     assert rollout.prefix_cache_filled, "the prompts' blocks are cached"

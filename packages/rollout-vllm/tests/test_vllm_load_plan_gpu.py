@@ -1,7 +1,8 @@
-"""On a GPU: the recorded load plan (:mod:`posttrain.rollout_vllm.load_plan`) writes into a real vLLM exactly what
-``load_weights`` writes, and the trained weights it syncs are the ones served (greedy tokens against HF).
+"""On a GPU: the recorded load plan (:mod:`posttrain.rollout_vllm.load_plan`) writes into a real vLLM exactly
+what ``load_weights`` writes, and the trained weights it syncs are the ones served (greedy tokens against HF).
 
-Run alone (one sleep-mode vLLM engine per process): ``pytest packages/rollout-vllm/tests/test_vllm_load_plan_gpu.py``.
+Run alone (one sleep-mode vLLM engine per process):
+``pytest packages/rollout-vllm/tests/test_vllm_load_plan_gpu.py``.
 """
 
 from __future__ import annotations

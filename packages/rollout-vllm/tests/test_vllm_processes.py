@@ -2,8 +2,8 @@
 buffer (GPU), verified the same way.
 
 ``multiprocess`` drives an offline ``LLM`` whose engine core and worker are child processes; ``server`` is the
-``AsyncLLM`` front used for async rollout. Tensors cannot travel as ``collective_rpc`` arguments there, so these
-tests cover the shared-buffer path end to end, including a bucket corrupted in the shared buffer.
+``AsyncLLM`` front used for async rollout. Tensors cannot travel as ``collective_rpc`` arguments there, so
+these tests cover the shared-buffer path end to end, including a bucket corrupted in the shared buffer.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ def sync_and_check(rollout, engine, model_dir):
 
 
 def test_deterministic_rollout_runs_vllm_batch_invariant_on_a_gpu(model_dir, monkeypatch):
-    """``deterministic=True`` (the trainer's ``actor.engine.full_determinism``): on a GPU vLLM's worker, a child
-    process started after, reads ``VLLM_BATCH_INVARIANT`` as on; on a CPU the rollout warns and leaves it off
-    (with it on, vLLM's CPU worker fails at its first mean: Triton kernels). Either way the engine generates HF's
-    greedy tokens."""
+    """``deterministic=True`` (the trainer's ``actor.engine.full_determinism``): on a GPU vLLM's worker, a
+    child process started after, reads ``VLLM_BATCH_INVARIANT`` as on; on a CPU the rollout warns and leaves
+    it off (with it on, vLLM's CPU worker fails at its first mean: Triton kernels). Either way the engine
+    generates HF's greedy tokens."""
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")  # recorded: unset again after the test
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # lets collective_rpc carry the probe below
     if ON_GPU:

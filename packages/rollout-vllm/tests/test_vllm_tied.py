@@ -1,5 +1,6 @@
-"""Tied embeddings (Qwen2.5-0.5B/1.5B style): the stream carries ``embed_tokens`` only, and vLLM's lm_head must
-follow it. On CPU vLLM keeps a prepacked copy of the lm_head GEMM, which a layerwise reload used to leave stale:
+"""Tied embeddings (Qwen2.5-0.5B/1.5B style): the stream carries ``embed_tokens`` only, and vLLM's lm_head
+must follow it. On CPU vLLM keeps a prepacked copy of the lm_head GEMM, which a layerwise reload used to leave
+stale:
 the log-probs drifted from the trained model's by up to 0.26 after a few GRPO steps."""
 
 from __future__ import annotations

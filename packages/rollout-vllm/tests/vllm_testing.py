@@ -1,13 +1,15 @@
-"""Helpers for the rollout-vllm tests: a tiny Qwen2 on disk, HF references, one FSDP training step, vLLM probes.
+"""Helpers for the rollout-vllm tests: a tiny Qwen2 on disk, HF references, one FSDP training step, vLLM
+probes.
 
 The tiny model has head_dim 64 (vLLM's CPU attention rejects smaller heads). References are computed with the
 Hugging Face model in float32, token by token, exactly as vLLM scores them: ``log_softmax(logits / T)`` of the
 chosen token.
 
-On CPU vLLM runs in float32 and must match the reference to 1e-4. On a GPU it runs in bfloat16 (its LoRA kernels
-take no float32): the reference then loads the same bf16-rounded weights, and the tolerance is derived per check
-from Hugging Face's own bf16 forward on the same tokens (:func:`logprob_tolerance`). The GPU's tiny model is
-initialised with a wider spread (``INIT_STD``) so that greedy choices are not near-ties at bf16 precision.
+On CPU vLLM runs in float32 and must match the reference to 1e-4. On a GPU it runs in bfloat16 (its LoRA
+kernels take no float32): the reference then loads the same bf16-rounded weights, and the tolerance is derived
+per check from Hugging Face's own bf16 forward on the same tokens (:func:`logprob_tolerance`). The GPU's tiny
+model is initialised with a wider spread (``INIT_STD``) so that greedy choices are not near-ties at bf16
+precision.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ ON_GPU = torch.cuda.is_available()
 ROLLOUT_DTYPE = "bfloat16" if ON_GPU else "float32"
 """The dtype vLLM runs in for these tests."""
 INIT_STD = 0.3 if ON_GPU else 0.02
-"""The tiny model's initializer_range: logits spread wide enough that bf16 rounding does not flip greedy picks."""
+"""The tiny model's initializer_range: logits spread wide enough that bf16 rounding does not flip greedy
+picks."""
 
 
 def vllm_skip_reason() -> str | None:
@@ -47,8 +50,8 @@ def vllm_skip_reason() -> str | None:
 
 
 def save_tiny_model(path: str | Path, seed: int = 0, tie_word_embeddings: bool = False) -> str:
-    """``posttrain.core.testing``'s tiny Qwen2 widened for vLLM: hidden 128, 2 heads of 64, 1 kv head, vocab 256,
-    saved in float32."""
+    """``posttrain.core.testing``'s tiny Qwen2 widened for vLLM: hidden 128, 2 heads of 64, 1 kv head, vocab
+    256, saved in float32."""
     return testing.save_tiny_model(
         path,
         seed=seed,
@@ -71,8 +74,8 @@ def _rounded(t: torch.Tensor) -> torch.Tensor:
 
 
 def hf_model(path: str, weights: dict[str, torch.Tensor] | None = None) -> Any:
-    """The float32 HF model of ``path`` in eval mode, with ``weights`` (HF names) loaded over it when given, every
-    weight rounded as the rollout's dtype rounds it."""
+    """The float32 HF model of ``path`` in eval mode, with ``weights`` (HF names) loaded over it when given,
+    every weight rounded as the rollout's dtype rounds it."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -122,8 +125,8 @@ _BF16_MODELS: dict[int, Any] = {}
 
 def logprob_tolerance(model: Any, prompt: list[int], response: list[int], temperature: float = 1.0) -> float:
     """How far a correct rollout's log-probs may be from the float32 reference on these tokens: 1e-4 when the
-    rollout runs in float32; in bf16, four times the largest error Hugging Face's own bf16 forward makes on the same
-    tokens (any vocabulary entry), and at least 1e-3."""
+    rollout runs in float32; in bf16, four times the largest error Hugging Face's own bf16 forward makes on
+    the same tokens (any vocabulary entry), and at least 1e-3."""
     if ROLLOUT_DTYPE == "float32":
         return 1e-4
     if id(model) not in _BF16_MODELS:
@@ -137,7 +140,8 @@ def logprob_tolerance(model: Any, prompt: list[int], response: list[int], temper
 
 
 def check_logprobs(model: Any, sample: Any, temperature: float) -> None:
-    """A sampled response's log-probs equal the reference's on the same tokens, within the derived tolerance."""
+    """A sampled response's log-probs equal the reference's on the same tokens, within the derived
+    tolerance."""
     expected = hf_logprobs(model, sample.prompt_ids, sample.response_ids, temperature)
     tol = logprob_tolerance(model, sample.prompt_ids, sample.response_ids, temperature)
     err = float((sample.log_probs - expected).abs().max())
@@ -147,9 +151,9 @@ def check_logprobs(model: Any, sample: Any, temperature: float) -> None:
 def check_greedy(
     rollout: Any, model: Any, prompts: list[list[int]], max_new_tokens: int = 12
 ) -> list[list[int]]:
-    """Assert every token the rollout picked greedily is the HF model's argmax given the tokens before it (up to
-    the log-prob tolerance: a bf16 near-tie may go either way), its log-probs equal the reference's, and it stopped
-    at eos or the cap; return the tokens."""
+    """Assert every token the rollout picked greedily is the HF model's argmax given the tokens before it (up
+    to the log-prob tolerance: a bf16 near-tie may go either way), its log-probs equal the reference's, and it
+    stopped at eos or the cap; return the tokens."""
     from posttrain.core.rollout import SamplingConfig
 
     samples = rollout.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens))
@@ -161,8 +165,9 @@ def check_greedy(
         tol = logprob_tolerance(model, prompt, response)
         gap = float((logp.max(-1).values - chosen).max())
         assert gap <= tol, (
-            f"prompt {prompt[:8]}...: vLLM picked {response}, not HF's greedy {hf_greedy(model, prompt, max_new_tokens)[0]} "
-            f"(a log-prob gap of {gap:.2e}, tolerance {tol:.2e})"
+            f"prompt {prompt[:8]}...: vLLM picked {response}, not HF's greedy "
+            f"{hf_greedy(model, prompt, max_new_tokens)[0]} (a log-prob gap of {gap:.2e}, tolerance "
+            f"{tol:.2e})"
         )
         err = float((sample.log_probs - chosen).abs().max())
         assert err <= tol, f"greedy log-probs differ from HF's by {err:.2e} (tolerance {tol:.2e})"
@@ -171,8 +176,8 @@ def check_greedy(
 
 
 def make_engine(path: str, lora_rank: int = 0, lr: float = 1e-2) -> Any:
-    """The FSDP engine (its config class found through the registry, as the config loader finds it, and built by
-    it), in float32 on this process's device."""
+    """The FSDP engine (its config class found through the registry, as the config loader finds it, and built
+    by it), in float32 on this process's device."""
     from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig, engine_config_class
 
     model = ModelConfig(path=path, lora_rank=lora_rank, target_modules="all-linear")
@@ -209,7 +214,8 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def receive_in_child(conn: Any) -> None:
-    """A receiving process: open each payload from ``conn``, verify and keep its tensors; reply with them all."""
+    """A receiving process: open each payload from ``conn``, verify and keep its tensors; reply with them
+    all."""
     from posttrain.core.weight_sync import BucketReceiver
     from posttrain.rollout_vllm.transport import BucketOpener
 

@@ -1,5 +1,5 @@
-"""Offline chat tokenizers with a Qwen2.5-style and a Llama-3-style template with tool messages, and Qwen3-Coder's
-published template (built the way ``posttrain model init`` builds its tokenizer)."""
+"""Offline chat tokenizers with a Qwen2.5-style and a Llama-3-style template with tool messages, and
+Qwen3-Coder's published template (built the way ``posttrain model init`` builds its tokenizer)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ def qwen_tokenizer():
 
 
 def qwen3_coder_tokenizer():
-    """Qwen3-Coder-30B-A3B-Instruct's chat template, as vLLM copies it (examples/tool_chat_template_qwen3coder.jinja
-    at 7a3bde4c): XML tool calls, tool results in a user turn."""
+    """Qwen3-Coder-30B-A3B-Instruct's chat template, as vLLM copies it
+    (examples/tool_chat_template_qwen3coder.jinja at 7a3bde4c): XML tool calls, tool results in a user
+    turn."""
     tok = _base()
     tok = type(tok)(tokenizer_object=tok.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = (TEMPLATES / "qwen3_coder.jinja").read_text()

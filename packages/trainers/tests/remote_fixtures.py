@@ -1,5 +1,5 @@
-"""An environment for the rollout-process tests: its ``reset`` runs a program (as a code-running tool would) and
-waits for it, so the worker is busy in a call, with a process of its own, when its trainer is killed."""
+"""An environment for the rollout-process tests: its ``reset`` runs a program (as a code-running tool would)
+and waits for it, so the worker is busy in a call, with a process of its own, when its trainer is killed."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Shared helpers of the SFT, data, model-init and RL tests: the tiny offline model, synthetic data on disk, and a
-machine on which posttrain would pick another torch thread count."""
+"""Shared helpers of the SFT, data, model-init and RL tests: the tiny offline model, synthetic data on disk,
+and a machine on which posttrain would pick another torch thread count."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def make_arithmetic(root: Path, num_train: int = 256, num_test: int = 32) -> tup
 
 @contextlib.contextmanager
 def threads_picked_elsewhere(monkeypatch: pytest.MonkeyPatch, saved: int) -> Iterator[None]:
-    """Make ``threads.configure()`` alone pick a count other than ``saved`` (no OMP_NUM_THREADS, an affinity of
-    that many cores, no load) for the block; torch's thread count is restored after it."""
+    """Make ``threads.configure()`` alone pick a count other than ``saved`` (no OMP_NUM_THREADS, an affinity
+    of that many cores, no load) for the block; torch's thread count is restored after it."""
     other = 1 if saved > 1 else 2
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(other)))

@@ -58,7 +58,8 @@ def dump(n: int) -> str:
 
 
 class ToolsEnv(Environment):
-    """calculator's tool plus a slow one and a verbose one; the first turn without calls ends with reward 1."""
+    """calculator's tool plus a slow one and a verbose one; the first turn without calls ends with reward
+    1."""
 
     def __init__(self) -> None:
         from posttrain.envs.calculator import calculator
@@ -172,8 +173,8 @@ def test_bad_agent_config():
 
 def test_the_async_loop_refuses_a_rollout_that_serves_no_single_requests():
     """Checked at the loop's first batch (``check_rollout``; a config that says so is refused when it loads,
-    ``AgentConfig.check_rollout``): a batch-only rollout, and one whose ``agenerate`` works only in other settings
-    (vLLM without the server executor says ``serves_requests = False``)."""
+    ``AgentConfig.check_rollout``): a batch-only rollout, and one whose ``agenerate`` works only in other
+    settings (vLLM without the server executor says ``serves_requests = False``)."""
     tok = qwen_tokenizer()
     loop = AgentConfig(env="calculator", loop="async").build(tok, RolloutConfig())
     batched = AgentConfig(env="calculator").build(tok, RolloutConfig())
@@ -187,7 +188,8 @@ def test_the_async_loop_refuses_a_rollout_that_serves_no_single_requests():
 
 
 class AsyncScriptedRollout(ScriptedRollout):
-    """The scripted turns, one request at a time (``agenerate``), each taking ``delay`` seconds; logs requests."""
+    """The scripted turns, one request at a time (``agenerate``), each taking ``delay`` seconds; logs
+    requests."""
 
     def __init__(self, tok, scripts, delay: float = 0.02) -> None:
         super().__init__(tok, scripts)

@@ -2,8 +2,8 @@
 
 Two episodes of one GRPO group, each with environment ids between two model turns, go through ``build_batch``,
 GRPO advantages and the actor loss on a tiny model's float32 log-probs; the reference recomputes everything in
-float64 by hand over the model's ids only (log-probs from a float64 copy of the model, the group-normalised score,
-the clipped ratio, the token mean).
+float64 by hand over the model's ids only (log-probs from a float64 copy of the model, the group-normalised
+score, the clipped ratio, the token mean).
 """
 
 from __future__ import annotations

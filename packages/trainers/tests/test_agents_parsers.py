@@ -212,7 +212,8 @@ def test_qwen3_coder_unknown_tools_and_parameters_stay_strings_and_the_runner_an
 def test_qwen3_coder_reads_back_the_calls_its_template_writes():
     """The template renders an assistant message's structured ``tool_calls`` (values through ``tojson`` or
     ``string``); the parser gives back the same arguments. The text differs from what a model writing JSON
-    booleans samples (``False``, not ``false``): a history rendered from structured calls is not the sampled one."""
+    booleans samples (``False``, not ``false``): a history rendered from structured calls is not the sampled
+    one."""
     tok = qwen3_coder_tokenizer()
     args = {"city": "Paris", "days": 3, "budget": 2.5, "metric": False, "filters": {"kind": "museum"}}
     args |= {"stops": ["a", "b"], "note": "two\nlines"}

@@ -110,8 +110,9 @@ def test_multi_turn_grpo_resumes_bitwise(assets, mode, tmp_path):
 @pytest.mark.slow
 def test_episodes_in_a_rollout_process_equal_colocated(assets, tmp_path):
     """one_step_off with ``trainer.rollout_placement=process``: the worker builds the agent loop from the
-    trainer's tokenizer and plays every episode itself (the trainer's process starts none), with the same seeds
-    on as many threads as the colocated rollout's thread, so metrics and final weights are equal bitwise."""
+    trainer's tokenizer and plays every episode itself (the trainer's process starts none), with the same
+    seeds on as many threads as the colocated rollout's thread, so metrics and final weights are equal
+    bitwise."""
     rows = {}
     for placement in ("colocated", "process"):
         before = KeepTalking.resets

@@ -1,5 +1,5 @@
-"""EpisodeStream: the cap on episodes in flight, groups of the next batch starting beside this batch's stragglers,
-weight pushes between requests, drain and errors.
+"""EpisodeStream: the cap on episodes in flight, groups of the next batch starting beside this batch's
+stragglers, weight pushes between requests, drain and errors.
 
 The rollout here answers each request from the task written in the episode's prompt and logs its requests; the
 pool, the agent loop, its tools and the environment are the real ones (the environment also logs when each
@@ -46,7 +46,8 @@ class Watched(ToolsEnv):
 
 class TaskRollout:
     """Answers after ``delay`` s from the prompt ``TASK <key> <seconds> <calls>``: ``calls`` turns that call
-    ``slow(seconds)``, then ``#### 5``; a key starting with FAIL raises. Logs (key, turn, seed, start, end)."""
+    ``slow(seconds)``, then ``#### 5``; a key starting with FAIL raises. Logs (key, turn, seed, start,
+    end)."""
 
     def __init__(self, tok, delay: float = 0.02) -> None:
         self.tok, self.delay, self.log, self.in_flight = tok, delay, [], 0
@@ -105,8 +106,9 @@ def peak_in_flight(events) -> int:
 
 
 def test_cap_holds_and_the_next_batch_starts_beside_the_stragglers():
-    """Cap 4, groups of 2: batch 0 fills the cap; when its quick group ends, batch 1's groups start while batch
-    0's slow group still sleeps. Batch 0's requests carry the seeds the async loop gives the same batch."""
+    """Cap 4, groups of 2: batch 0 fills the cap; when its quick group ends, batch 1's groups start while
+    batch 0's slow group still sleeps. Batch 0's requests carry the seeds the async loop gives the same
+    batch."""
     loop, rollout_cfg = agent_loop()
     rollout = TaskRollout(loop.tokenizer)
     stream = EpisodeStream(loop, rollout, max_episodes=4)

@@ -1,7 +1,7 @@
-"""``trainer.mode=stream`` through the trainer on the tiny offline model (CPU, the HF rollout's ``agenerate``, the
-``calculator`` environment), with the pool in the trainer's process or in its rollout process: a few steps, a
-checkpoint whose buffer holds finished groups, a resume that trains each of them exactly once and no prompt that
-was trained before the save; and stream's config refusals."""
+"""``trainer.mode=stream`` through the trainer on the tiny offline model (CPU, the HF rollout's ``agenerate``,
+the ``calculator`` environment), with the pool in the trainer's process or in its rollout process: a few
+steps, a checkpoint whose buffer holds finished groups, a resume that trains each of them exactly once and no
+prompt that was trained before the save; and stream's config refusals."""
 
 from __future__ import annotations
 
@@ -40,7 +40,12 @@ def trained_groups(monkeypatch) -> list[tuple[int, tuple[int, ...]]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", ["colocated", "process"])
-def test_stream_mode_trains_and_resumes_every_saved_group_once(assets, tmp_path, monkeypatch, placement):  # noqa: F811
+def test_stream_mode_trains_and_resumes_every_saved_group_once(
+    assets,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    placement,
+):
     """With ``trainer.rollout_placement=process`` the pool, the episodes and the HF rollout run in the rollout
     process, and the same holds: the buffer of finished groups lives in the trainer."""
     seen = trained_groups(monkeypatch)
@@ -129,7 +134,8 @@ def test_stream_mode_config_refusals(overrides, match):
 
 @pytest.mark.slow
 def test_a_stream_checkpoint_resumes_in_stream_mode_only(assets, tmp_path):  # noqa: F811
-    """The finished groups a stream checkpoint holds are not read by one_step_off: refused, naming the mode."""
+    """The finished groups a stream checkpoint holds are not read by one_step_off: refused, naming the
+    mode."""
     run(args(assets, tmp_path / "run", *STREAM, "trainer.total_training_steps=2"), "grpo")
     resume = [
         "trainer.resume_mode=resume_path",

@@ -1,4 +1,5 @@
-"""Token-in-token-out: the trained ids are the sampled ids, and each turn's prefix is the full render so far."""
+"""Token-in-token-out: the trained ids are the sampled ids, and each turn's prefix is the full render so
+far."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def sample(tok, text: str) -> list[int]:
 
 
 def run_episode(tok, turns: list[str], tools: list[dict]):
-    """Build a trajectory over scripted model turns with real tool results; returns (trajectory, the sampled ids
-    of each turn, the conversation, the ids at the start of each model turn)."""
+    """Build a trajectory over scripted model turns with real tool results; returns (trajectory, the sampled
+    ids of each turn, the conversation, the ids at the start of each model turn)."""
     renderer = ChatRenderer(tok, tools)
     messages = [{"role": "user", "content": "What is 47 * 83? Answer after ####."}]
     traj = Trajectory(renderer.initial(messages))
@@ -107,7 +108,8 @@ def test_llama_trim_breaks_rerendering_not_the_trajectory():
 def test_a_template_that_rewrites_history_is_refused():
     tok = qwen_tokenizer()
     tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% if loop.last %} (latest){% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{% if loop.last %} (latest){% endif %}"
         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     with pytest.raises(ValueError, match="not a suffix"):
@@ -131,7 +133,8 @@ TEXTS = [
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_codec_gives_the_tokenizers_ids_and_text(family):
     """The backend call the loop makes is the tokenizer's own: same ids, same text; when the backend's state
-    differs from what the tokenizer's call would set (truncation, split special tokens), the tokenizer is called."""
+    differs from what the tokenizer's call would set (truncation, split special tokens), the tokenizer is
+    called."""
     tok = CASES[family][0]()
     codec = Codec(tok)
     assert codec.direct() and codec.direct_decode
@@ -159,8 +162,8 @@ def test_codec_gives_the_tokenizers_ids_and_text(family):
 
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_kept_context_render_gives_the_full_renders_ids(family):
-    """The continuation renders [user, assistant] once and keeps it: its ids equal those of rendering both every
-    time, turn after turn, and after the kept render goes stale (a template that renders the date)."""
+    """The continuation renders [user, assistant] once and keeps it: its ids equal those of rendering both
+    every time, turn after turn, and after the kept render goes stale (a template that renders the date)."""
     tok = CASES[family][0]()
     tools = [tool_schema(calculator)]
     renderer, reference = ChatRenderer(tok, tools), ChatRenderer(tok, tools)
@@ -186,9 +189,9 @@ def test_kept_context_render_gives_the_full_renders_ids(family):
 
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_kept_first_observation_ids_are_the_full_renders(family, monkeypatch):
-    """A renderer keeps the ids of the first observations it rendered (shared by a GRPO group's episodes): each
-    call gives the full render's ids, a caller changing its list changes no other's, and all are dropped when
-    more than KEPT come."""
+    """A renderer keeps the ids of the first observations it rendered (shared by a GRPO group's episodes):
+    each call gives the full render's ids, a caller changing its list changes no other's, and all are dropped
+    when more than KEPT come."""
     tok = CASES[family][0]()
     renderer = ChatRenderer(tok, [tool_schema(calculator)])
     chats = [
@@ -207,8 +210,8 @@ def test_kept_first_observation_ids_are_the_full_renders(family, monkeypatch):
 
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_shared_renderer_from_many_threads_gives_fresh_renders_ids(family, monkeypatch):
-    """One renderer serves every episode with the same tools, on the step pool's threads and the stream's: eight
-    threads calling it at once, while its kept first observations are dropped over and over and its kept
+    """One renderer serves every episode with the same tools, on the step pool's threads and the stream's:
+    eight threads calling it at once, while its kept first observations are dropped over and over and its kept
     [user, assistant] render goes stale, get the ids a fresh renderer gives for each call."""
     tok = CASES[family][0]()
     tools = [tool_schema(calculator)]

@@ -118,7 +118,8 @@ def test_gspo_value_and_gradient():
         s = math.exp(min(sum((y - x) * v for x, y, v in zip(o, n, m)) / sum(m), 10.0))
         clipped = min(max(s, 1 - 0.05), 1 + 0.1)
         per_tok.append([max(-ai * s, -ai * clipped) for ai in a])
-        # d/dlogp_t: the unclipped branch carries -A s (the token's own log-prob path), the clipped one nothing
+        # d/dlogp_t: the unclipped branch carries -A s (the token's own log-prob path), the clipped one
+        # nothing
         want_grad.append(
             [(-ai * s if -ai * s >= -ai * clipped else 0.0) * v / sum(m) / num_seqs for ai, v in zip(a, m)]
         )

@@ -38,7 +38,8 @@ def test_bad_keys_exit_2_with_one_line(capsys):
 
 
 def test_config_show_prints_the_tree_each_command_trains_with(capsys):
-    """``config show grpo`` carries grpo's preset layer (adv_estimator grpo), as ``posttrain grpo`` does; ``ppo`` not."""
+    """``config show grpo`` carries grpo's preset layer (adv_estimator grpo), as ``posttrain grpo`` does;
+    ``ppo`` not."""
     for word, want in (("grpo", "grpo"), ("ppo", "gae")):
         assert cli.main(["config", "show", word]) == 0
         line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("adv_estimator:"))

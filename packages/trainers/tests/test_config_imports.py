@@ -58,7 +58,9 @@ def test_custom_estimator_registered_before_the_config_is_accepted():
             raise NotImplementedError
 
         cfg = load_config(["algorithm.adv_estimator=mine"])
-        print(cfg.algorithm.adv_estimator, get_adv_estimator("grpo").__name__, get_adv_estimator("mine") is mine)
+        print(
+            cfg.algorithm.adv_estimator, get_adv_estimator("grpo").__name__, get_adv_estimator("mine") is mine
+        )
         """
     )
     refused, accepted = out.splitlines()

@@ -1,4 +1,5 @@
-"""Datasets: chat tokenisation and loss masks, truncation, parquet checks, the resumable sampler, converters."""
+"""Datasets: chat tokenisation and loss masks, truncation, parquet checks, the resumable sampler,
+converters."""
 
 from __future__ import annotations
 

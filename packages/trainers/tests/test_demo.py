@@ -6,9 +6,10 @@ the thread count picks the CPU kernels, and so the sampled tokens, which makes t
 with torch 2.14 on CPU: SFT model 0.50 -> GRPO model 0.76 (the reward is still 0.48 at GRPO steps 10 to 30),
 so the required gain of 0.15 leaves a margin of 0.11 (one held-out question is 0.01).
 
-``--task calculator`` likewise (seed 0, one thread): SFT stops at step 480, the first checkpoint whose success on
-the 50 validation questions reaches ``sft_pick=0.3`` (0.34); held-out 0.41 -> 0.52 after 20 GRPO steps, so the
-required gain of 0.05 leaves a margin of 0.06. The picker and the early stop have quick tests of their own below.
+``--task calculator`` likewise (seed 0, one thread): SFT stops at step 480, the first checkpoint whose success
+on the 50 validation questions reaches ``sft_pick=0.3`` (0.34); held-out 0.41 -> 0.52 after 20 GRPO steps, so
+the required gain of 0.05 leaves a margin of 0.06. The picker and the early stop have quick tests of their own
+below.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def test_the_picker_takes_checkpoints_in_order_and_none_after_the_pick():
 
 @pytest.mark.parametrize(("reached_at", "saved"), [(4, [2, 4]), (None, [2, 4, 6, 7])])
 def test_sft_stops_after_the_checkpoint_the_picker_takes(tmp_path, reached_at, saved):
-    """A real SFT run on the tiny model, saving every 2 steps of 7; the score reaches 0.5 at ``reached_at``."""
+    """A real SFT run on the tiny model, saving every 2 steps of 7; the score reaches 0.5 at
+    ``reached_at``."""
     model = make_tiny_model(tmp_path)
     train, _ = make_arithmetic(tmp_path, num_train=32, num_test=4)
     score, asked = scored({s: float(reached_at is not None and s >= reached_at) for s in range(1, 8)})

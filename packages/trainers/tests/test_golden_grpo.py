@@ -1,12 +1,14 @@
-"""Golden curve: four GRPO steps of the tiny offline model on CPU, compared with ``golden/grpo_tiny_cpu.json``.
+"""Golden curve: four GRPO steps of the tiny offline model on CPU, compared with
+``golden/grpo_tiny_cpu.json``.
 
-Per step the test compares the reward, the policy-gradient, KL and total losses, the clip fraction, the entropy,
-the response length and the grad norm with the stored values: relative tolerance 1e-4 (absolute 1e-6 for values
-near zero). Not bitwise: float32 CPU kernels change their summation order between torch releases (2.13 and 2.14
-differ in the last bits) and CPU instruction sets, which moves these values by about 1e-6 relative; any change
-to the RL numerics (advantages, clipping, loss aggregation, KL, sampling, the weight sync) moves them far more,
-and a sampled token that changes moves the reward and every later step. Torch runs on one thread here (the
-thread count picks the CPU kernels), two optimizer steps per step (so the ratio leaves 1 and clipping acts).
+Per step the test compares the reward, the policy-gradient, KL and total losses, the clip fraction, the
+entropy, the response length and the grad norm with the stored values: relative tolerance 1e-4 (absolute 1e-6
+for values near zero). Not bitwise: float32 CPU kernels change their summation order between torch releases
+(2.13 and 2.14 differ in the last bits) and CPU instruction sets, which moves these values by about 1e-6
+relative; any change to the RL numerics (advantages, clipping, loss aggregation, KL, sampling, the weight
+sync) moves them far more, and a sampled token that changes moves the reward and every later step. Torch runs
+on one thread here (the thread count picks the CPU kernels), two optimizer steps per step (so the ratio leaves
+1 and clipping acts).
 
 After an intended change to the numerics, regenerate the file and say why in the commit::
 

@@ -1,6 +1,6 @@
 """Every engine and rollout this venv installs (engine-fsdp and rollout-hf at least) is one entry point whose
-config class builds what it names: an engine config names a BaseEngine subclass per model type, a rollout config
-a BaseRollout subclass."""
+config class builds what it names: an engine config names a BaseEngine subclass per model type, a rollout
+config a BaseRollout subclass."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Keys a user wrote elsewhere (verl, Hydra, last week's posttrain) exit 2 naming the posttrain key to write, or
-saying there is none, and pointing at docs/migrating-from-verl.md."""
+"""Keys a user wrote elsewhere (verl, Hydra, last week's posttrain) exit 2 naming the posttrain key to write,
+or saying there is none, and pointing at docs/migrating-from-verl.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""trainer.stale_policy: unset means the mode's own policy (async waits, stream drops); a value the mode does not
-do is refused with the fix; async still builds the lookahead it built before the field could be unset.
+"""trainer.stale_policy: unset means the mode's own policy (async waits, stream drops); a value the mode does
+not do is refused with the fix; async still builds the lookahead it built before the field could be unset.
 trainer.rollout_placement: unset is chosen from the mode, the trainer's device and trainer.rollout_devices."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from posttrain.trainers.rl.mode_config import STREAM_AHEAD, RolloutModeConfig
         (
             "one_step_off",
             "drop",
-            r"one_step_off always waits.*trainer.mode=async trainer.max_staleness=1 trainer.stale_policy=drop",
+            r"one_step_off always waits.*trainer.mode=async trainer.max_staleness=1 "
+            r"trainer.stale_policy=drop",
         ),
         ("stream", "wait", r"stream always drops.*trainer.mode=async trainer.stale_policy=wait"),
         ("async", "skip", r"trainer.stale_policy='skip': choose one of wait, drop"),
@@ -94,8 +95,8 @@ def test_an_unset_placement_is_chosen_from_the_mode_and_the_trainers_device(mode
     ],
 )
 def test_a_rollout_over_the_trainers_gpus_stays_colocated(rollout):
-    """vLLM's fields (rollout-vllm is not installed in this package's tests): a rollout process holds one GPU and
-    is not a member of the trainer's world."""
+    """vLLM's fields (rollout-vllm is not installed in this package's tests): a rollout process holds one GPU
+    and is not a member of the trainer's world."""
     choice = RolloutModeConfig(mode="one_step_off").choose_placement("cuda:0", rollout)
     assert choice.value == "colocated" and "spans the trainer's GPUs" in choice.reason
     one_gpu = SimpleNamespace(tensor_model_parallel_size=1, executor="auto")

@@ -1,4 +1,5 @@
-"""Offline model init: the tiny model loads, has head_dim 64, and its tokenizer round-trips with a chat template."""
+"""Offline model init: the tiny model loads, has head_dim 64, and its tokenizer round-trips with a chat
+template."""
 
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ def test_qwen3_0_6b_shape():
 
 
 def test_qwen3_moe_tiny(tmp_path):
-    """``--arch qwen3_moe``: every layer's MLP is MOE_EXPERTS experts of a quarter width, top-MOE_TOP_K routed."""
+    """``--arch qwen3_moe``: every layer's MLP is MOE_EXPERTS experts of a quarter width, top-MOE_TOP_K
+    routed."""
     from posttrain.trainers.model_init import MOE_EXPERTS, MOE_TOP_K, SIZES
 
     out = tmp_path / "moe"

@@ -1,7 +1,8 @@
-"""No config field accepts only its default: for every leaf field of the SFT and RL trees and of every installed
-engine and rollout config class, some value other than the default (of the field's type; for strings, the words
-of the field's docstring) builds the config. A field that refuses them all is a knob that does nothing; a key a
-user may still bring belongs in the migration table (posttrain.core.config.migrations)."""
+"""No config field accepts only its default: for every leaf field of the SFT and RL trees and of every
+installed engine and rollout config class, some value other than the default (of the field's type; for
+strings, the words of the field's docstring) builds the config. A field that refuses them all is a knob that
+does nothing; a key a user may still bring belongs in the migration table
+(posttrain.core.config.migrations)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ COMPANIONS = {
 }
 """Fields that take effect only beside another field's value: the check sets that value too."""
 SELECTORS = {"strategy"}
-"""An engine config's ``strategy`` is the name its class is registered under: another value is another class."""
+"""An engine config's ``strategy`` is the name its class is registered under: another value is another
+class."""
 
 
 def default_only_fields(cls: type) -> list[str]:

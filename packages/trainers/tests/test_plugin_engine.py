@@ -1,6 +1,7 @@
-"""A third-party engine is a package with an entry point and a config class, nothing else: posttrain-thin-engine
-(tests/plugin_engine, installed as a path dependency of this package's test group) trains through ``posttrain sft``
-and ``posttrain grpo`` with ``model_engine=thin``, its own key (``engine.record_to``) reaching its engine."""
+"""A third-party engine is a package with an entry point and a config class, nothing else:
+posttrain-thin-engine (tests/plugin_engine, installed as a path dependency of this package's test group)
+trains through ``posttrain sft`` and ``posttrain grpo`` with ``model_engine=thin``, its own key
+(``engine.record_to``) reaching its engine."""
 
 from __future__ import annotations
 

@@ -88,8 +88,8 @@ def test_grpo_logs_every_phase(reference):
 
 
 def test_rollout_seed_changes_the_samples_and_zero_keeps_the_reference(assets, reference, tmp_path):
-    """``rollout.seed`` enters each step's sampling seed: another value samples other responses at step 1 (before
-    any update, so the model is the same), and writing the default 0 reproduces the reference run."""
+    """``rollout.seed`` enters each step's sampling seed: another value samples other responses at step 1
+    (before any update, so the model is the same), and writing the default 0 reproduces the reference run."""
     keys = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm")
     ref = read_metrics(reference / "metrics.jsonl")[0]
     for seed, same in ((0, True), (7, False)):
@@ -100,7 +100,8 @@ def test_rollout_seed_changes_the_samples_and_zero_keeps_the_reference(assets, r
 
 
 def test_resume_is_bitwise_identical(assets, reference, tmp_path, monkeypatch):
-    """Also where posttrain picks the thread count (no OMP_NUM_THREADS) on a machine where it would pick another:
+    """Also where posttrain picks the thread count (no OMP_NUM_THREADS) on a machine where it would pick
+    another:
     the resume takes the reference's from its checkpoint."""
     saved = load_trainer_state(reference / "global_step_2")["torch_threads"]
     args = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={reference / 'global_step_2'}"]
@@ -183,9 +184,10 @@ def test_bad_starts_are_refused_before_anything_is_built(assets, tmp_path, capsy
 
 @pytest.mark.slow
 def test_ppo_critic_update_moves_values_toward_returns(assets, tmp_path):
-    """One PPO step: the critic, trained on the step's batch, predicts that batch's GAE returns better than the
-    values the advantages were computed with. Measured: masked MSE 0.071 -> 0.012 at critic lr 1e-4 (2 epochs of
-    2 mini-batches); the test asks for half. At lr 1e-3 Adam overshoots (0.071 -> 0.26) and the test fails."""
+    """One PPO step: the critic, trained on the step's batch, predicts that batch's GAE returns better than
+    the values the advantages were computed with. Measured: masked MSE 0.071 -> 0.012 at critic lr 1e-4 (2
+    epochs of 2 mini-batches); the test asks for half. At lr 1e-3 Adam overshoots (0.071 -> 0.26) and the test
+    fails."""
     cfg = load_config(
         grpo_args(assets, tmp_path)[2:]
         + [

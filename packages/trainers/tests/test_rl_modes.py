@@ -1,7 +1,8 @@
-"""trainer.mode one_step_off / async on the tiny offline model (CPU, HF rollout in a background thread): async with
-max_staleness=0 is sync bitwise, one_step_off trains on one-version-old samples whose behaviour log-probs are the
-old policy's (checked against log-probs computed here from the saved weights), a resumed one_step_off run equals
-the uninterrupted one bitwise (the checkpoint holds the buffered rollouts), and stale_policy=drop drops."""
+"""trainer.mode one_step_off / async on the tiny offline model (CPU, HF rollout in a background thread): async
+with max_staleness=0 is sync bitwise, one_step_off trains on one-version-old samples whose behaviour log-probs
+are the old policy's (checked against log-probs computed here from the saved weights), a resumed one_step_off
+run equals the uninterrupted one bitwise (the checkpoint holds the buffered rollouts), and stale_policy=drop
+drops."""
 
 from __future__ import annotations
 
@@ -93,8 +94,8 @@ def test_resumed_one_step_off_equals_the_uninterrupted_run(assets, one_step_off_
 @pytest.mark.dist
 @pytest.mark.slow
 def test_one_step_off_in_a_rollout_process_equals_colocated(assets, one_step_off_run, tmp_path):  # noqa: F811
-    """The worker process builds the same rollout, takes the same weights (over gloo instead of in-process) and
-    samples with the same seeds on as many threads (trainer.rollout_threads=1) as the colocated rollout's
+    """The worker process builds the same rollout, takes the same weights (over gloo instead of in-process)
+    and samples with the same seeds on as many threads (trainer.rollout_threads=1) as the colocated rollout's
     thread: metrics, validation and final weights are equal bitwise."""
     placement = ["trainer.mode=one_step_off", "trainer.rollout_placement=process"]
     run(grpo_args(assets, tmp_path, *GRPO, *placement), "grpo")
@@ -102,7 +103,8 @@ def test_one_step_off_in_a_rollout_process_equals_colocated(assets, one_step_off
 
 
 def _hand_log_probs(model, batch) -> torch.Tensor:
-    """(T,) float64 log-probs of every response token under ``model`` at the batch's temperature, 0 elsewhere."""
+    """(T,) float64 log-probs of every response token under ``model`` at the batch's temperature, 0
+    elsewhere."""
     out = torch.zeros(batch.input_ids.numel(), dtype=torch.float64)
     cu = batch.cu_seqlens.tolist()
     with torch.no_grad():
@@ -115,9 +117,9 @@ def _hand_log_probs(model, batch) -> torch.Tensor:
 
 
 def test_one_step_off_corrects_with_the_behaviour_policys_log_probs(assets, tmp_path):  # noqa: F811
-    """Step 2 of one_step_off trains on samples of version 0 with the actor at version 1: the batch's behaviour
-    log-probs are version 0's (the initial model, recomputed here), its old log-probs version 1's, and the TIS
-    weights are min(exp(old - behaviour), cap) of those, in float64."""
+    """Step 2 of one_step_off trains on samples of version 0 with the actor at version 1: the batch's
+    behaviour log-probs are version 0's (the initial model, recomputed here), its old log-probs version 1's,
+    and the TIS weights are min(exp(old - behaviour), cap) of those, in float64."""
     from transformers import AutoModelForCausalLM
 
     overrides = [*GRPO, "trainer.mode=one_step_off", "actor.optim.lr=0.02", "trainer.save_freq=-1"]
@@ -179,7 +181,8 @@ def test_drop_policy_drops_groups_staler_than_the_bound(assets, tmp_path):  # no
                 "trainer.rollout_placement=colocated",
                 "trainer.rollout_devices=[cuda:1]",
             ],
-            r"rollout_devices=\['cuda:1'\] with trainer.rollout_placement=colocated.*rollout_placement=process",
+            r"rollout_devices=\['cuda:1'\] with "
+            r"trainer.rollout_placement=colocated.*rollout_placement=process",
         ),
         (
             ["trainer.rollout_devices=[cuda:1]"],
@@ -214,8 +217,8 @@ def test_remax_is_refused_outside_sync(assets, tmp_path):  # noqa: F811
 @pytest.mark.dist
 @pytest.mark.slow
 def test_two_processes_async_staleness_zero_equals_sync_and_one_step_off_runs(assets, tmp_path):  # noqa: F811
-    """Two gloo ranks, each with its rollout thread: async max_staleness=0 equals sync bitwise (every rank makes
-    the same collective calls in both), and one_step_off trains on one-version-old samples."""
+    """Two gloo ranks, each with its rollout thread: async max_staleness=0 equals sync bitwise (every rank
+    makes the same collective calls in both), and one_step_off trains on one-version-old samples."""
     from posttrain.core.testing import torchrun
 
     common = [*GRPO, "trainer.n_gpus_per_node=2", "trainer.save_freq=-1", "data.val_files=[]"]

@@ -1,5 +1,5 @@
-"""trainer.rollout_placement=process, below the trainer: a real rollout worker process (the HF rollout on the tiny
-model) takes weights through a shared-memory bucket (headers over the gloo pair) and generates what the
+"""trainer.rollout_placement=process, below the trainer: a real rollout worker process (the HF rollout on the
+tiny model) takes weights through a shared-memory bucket (headers over the gloo pair) and generates what the
 colocated rollout generates, refuses a bucket whose bytes were corrupted in the transport, reports its own
 errors, exits with code 0 at release, and a killed worker raises an error naming it instead of hanging."""
 
@@ -119,8 +119,8 @@ def test_a_killed_worker_raises_an_error_naming_it(model_path):
 
 
 def test_a_call_cut_short_leaves_the_worker_out_of_step_and_release_kills_it(model_path):
-    """A timed-out call's answer would be read as the next call's: later calls are refused, naming the call cut
-    short, and release kills the worker at once instead of asking it to close."""
+    """A timed-out call's answer would be read as the next call's: later calls are refused, naming the call
+    cut short, and release kills the worker at once instead of asking it to close."""
     remote = RemoteRollout(CONFIG, model_path, threads=1, timeout_s=60)
     process = remote.process
     remote.timeout_s = 0.0
@@ -151,7 +151,8 @@ def _remote_code_copy(model_path: str, root) -> str:
     out = root / "remote-code-model"
     shutil.copytree(model_path, out)
     (out / "configuration_tiny.py").write_text(
-        "from transformers import Qwen2Config\n\n\nclass TinyConfig(Qwen2Config):\n    model_type = 'tiny_remote'\n"
+        "from transformers import Qwen2Config\n\n\nclass TinyConfig(Qwen2Config):\n"
+        "    model_type = 'tiny_remote'\n"
     )
     (out / "modeling_tiny.py").write_text(
         "from transformers import Qwen2ForCausalLM\n\nfrom .configuration_tiny import TinyConfig\n\n\n"
@@ -199,8 +200,8 @@ def test_the_rollout_trusts_remote_code_when_model_trust_remote_code_says_so(mod
 
 
 def test_rollout_devices_pick_this_ranks_device_and_name_the_gpu_for_the_child(monkeypatch):
-    """One entry per trainer process on the node, by local rank (none: the trainer's device); a GPU is handed to
-    the worker as the CUDA_VISIBLE_DEVICES entry the trainer's numbering points at."""
+    """One entry per trainer process on the node, by local rank (none: the trainer's device); a GPU is handed
+    to the worker as the CUDA_VISIBLE_DEVICES entry the trainer's numbering points at."""
     from posttrain.trainers.rl.modes import rollout_device
     from posttrain.trainers.rl.remote import physical_gpu
 
@@ -272,9 +273,9 @@ def test_a_worker_on_another_gpu_takes_weights_over_nccl(model_path):
 
 
 def test_the_worker_leaves_the_trainers_torchrun_world():
-    """What torchrun exports for the trainer's ranks is gone from the worker's environment, the elastic agent's
-    store flag included (with it, torch 2.11's tcp:// rendezvous in the worker, vLLM's world of one, waits for a
-    store nobody serves); the rest stays."""
+    """What torchrun exports for the trainer's ranks is gone from the worker's environment, the elastic
+    agent's store flag included (with it, torch 2.11's tcp:// rendezvous in the worker, vLLM's world of one,
+    waits for a store nobody serves); the rest stays."""
     from posttrain.trainers.rl.remote_worker import leave_world
 
     env = {

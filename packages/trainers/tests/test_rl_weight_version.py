@@ -1,5 +1,5 @@
-"""The RL trainer refuses to roll out from weights other than the ones it synced last (a sync that did not take
-effect must never go unnoticed), and logs how far the rollout's log-probs are from the actor's."""
+"""The RL trainer refuses to roll out from weights other than the ones it synced last (a sync that did not
+take effect must never go unnoticed), and logs how far the rollout's log-probs are from the actor's."""
 
 from __future__ import annotations
 
@@ -56,8 +56,9 @@ def test_a_rollout_left_on_other_weights_stops_the_step(trainer):
 
 
 def test_the_rollout_applies_model_override_config_as_the_actor_does(tmp_path):
-    """``model.override_config`` changes the model (here its norm epsilon); the rollout the trainer builds applies
-    it too, so its log-probs stay the actor's (a rollout without it would sample from another model)."""
+    """``model.override_config`` changes the model (here its norm epsilon); the rollout the trainer builds
+    applies it too, so its log-probs stay the actor's (a rollout without it would sample from another
+    model)."""
     splits = arithmetic_rows(8, 4, digits=1, seed=0)
     cfg = load_config(
         [

@@ -1,5 +1,5 @@
-"""Rollout correction (TIS, MIS, token and sequence level, decoupled PPO) against float64 references written from
-the formulas per token with ``math``, and its config's refusals."""
+"""Rollout correction (TIS, MIS, token and sequence level, decoupled PPO) against float64 references written
+from the formulas per token with ``math``, and its config's refusals."""
 
 from __future__ import annotations
 
@@ -113,8 +113,8 @@ def test_actor_loss_multiplies_each_tokens_policy_loss_by_the_weight(loss_mode):
 
 
 def test_decoupled_ppo_is_areals_loss():
-    """AReaL's ``ppo_actor_loss_fn`` written out: ratio against the proximal policy, clipped; the behaviour weight
-    ``exp(prox - behav)`` masked above ``behav_imp_weight_cap``; token mean over the loss mask."""
+    """AReaL's ``ppo_actor_loss_fn`` written out: ratio against the proximal policy, clipped; the behaviour
+    weight ``exp(prox - behav)`` masked above ``behav_imp_weight_cap``; token mean over the loss mask."""
     layout = random_layout(50, num_prompts=5)
     rng = random.Random(51)
     prox = [[rng.gauss(-1.5, 0.5) for _ in m] for m in layout.masks]

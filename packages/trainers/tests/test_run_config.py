@@ -58,7 +58,8 @@ def test_config_show_exits_2_naming_a_wrong_key(capsys):
 
 def test_rollout_config_is_the_named_rollouts_own():
     """``rollout.name`` picks the config class its package registered (posttrain.rollouts): the hf
-    rollout's own keys are ``rollout.<key>`` and reach it; a plain RolloutConfig in Python becomes the same."""
+    rollout's own keys are ``rollout.<key>`` and reach it; a plain RolloutConfig in Python becomes the
+    same."""
     from posttrain.rollout_hf.config import HFRolloutConfig
 
     assert type(PostTrainConfig().rollout) is HFRolloutConfig
@@ -74,7 +75,8 @@ def test_rollout_config_is_the_named_rollouts_own():
 def test_rollout_keys_the_named_rollout_does_not_declare_are_refused():
     with pytest.raises(ConfigError, match="unknown config key 'rollout.tempreature'.*temperature"):
         load_config(["rollout.tempreature=0.5"])
-    # a rollout that is not installed: the shared keys are accepted (an SFT run needs no rollout), others refused
+    # a rollout that is not installed: the shared keys are accepted (an SFT run needs no rollout), others
+    # refused
     assert type(load_config(["rollout.name=sglang", "rollout.n=2"]).rollout) is RolloutConfig
     with pytest.raises(
         ConfigError,

@@ -142,9 +142,10 @@ def test_resume_mid_epoch_is_bitwise_identical(assets, reference):
 
 @pytest.mark.slow
 def test_resume_keeps_the_checkpoints_thread_count(assets, reference, monkeypatch):
-    """Where posttrain picks torch's thread count (no OMP_NUM_THREADS), a resume on a machine where it would pick
-    another count takes the reference's from its checkpoint (the count is what this checks: on this tiny model 1 and
-    2 threads happened to give the same gradient norms), and its last step's gradient norm equals the reference's."""
+    """Where posttrain picks torch's thread count (no OMP_NUM_THREADS), a resume on a machine where it would
+    pick another count takes the reference's from its checkpoint (the count is what this checks: on this tiny
+    model 1 and 2 threads happened to give the same gradient norms), and its last step's gradient norm equals
+    the reference's."""
     saved = load_trainer_state(reference / "global_step_4")["torch_threads"]
     resumed = assets["root"] / "resumed_threads"
     args = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={reference / 'global_step_4'}"]

@@ -2,10 +2,11 @@
 
 ``CheckpointManager`` stages, commits (fsync, atomic rename, then the tracker) and retains step directories
 (``retain``: the newest N, deleted only after the new one is in place, also used by engines saving directly);
-``save_role``/``load_role`` write and read one model's DCP shards (keyed by HF names), extra state and HF files;
-``AsyncWriter`` runs the writes of an async save in the background (``prepare_role`` allocates its host buffers
-ahead of the first save); ``export_hf`` turns a role into an HF model; ``verify_role``/``verify_step`` check a checkpoint's files against
-the checksums its save recorded and ``find_intact`` finds the newest step that passes.
+``save_role``/``load_role`` write and read one model's DCP shards (keyed by HF names), extra state and HF
+files; ``AsyncWriter`` runs the writes of an async save in the background (``prepare_role`` allocates its host
+buffers ahead of the first save); ``export_hf`` turns a role into an HF model; ``verify_role``/``verify_step``
+check a checkpoint's files against the checksums its save recorded and ``find_intact`` finds the newest step
+that passes.
 """
 
 from .extra import capture_rng, restore_rng

@@ -2,15 +2,15 @@
 
 :func:`posttrain.core.checksum.tensor_checksums` runs about twenty ATen operations per tensor (views, an int8
 matrix multiply, casts, sums), and ``isfinite(t).all()`` two more; a model with AdamW state holds about a
-thousand tensors, most of them small (biases, norms, Adam's step counts), whose cost on a GPU is those launches,
-not their bytes. Here tensors under :data:`SMALL` bytes (16 MiB on a GPU, 64 KiB on a CPU) are copied, per dtype,
-into flat byte buckets of at most :data:`BUCKET` bytes, each tensor at a multiple of
-:data:`~posttrain.core.checksum.ROW` bytes with zeros up to the next one (one ``torch.cat`` per bucket). One pass
-over a bucket gives every tensor in it its checksum (:func:`~posttrain.core.checksum.bucket_checksums`: a
+thousand tensors, most of them small (biases, norms, Adam's step counts), whose cost on a GPU is those
+launches, not their bytes. Here tensors under :data:`SMALL` bytes (16 MiB on a GPU, 64 KiB on a CPU) are
+copied, per dtype, into flat byte buckets of at most :data:`BUCKET` bytes, each tensor at a multiple of
+:data:`~posttrain.core.checksum.ROW` bytes with zeros up to the next one (one ``torch.cat`` per bucket). One
+pass over a bucket gives every tensor in it its checksum (:func:`~posttrain.core.checksum.bucket_checksums`: a
 tensor's rows in the bucket are its zero-padded rows, so the checksum equals
-:func:`~posttrain.core.checksum.tensor_checksum`), and the bucket viewed as its dtype tells whether all of them
-are finite (the zero padding is a finite 0). Only a bucket holding NaN or inf has its tensors checked one by
-one, to name them. Larger tensors go through ``tensor_checksums`` and ``isfinite`` one by one.
+:func:`~posttrain.core.checksum.tensor_checksum`), and the bucket viewed as its dtype tells whether all of
+them are finite (the zero padding is a finite 0). Only a bucket holding NaN or inf has its tensors checked one
+by one, to name them. Larger tensors go through ``tensor_checksums`` and ``isfinite`` one by one.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def _buckets(tensors: list[torch.Tensor], indices: list[int]) -> list[list[int]]
 
 
 def _pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """The tensors' bytes in one flat uint8 tensor, each at a multiple of ``ROW`` and zero-padded; the spans."""
+    """The tensors' bytes in one flat uint8 tensor, each at a multiple of ``ROW`` and zero-padded; the
+    spans."""
     zeros = torch.zeros(ROW, dtype=torch.uint8, device=tensors[0].device)
     pieces, spans, offset = [], [], 0
     for t in tensors:

@@ -5,9 +5,10 @@
     posttrain ckpt inspect <root | global_step_N | global_step_N/actor> [--no-tensors]
     posttrain ckpt verify <root | global_step_N | global_step_N/actor>
 
-``verify`` re-reads every file of the checkpoint against the checksums its save recorded and names each missing,
-truncated or changed file (and the tensor in it); for a root it checks every step and says which is the newest
-intact one. Exit status 0: intact, 1: a problem found, 2: bad arguments. ``export-hf`` runs the same check first.
+``verify`` re-reads every file of the checkpoint against the checksums its save recorded and names each
+missing, truncated or changed file (and the tensor in it); for a root it checks every step and says which is
+the newest intact one. Exit status 0: intact, 1: a problem found, 2: bad arguments. ``export-hf`` runs the
+same check first.
 
 A LoRA role is exported with its adapters merged into the base weights, or with ``--adapter-only`` as a peft
 adapter directory.

@@ -1,12 +1,12 @@
 """CRC-32 of byte spans of many files, on a pool of threads, in pieces of at most :data:`PIECE` bytes.
 
-Each span (a stored item of a DCP shard, a gap between items, a whole small file) is cut into pieces; the pieces
-of every file given run on one thread pool (``zlib.crc32`` releases the GIL), in the order given, so that one
-large tensor's span does not keep one thread busy while the others idle, and a cold file is read by several
-threads at once. With ``read_ahead`` each piece asks the kernel for its pages before hashing them
-(``POSIX_FADV_WILLNEED``: large asynchronous reads instead of a page fault at a time; a no-op for pages already
-cached). A span's CRC is its pieces' CRCs combined (:func:`crc32_combine`, zlib's ``crc32_combine``), equal to
-``zlib.crc32`` of the span's bytes.
+Each span (a stored item of a DCP shard, a gap between items, a whole small file) is cut into pieces; the
+pieces of every file given run on one thread pool (``zlib.crc32`` releases the GIL), in the order given, so
+that one large tensor's span does not keep one thread busy while the others idle, and a cold file is read by
+several threads at once. With ``read_ahead`` each piece asks the kernel for its pages before hashing them
+(``POSIX_FADV_WILLNEED``: large asynchronous reads instead of a page fault at a time; a no-op for pages
+already cached). A span's CRC is its pieces' CRCs combined (:func:`crc32_combine`, zlib's ``crc32_combine``),
+equal to ``zlib.crc32`` of the span's bytes.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def threads() -> int:
 
 
 def _pieces(spans: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(span index, offset, length) of each piece of each span, in order; an empty span has one empty piece."""
+    """(span index, offset, length) of each piece of each span, in order; an empty span has one empty
+    piece."""
     out = []
     for i, (offset, length) in enumerate(spans):
         out += [(i, o, min(PIECE, offset + length - o)) for o in range(offset, offset + length, PIECE)]
@@ -84,8 +85,9 @@ def _pieces(spans: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 
 
 def span_crcs(files: list[tuple[Path, list[tuple[int, int]]]], read_ahead: bool = True) -> list[list[int]]:
-    """``zlib.crc32`` of each ``(offset, length)`` span of each ``(path, spans)``, every span inside its file, read
-    file by file and span by span; ``read_ahead``: ask for each piece's pages first (see the module docstring)."""
+    """``zlib.crc32`` of each ``(offset, length)`` span of each ``(path, spans)``, every span inside its file,
+    read file by file and span by span; ``read_ahead``: ask for each piece's pages first (see the module
+    docstring)."""
     out: list[list[int]] = []
     with ThreadPoolExecutor(max_workers=threads(), thread_name_prefix="posttrain-ckpt-crc") as pool:
         for start in range(0, len(files), _OPEN_FILES):

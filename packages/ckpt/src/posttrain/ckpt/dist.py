@@ -32,7 +32,8 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
 
 @contextlib.contextmanager
 def single_process_dcp() -> Iterator[bool]:
-    """Yield DCP's ``no_dist`` flag; without a process group, silence DCP's "assuming a single process" warning."""
+    """Yield DCP's ``no_dist`` flag; without a process group, silence DCP's "assuming a single process"
+    warning."""
     no_dist = not is_initialized()
     if not no_dist:
         yield no_dist

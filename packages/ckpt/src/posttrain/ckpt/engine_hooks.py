@@ -2,11 +2,12 @@
 (the FSDP and TorchTitan engines).
 
 The engine hands its HF-named model (``model``: the module itself, or a view of it under HF names) with its
-optimizer, LR scheduler and step counters to :func:`posttrain.ckpt.save_role` / :func:`posttrain.ckpt.load_role`.
+optimizer, LR scheduler and step counters to :func:`posttrain.ckpt.save_role`
+/ :func:`posttrain.ckpt.load_role`.
 The engine provides ``checkpoint_config``, ``engine_config`` (``check_checkpoint``), ``optimizer``,
 ``lr_scheduler``, ``skipped_steps``, ``device_mesh`` (or None), ``get_data_parallel_size()``, ``hf_config``,
-``model_config``, ``device``, ``to(...)`` and the offload flags of :class:`posttrain.core.engine.BaseEngine`. Every
-call is collective.
+``model_config``, ``device``, ``to(...)`` and the offload flags of :class:`posttrain.core.engine.BaseEngine`.
+Every call is collective.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def save_engine_role(
     writer: AsyncWriter | None,
     max_ckpt_to_keep: int | None,
 ) -> None:
-    """Write ``checkpoint.save_contents`` into the role directory ``local_path``; with ``checkpoint.async_save``
-    ``writer`` (the step's :class:`~posttrain.ckpt.CheckpointManager` writer) writes the files in the background.
+    """Write ``checkpoint.save_contents`` into the role directory ``local_path``; with
+    ``checkpoint.async_save`` ``writer`` (the step's :class:`~posttrain.ckpt.CheckpointManager` writer) writes
+    the files in the background.
     ``max_ckpt_to_keep`` (else ``checkpoint.max_ckpt_to_keep``) prunes older ``global_step_<N>`` saves of the
     role once this one is written (:func:`posttrain.ckpt.retain_role_saves`)."""
     config = engine.checkpoint_config
@@ -103,8 +105,8 @@ def refuse_native_megatron(role_dir: Path, engine_name: str) -> None:
     if (role_dir / "transformer_config.json").is_file() and layout != HF_LAYOUT:
         raise ValueError(
             f"{role_dir} is a native megatron engine checkpoint (Megatron parameter names and shards), which "
-            f"the {engine_name} engine cannot read: save it with <role>.engine.portable_checkpoint=true on the "
-            "megatron engine (HF names, this engine's layout), or load it on the megatron engine"
+            f"the {engine_name} engine cannot read: save it with <role>.engine.portable_checkpoint=true on "
+            "the megatron engine (HF names, this engine's layout), or load it on the megatron engine"
         )
 
 

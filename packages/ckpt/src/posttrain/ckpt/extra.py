@@ -1,8 +1,10 @@
 """The ``extra`` checkpoint item: LR scheduler state, RNG states and step counters, one file per rank.
 
 RNG states are per rank (python ``random``, numpy's global generator, torch CPU and every CUDA device when
-CUDA is initialised). They are stored as plain tensors and tuples so the file loads with ``weights_only=True``.
-Resuming on a different world size restores rank r's RNG from rank r's file when it exists and warns otherwise.
+CUDA is initialised). They are stored as plain tensors and tuples so the file loads with
+``weights_only=True``.
+Resuming on a different world size restores rank r's RNG from rank r's file when it exists and warns
+otherwise.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ The export reads only the ``model.*`` tensors of a DCP checkpoint into full (uns
 process with no process group (DCP reassembles each tensor from however many ranks wrote it), then writes
 ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``,
 the layout ``from_pretrained`` reads. With ``tie_word_embeddings`` the ``lm_head.weight`` copy is dropped, as
-``save_pretrained`` does. A LoRA role's adapters are merged into the base weights (:mod:`posttrain.ckpt.lora`),
-or written alone as a peft adapter directory. No transformers or peft import is needed here.
+``save_pretrained`` does. A LoRA role's adapters are merged into the base weights
+(:mod:`posttrain.ckpt.lora`), or written alone as a peft adapter directory. No transformers or peft import is
+needed here.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from .tied import fill_aliases
 from .verify import CheckpointCorruptError, non_finite_names, raise_if, verify_role
 
 HF_LAYOUT = "dcp-hf-names"
-"""The ``layout`` of a role manifest whose DCP keys are HF names (``model.<hf name>``), the one export-hf reads."""
+"""The ``layout`` of a role manifest whose DCP keys are HF names (``model.<hf name>``), the one export-hf
+reads."""
 
 MODEL_PREFIX = "model."
 _TOKENIZER_FILES = (
@@ -156,9 +158,9 @@ def export_hf(
     layout = (read_json(role_dir / ROLE_MANIFEST) or {}).get("layout", HF_LAYOUT)
     if layout != HF_LAYOUT:
         raise ValueError(
-            f"{role_dir} holds layout {layout!r} (keyed by the training backend's own names), not the HF-keyed "
-            f"{HF_LAYOUT!r} export-hf reads: for a native Megatron checkpoint run `posttrain convert "
-            f"megatron-to-hf --input {role_dir} --output {out_dir}`, or save with "
+            f"{role_dir} holds layout {layout!r} (keyed by the training backend's own names), not the "
+            f"HF-keyed {HF_LAYOUT!r} export-hf reads: for a native Megatron checkpoint run `posttrain "
+            f"convert megatron-to-hf --input {role_dir} --output {out_dir}`, or save with "
             "<role>.engine.portable_checkpoint=true"
         )
     hf_src = role_dir / HF_DIR
@@ -174,8 +176,8 @@ def export_hf(
     bad = non_finite_names(state)
     if bad:
         raise CheckpointCorruptError(
-            f"export-hf: {role_dir} holds non-finite weights, first {bad[0]!r} ({len(bad)} tensor(s) with NaN "
-            "or inf): nothing was written; export an earlier step"
+            f"export-hf: {role_dir} holds non-finite weights, first {bad[0]!r} ({len(bad)} tensor(s) with "
+            "NaN or inf): nothing was written; export an earlier step"
         )
     peft_config = _saved_peft_config(role_dir, state)
     if adapter_only:

@@ -4,7 +4,8 @@
 <root>/
   latest_checkpointed_iteration.txt     # the step of the newest committed checkpoint (written last)
   global_step_<N>/
-    checkpoint.json                     # step-level manifest: step, roles, trainer files (written before rename)
+    checkpoint.json                     # step-level manifest: step, roles, trainer files
+                                        # (written before rename)
     data.pt                             # trainer state (dataloader position, counters)
     <role>/                             # actor, critic, ...
       dist_ckpt/                        # torch DCP: model + optimizer keyed by HF names; extra/rank_<r>.pt
@@ -101,7 +102,8 @@ def fsync_path(path: Path) -> None:
 
 @contextlib.contextmanager
 def syncing(paths: list[Path]) -> Iterator[None]:
-    """fsync ``paths`` on background threads (up to 16 at once) while the body runs; wait for them at its end."""
+    """fsync ``paths`` on background threads (up to 16 at once) while the body runs; wait for them at its
+    end."""
     with ThreadPoolExecutor(max(1, min(16, len(paths))), thread_name_prefix="posttrain-ckpt-fsync") as pool:
         futures = [pool.submit(fsync_path, path) for path in paths]
         yield

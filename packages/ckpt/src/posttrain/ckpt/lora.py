@@ -1,4 +1,5 @@
-"""LoRA roles: record the peft adapter config at save time, and turn a peft state into HF weights or an adapter.
+"""LoRA roles: record the peft adapter config at save time, and turn a peft state into HF weights or an
+adapter.
 
 A role trained with peft LoRA is checkpointed under the peft module's names:
 ``base_model.model.<hf name>`` for every weight, with each adapted linear layer ``P`` split into
@@ -10,8 +11,8 @@ reads the module's ``peft_config`` (a peft model, also under FSDP1/FSDP2) so the
 ``merge_and_unload`` does: ``W + (B @ A) * scale``, ``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
 ``use_rslora``), ``r`` being A's row count; for fp16/bf16 the delta is computed in fp32 and cast back, as peft
 does on the CPU. :func:`adapter_state` gives the adapter tensors under the names peft's ``save_pretrained``
-writes (``...q_proj.lora_A.weight``, the adapter name removed), for a peft adapter directory; parameters trained
-in full are not in it.
+writes (``...q_proj.lora_A.weight``, the adapter name removed), for a peft adapter directory; parameters
+trained in full are not in it.
 Only plain linear LoRA with one adapter is handled; DoRA, LoRA biases, per-module rank/alpha patterns,
 ``fan_in_fan_out`` and embedding adapters raise ValueError.
 """

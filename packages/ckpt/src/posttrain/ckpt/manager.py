@@ -4,8 +4,8 @@ A save of step N goes: ``stage(N)`` creates ``<root>/.tmp.global_step_N`` (rank 
 and the trainer write into it; ``commit(N)`` waits for every rank (barrier), then rank 0 writes
 ``checkpoint.json``, fsyncs the whole tree, renames it to ``global_step_N`` in one ``os.replace``, fsyncs the
 root, and only then rewrites ``latest_checkpointed_iteration.txt`` atomically; retention
-(:func:`~posttrain.ckpt.retention.retain`) runs last, so old checkpoints are deleted only after the new one is in
-place. A crash before the rename leaves only a staging
+(:func:`~posttrain.ckpt.retention.retain`) runs last, so old checkpoints are deleted only after the new one is
+in place. A crash before the rename leaves only a staging
 directory (ignored); a crash after it but before the tracker update leaves the tracker on the previous
 checkpoint, which :meth:`latest` returns. With ``async_save`` the commit is queued on the background writer
 behind the role writes, and the next :meth:`stage` waits for it.
@@ -52,7 +52,8 @@ class CheckpointManager:
     """Crash-safe step checkpoints under ``root_dir`` (the trainer's ``default_local_dir``).
 
     Every rank constructs the manager and calls :meth:`stage` and :meth:`commit` (they hold barriers when
-    torch.distributed is initialised); only rank 0 writes the shared files. The root must be visible to all ranks.
+    torch.distributed is initialised); only rank 0 writes the shared files. The root must be visible to all
+    ranks.
     """
 
     def __init__(self, root_dir: str | Path, config: CheckpointConfig) -> None:
@@ -61,7 +62,8 @@ class CheckpointManager:
         self.rank = ckpt_dist.get_rank()
         self.world_size = ckpt_dist.get_world_size()
         self.writer: AsyncWriter | None = None
-        """Background writer when ``config.async_save``; pass it to the engines' ``save_checkpoint(writer=...)``."""
+        """Background writer when ``config.async_save``; pass it to the engines'
+        ``save_checkpoint(writer=...)``."""
         if config.async_save:
             group = dist.new_group(backend="gloo") if ckpt_dist.is_initialized() else None
             self.writer = AsyncWriter(process_group=group)
@@ -90,7 +92,8 @@ class CheckpointManager:
     def save_trainer_state(self, step: int, state: dict[str, Any], per_rank: bool = False) -> None:
         """Write trainer state (dataloader position, counters) into the staging directory of ``step``.
 
-        ``per_rank=False``: rank 0 writes ``data.pt``; ``per_rank=True``: every rank writes ``data_rank_<r>.pt``.
+        ``per_rank=False``: rank 0 writes ``data.pt``; ``per_rank=True``: every rank writes
+        ``data_rank_<r>.pt``.
         """
         staging = self.staging_dir(step)
         if not staging.is_dir():
@@ -163,16 +166,16 @@ class CheckpointManager:
         """The newest committed, complete checkpoint as ``(step, path)``, or None.
 
         The tracker file names the committed step; when it is missing, unreadable or names a directory that is
-        not complete, the newest complete ``global_step_<N>`` directory is used. The step always comes from the
-        directory's own name.
+        not complete, the newest complete ``global_step_<N>`` directory is used. The step always comes from
+        the directory's own name.
         """
         return find_latest(self.root)
 
 
 def find_latest(root: str | Path) -> tuple[int, Path] | None:
-    """:meth:`CheckpointManager.latest` for a root directory, without a manager. A ``global_step_<N>`` directory
-    newer than the one returned that is not complete (its ``checkpoint.json`` or a role's ``manifest.json`` is
-    missing: committed directories always have them) is named in a warning."""
+    """:meth:`CheckpointManager.latest` for a root directory, without a manager. A ``global_step_<N>``
+    directory newer than the one returned that is not complete (its ``checkpoint.json`` or a role's
+    ``manifest.json`` is missing: committed directories always have them) is named in a warning."""
     root = Path(root)
     found = _find_latest(root)
     newest = found[0] if found is not None else -1
@@ -210,8 +213,8 @@ def _find_latest(root: Path) -> tuple[int, Path] | None:
 
 def find_intact(root: str | Path, verify: bool = True) -> tuple[int, Path] | None:
     """The newest ``global_step_<N>`` under ``root`` that passes :func:`~posttrain.ckpt.verify.verify_step`
-    (every file against its checksums; collective: call on every rank), or None. Each newer step it passes over
-    is named in one warning with what is wrong with it. ``verify=False`` is :func:`find_latest`."""
+    (every file against its checksums; collective: call on every rank), or None. Each newer step it passes
+    over is named in one warning with what is wrong with it. ``verify=False`` is :func:`find_latest`."""
     root = Path(root)
     if not verify:
         return find_latest(root)

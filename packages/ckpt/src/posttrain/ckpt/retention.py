@@ -1,11 +1,11 @@
 """Checkpoint retention: keep the newest N step directories of a root and delete the older ones.
 
-One rule for the step manager (:class:`~posttrain.ckpt.CheckpointManager`, after each commit) and for an engine
-that saves straight into ``<root>/global_step_<N>/<role>`` (both engines' ``save_checkpoint(...,
-max_ckpt_to_keep=...)``, through :func:`retain_role_saves`). :func:`retain` runs only once the new checkpoint is complete, so a crash while saving
-never costs the last good one. Each directory to delete is first renamed to ``.tmp.old.global_step_<M>`` (one
-atomic rename), so a crash while deleting leaves hidden debris, never a half-deleted directory under a
-checkpoint's name; the debris of older saves and deletions goes on the way.
+One rule for the step manager (:class:`~posttrain.ckpt.CheckpointManager`, after each commit) and for an
+engine that saves straight into ``<root>/global_step_<N>/<role>`` (both engines' ``save_checkpoint(...,
+max_ckpt_to_keep=...)``, through :func:`retain_role_saves`). :func:`retain` runs only once the new checkpoint
+is complete, so a crash while saving never costs the last good one. Each directory to delete is first renamed
+to ``.tmp.old.global_step_<M>`` (one atomic rename), so a crash while deleting leaves hidden debris, never a
+half-deleted directory under a checkpoint's name; the debris of older saves and deletions goes on the way.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from . import dist as ckpt_dist
 from .layout import complete_steps, fsync_path, parse_step
 
 DEBRIS_PREFIXES = (".tmp.old.", ".tmp.")
-"""Hidden names of a save in progress (``.tmp.global_step_<N>``) and of a directory being replaced or deleted."""
+"""Hidden names of a save in progress (``.tmp.global_step_<N>``) and of a directory being replaced or
+deleted."""
 
 
 def step_dirs(root: str | Path) -> dict[int, Path]:
@@ -54,10 +55,10 @@ def remove(root: Path, step_dir: Path) -> None:
 def retain(
     root: str | Path, keep: int | None, current: int, steps: Mapping[int, Path] | None = None
 ) -> list[int]:
-    """Keep ``current`` and the newest ``keep - 1`` other checkpoints of ``root``; delete the rest of ``steps``
-    (default: the complete step directories, :func:`~posttrain.ckpt.layout.complete_steps`), and the debris of
-    saves of older steps. ``keep=None`` keeps every checkpoint. Call it only once ``current`` is complete and in
-    place. Returns the deleted steps, newest first."""
+    """Keep ``current`` and the newest ``keep - 1`` other checkpoints of ``root``; delete the rest of
+    ``steps`` (default: the complete step directories, :func:`~posttrain.ckpt.layout.complete_steps`), and the
+    debris of saves of older steps. ``keep=None`` keeps every checkpoint. Call it only once ``current`` is
+    complete and in place. Returns the deleted steps, newest first."""
     root = Path(root)
     if keep is not None and keep < 1:
         raise ValueError(f"checkpoint.max_ckpt_to_keep={keep} must be >= 1 or null (keep all)")
@@ -78,11 +79,11 @@ def retain_role_saves(
     role_dir: str | Path, keep: int | None, finished: Callable[[Path], bool], writer: Any = None
 ) -> None:
     """An engine's ``save_checkpoint(<root>/global_step_<N>/<role>, max_ckpt_to_keep=keep)``: keep the newest
-    ``keep`` saves of this role among the ``global_step_<N>`` siblings of its step directory, counting only those
-    whose role directory is ``finished`` (its last file written), once this save is written: behind it on
-    ``writer`` (an :class:`~posttrain.ckpt.AsyncWriter`) for an async save. A role directory whose parent is not
-    named ``global_step_<N>`` (a step manager's staging directory) leaves retention to the manager. Call it on
-    every rank; rank 0 deletes."""
+    ``keep`` saves of this role among the ``global_step_<N>`` siblings of its step directory, counting only
+    those whose role directory is ``finished`` (its last file written), once this save is written: behind it
+    on ``writer`` (an :class:`~posttrain.ckpt.AsyncWriter`) for an async save. A role directory whose parent
+    is not named ``global_step_<N>`` (a step manager's staging directory) leaves retention to the manager.
+    Call it on every rank; rank 0 deletes."""
     role_dir = Path(role_dir)
     step_dir = role_dir.parent
     current = parse_step(step_dir.name)

@@ -1,12 +1,13 @@
-"""Save and load one role (actor, critic, ...) of a torch model: DCP shards keyed by HF names, extra, HF files.
+"""Save and load one role (actor, critic, ...) of a torch model: DCP shards keyed by HF names, extra, HF
+files.
 
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives the model state under the module's own FQNs
 (wrapper prefixes such as FSDP1's or activation checkpointing's are stripped), which for a Hugging Face model
 are its HF parameter names, and the optimizer state flattened per parameter (``state.<name>.exp_avg``,
 ``param_groups.<name>.lr``). Under FSDP2 these are DTensors, under FSDP1 sharded tensors, in one process plain
 tensors; DCP stores global shapes and offsets, so a checkpoint written by N ranks loads on M ranks.
-``set_state_dict`` puts loaded values back through the same mapping. A tied parameter is written once, under the
-first of its names; the manifest's ``tied_aliases`` maps the other names to it and load fills them back in
+``set_state_dict`` puts loaded values back through the same mapping. A tied parameter is written once, under
+the first of its names; the manifest's ``tied_aliases`` maps the other names to it and load fills them back in
 (:mod:`posttrain.ckpt.tied`). The role's ``manifest.json`` is written last.
 """
 
@@ -113,7 +114,8 @@ def _check_save(state: RoleState, contents: list[str]) -> None:
 
 
 def _sharded_state(state: RoleState, contents: list[str]) -> dict[str, Any]:
-    """The (sharded) model and flattened optimizer state of ``contents``, every name of a tied tensor included."""
+    """The (sharded) model and flattened optimizer state of ``contents``, every name of a tied tensor
+    included."""
     if "optimizer" in contents:
         msd, osd = get_state_dict(state.model, state.optimizer, options=_OPTIONS)
         return {"model": msd, "optimizer": osd}
@@ -149,11 +151,12 @@ def save_role(
     """Write one role into ``role_dir`` on every rank (collective).
 
     With ``writer`` this blocks only for the device-to-host snapshot (plus the full-model gather when
-    ``hf_model`` is saved) and queues the file writes on the writer's thread; the first such save also allocates
-    the host buffers unless :func:`prepare_role` allocated them ahead. A tied parameter is written once, a LoRA
-    model's adapter config goes into the manifest, and ``hf_model`` holds the merged weights. With ``verify``
-    (the default) the manifest records every tensor's and file's checksums (:mod:`posttrain.ckpt.verify`) and a
-    state holding NaN or inf is refused before anything is written; ``verify=False`` only for measuring its cost.
+    ``hf_model`` is saved) and queues the file writes on the writer's thread; the first such save also
+    allocates the host buffers unless :func:`prepare_role` allocated them ahead. A tied parameter is written
+    once, a LoRA model's adapter config goes into the manifest, and ``hf_model`` holds the merged weights.
+    With ``verify`` (the default) the manifest records every tensor's and file's checksums
+    (:mod:`posttrain.ckpt.verify`) and a state holding NaN or inf is refused before anything is written;
+    ``verify=False`` only for measuring its cost.
     """
     role_dir = Path(role_dir)
     _check_save(state, contents)
@@ -184,17 +187,18 @@ def save_role(
 
 def prepare_role(role: str, state: RoleState, contents: list[str], writer: AsyncWriter) -> Future:
     """Start allocating, in the background, the host buffers of an async :func:`save_role` of ``state`` into a
-    directory named ``role`` (actor, critic, ...), so that the first async save blocks no longer than later ones.
+    directory named ``role`` (actor, critic, ...), so that the first async save blocks no longer than later
+    ones.
 
     Call it on every rank (``get_state_dict`` may be collective) after the first optimizer step (an empty
-    optimizer state has no shapes yet); it returns at once with the allocation's future (result: the buffers by
-    key path). Buffers for the ``hf_model`` gather are not prepared.
+    optimizer state has no shapes yet); it returns at once with the allocation's future (result: the buffers
+    by key path). Buffers for the ``hf_model`` gather are not prepared.
     """
     _check_save(state, contents)
     if "optimizer" in contents and not state.optimizer.state:
         raise ValueError(
-            f"prepare_role({role!r}) with optimizer in checkpoint.save_contents={contents} needs the optimizer "
-            "state, which is empty before the first optimizer step: call it after the first step"
+            f"prepare_role({role!r}) with optimizer in checkpoint.save_contents={contents} needs the "
+            "optimizer state, which is empty before the first optimizer step: call it after the first step"
         )
     sharded, _ = _deduplicated_state(state, contents)
     return writer.prepare(sharded, f"{role}/sharded")
@@ -211,10 +215,10 @@ def write_role_files(
     group: dist.ProcessGroup | None,
     tie_word_embeddings: bool | None = None,
 ) -> None:
-    """Write a role's files from host (or device) state: the DCP ``sharded`` state, this rank's ``extra``, and on
-    rank 0 the ``huggingface/`` metadata and ``full`` weights as safetensors (without ``lm_head`` when
-    ``tie_word_embeddings``; None reads it from ``info.hf_config``), then the manifest last, once every file of
-    the role is fsynced (each rank fsyncs its share while it computes that share's CRCs). Collective over
+    """Write a role's files from host (or device) state: the DCP ``sharded`` state, this rank's ``extra``, and
+    on rank 0 the ``huggingface/`` metadata and ``full`` weights as safetensors (without ``lm_head`` when
+    ``tie_word_embeddings``; None reads it from ``info.hf_config``), then the manifest last, once every file
+    of the role is fsynced (each rank fsyncs its share while it computes that share's CRCs). Collective over
     ``group`` (the default group for a sync save, the async writer's gloo group on its thread). Engines with
     their own state collection (the Megatron portable save) write through this too."""
     role_dir.mkdir(parents=True, exist_ok=True)
@@ -247,8 +251,9 @@ def write_role_files(
 
 
 def _dcp_write(dcp_dir: Path, sharded: dict[str, Any], threads: int, group: dist.ProcessGroup | None) -> None:
-    """DCP's save of ``sharded`` into ``dcp_dir`` (collective), device tensors through page-locked host copies,
-    without DCP's own fsync: :func:`write_role_files` fsyncs the files while it computes their CRCs."""
+    """DCP's save of ``sharded`` into ``dcp_dir`` (collective), device tensors through page-locked host
+    copies, without DCP's own fsync: :func:`write_role_files` fsyncs the files while it computes their
+    CRCs."""
     writer = dcp.FileSystemWriter(str(dcp_dir), thread_count=threads, sync_files=False)
     device = staging_device(sharded)
     staging = HostStaging(device)
@@ -305,10 +310,11 @@ def load_role(
 ) -> dict[str, Any]:
     """Restore ``contents`` of one role into ``state`` on every rank (collective); return the saved counters.
 
-    With ``verify`` (the default) every file is checked against the manifest's checksums (on a background thread
-    while DCP reads them, and before anything loaded is set or the extra state read), then the loaded tensors
-    against their recorded checksums and for NaN/inf: a :class:`~posttrain.ckpt.verify.CheckpointCorruptError`
-    names the file and tensor. ``verify=False`` only for measuring its cost."""
+    With ``verify`` (the default) every file is checked against the manifest's checksums (on a background
+    thread while DCP reads them, and before anything loaded is set or the extra state read), then the loaded
+    tensors against their recorded checksums and for NaN/inf:
+    a :class:`~posttrain.ckpt.verify.CheckpointCorruptError` names the file and tensor. ``verify=False`` only
+    for measuring its cost."""
     role_dir = Path(role_dir)
     check_contents(contents, "checkpoint.load_contents")
     manifest = read_role_manifest(role_dir)
@@ -345,9 +351,9 @@ def _load_sharded(
     saved: dict[str, list[Any]] | None,
     verify: bool,
 ) -> None:
-    """DCP-load model (+ optimizer) in place; with ``verify`` the role's files are checked while DCP reads them
-    (:func:`~posttrain.ckpt.verify.verified_read`), then the loaded tensors against ``saved`` checksums and for
-    NaN/inf, before any of it is set; names stored as tied aliases are filled from their kept name."""
+    """DCP-load model (+ optimizer) in place; with ``verify`` the role's files are checked while DCP reads
+    them (:func:`~posttrain.ckpt.verify.verified_read`), then the loaded tensors against ``saved`` checksums
+    and for NaN/inf, before any of it is set; names stored as tied aliases are filled from their kept name."""
     sharded = _sharded_state(state, contents)
     model_sd = sharded["model"]
     stored = {k: v for k, v in model_sd.items() if not (k in aliases and aliases[k] in model_sd)}

@@ -1,9 +1,10 @@
 """Device-to-host snapshot of a state dict, the only part of an async save that blocks training.
 
 Each tensor (or each DTensor's local shard) is copied into a host buffer that is kept between saves, so only
-the first async save pays for allocating (and, for CUDA sources, page-locking: :mod:`posttrain.ckpt.pinned`) host memory; later saves are one
-``copy_(non_blocking=True)`` per tensor and one synchronisation. DTensors keep their spec (mesh, placements,
-global shape) around the host shard, so DCP still writes each rank's shard with its global offsets.
+the first async save pays for allocating (and, for CUDA sources, page-locking: :mod:`posttrain.ckpt.pinned`)
+host memory; later saves are one ``copy_(non_blocking=True)`` per tensor and one synchronisation. DTensors
+keep their spec (mesh, placements, global shape) around the host shard, so DCP still writes each rank's shard
+with its global offsets.
 
 :func:`buffer_plan` and :func:`allocate_buffers` split the allocation off: the plan (key path, local shape,
 dtype, pinned or not, DTensor spec) is read from the live state without copying, and the buffers can then be
@@ -102,7 +103,8 @@ class BufferSpec:
 
 
 def buffer_plan(state: Any, prefix: str = "") -> list[BufferSpec]:
-    """The host buffers :func:`snapshot_to_host` of ``state`` under ``prefix`` uses (no copy, no allocation)."""
+    """The host buffers :func:`snapshot_to_host` of ``state`` under ``prefix`` uses (no copy, no
+    allocation)."""
     if isinstance(state, DTensor):
         local = state._local_tensor
         return [BufferSpec(prefix, local.shape, local.dtype, _pin_device(local), state._spec)]
@@ -116,8 +118,8 @@ def buffer_plan(state: Any, prefix: str = "") -> list[BufferSpec]:
 
 
 def allocate_buffers(plan: list[BufferSpec]) -> dict[str, Any]:
-    """Host buffers for ``plan``, keyed by path; every page is written once, so the first copy into them does not
-    page-fault (:func:`posttrain.ckpt.pinned.host_empty` does it for the pinned ones)."""
+    """Host buffers for ``plan``, keyed by path; every page is written once, so the first copy into them does
+    not page-fault (:func:`posttrain.ckpt.pinned.host_empty` does it for the pinned ones)."""
     out: dict[str, Any] = {}
     for spec in plan:
         host = host_empty(spec.shape, spec.dtype, spec.pin_device)

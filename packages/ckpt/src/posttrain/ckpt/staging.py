@@ -2,16 +2,16 @@
 
 DCP's writer threads copy each device tensor to the host with ``tensor.cpu()`` just before writing it: a
 pageable allocation per tensor and a pageable device-to-host copy (~18 GB/s on an H200 host, against ~55 GB/s
-into page-locked memory), from 8 threads at once. On the GPU machine that made a sync save of the 1.5B model with
-AdamW state (18.5 GB) run at 0.93-1.07 GB/s, 0.58 of the disk's raw write, while the async save's write of the
-same bytes from page-locked buffers ran at twice that.
+into page-locked memory), from 8 threads at once. On the GPU machine that made a sync save of the 1.5B model
+with AdamW state (18.5 GB) run at 0.93-1.07 GB/s, 0.58 of the disk's raw write, while the async save's write
+of the same bytes from page-locked buffers ran at twice that.
 
-:class:`StagingSavePlanner` is DCP's default planner with one change: a tensor that is not on the host is copied
-into a page-locked host tensor of exactly its size (:func:`posttrain.ckpt.pinned.host_empty`: plain memory,
-written once, then registered with CUDA) and that is what the writer thread writes. Host memory: DCP's writer
-keeps every tensor of a file alive until the file is closed, and each thread writes one file, so a save holds a
-host copy of the whole local state either way (with ``tensor.cpu()`` too); :class:`HostStaging` keeps the copies
-until the save returns and then releases them all. Nothing is kept between saves.
+:class:`StagingSavePlanner` is DCP's default planner with one change: a tensor that is not on the host is
+copied into a page-locked host tensor of exactly its size (:func:`posttrain.ckpt.pinned.host_empty`: plain
+memory, written once, then registered with CUDA) and that is what the writer thread writes. Host memory: DCP's
+writer keeps every tensor of a file alive until the file is closed, and each thread writes one file, so a save
+holds a host copy of the whole local state either way (with ``tensor.cpu()`` too); :class:`HostStaging` keeps
+the copies until the save returns and then releases them all. Nothing is kept between saves.
 """
 
 from __future__ import annotations

@@ -1,16 +1,17 @@
 """Tied parameters (one Parameter under several names) are written to DCP once.
 
 ``get_state_dict`` lists a tied parameter under every name it has (``model.embed_tokens.weight`` and
-``lm_head.weight`` with ``tie_word_embeddings``), as separate tensors over the same memory, and DCP would write
-each of them. :func:`tied_aliases` finds the aliases from the module itself: every name that
+``lm_head.weight`` with ``tie_word_embeddings``), as separate tensors over the same memory, and DCP would
+write each of them. :func:`tied_aliases` finds the aliases from the module itself: every name that
 ``named_parameters(remove_duplicate=False)`` / ``named_buffers(remove_duplicate=False)`` gives for the same
 object, with FSDP1, activation-checkpointing and ``torch.compile`` wrapper parts removed as ``get_state_dict``
 does. The name that comes first in the state dict is kept (the optimizer state is flattened under that same
 name), the others are dropped before the write and recorded in the role manifest as ``tied_aliases``
 (alias -> kept name). Every rank holds the same module structure, so every rank drops the same keys.
 
-On load the alias keys are left out of what DCP reads and then pointed at the loaded tensor of the kept name, so
-``set_state_dict`` fills the parameter once and a model that is not tied gets the kept values under both names.
+On load the alias keys are left out of what DCP reads and then pointed at the loaded tensor of the kept name,
+so ``set_state_dict`` fills the parameter once and a model that is not tied gets the kept values under both
+names.
 Checkpoints written before this (no ``tied_aliases`` in the manifest) hold every name and load as they are.
 Under FSDP1 without ``use_orig_params`` the module only shows flat parameters: nothing is found and every name
 is written, as before.

@@ -6,15 +6,17 @@ A save records, in the role's ``manifest.json`` under ``checksums``:
   chunk's offsets), its dtype, shape and the row-hash checksum of its bytes
   (:func:`posttrain.core.checksum.tensor_checksums`, the one the weight sync verifies buckets with), computed
   on the tensors' own device before the write, small tensors in buckets (:mod:`posttrain.ckpt.batched`);
-* ``files``: per file of the role (DCP shards and ``.metadata``, extra state, ``huggingface/`` files), its size
-  and the CRC-32 of each of its byte segments: in a DCP shard one segment per stored item (named by its key, from
-  DCP's metadata) and one per gap between them (headers), elsewhere the whole file, all of a rank's files hashed
-  on one thread pool in pieces (:mod:`posttrain.ckpt.crc`). A changed byte is thus named by file and tensor, a
-  truncated file by its size, a deleted one by its absence.
+* ``files``: per file of the role (DCP shards and ``.metadata``, extra state, ``huggingface/`` files), its
+  size and the CRC-32 of each of its byte segments: in a DCP shard one segment per stored item (named by its
+  key, from DCP's metadata) and one per gap between them (headers), elsewhere the whole file, all of a rank's
+  files hashed on one thread pool in pieces (:mod:`posttrain.ckpt.crc`). A changed byte is thus named by file
+  and tensor, a truncated file by its size, a deleted one by its absence.
 
-The step's ``checkpoint.json`` records the trainer-state files (``data.pt``, ``data_rank_<r>.pt``) the same way.
-:func:`verify_role` and :func:`verify_step` re-read every recorded file (split over the ranks of a process group
-when one exists, each rank reading its share, the findings gathered on every rank) and return what is wrong;
+The step's ``checkpoint.json`` records the trainer-state files (``data.pt``, ``data_rank_<r>.pt``) the same
+way.
+:func:`verify_role` and :func:`verify_step` re-read every recorded file (split over the ranks of a process
+group when one exists, each rank reading its share, the findings gathered on every rank) and return what is
+wrong;
 :func:`check_loaded` compares the tensors a load put in memory with the recorded checksums (same chunk layout)
 and refuses non-finite values. Nothing here trusts a file it has not checked: a missing manifest is itself a
 finding.
@@ -147,8 +149,8 @@ def check_loaded(
     where: str,
     group: dist.ProcessGroup | None = None,
 ) -> None:
-    """After a load: every loaded chunk recorded with the same dtype and shape must have its recorded checksum,
-    and every floating tensor must be finite (collective; raises on every rank)."""
+    """After a load: every loaded chunk recorded with the same dtype and shape must have its recorded
+    checksum, and every floating tensor must be finite (collective; raises on every rank)."""
     check_records(tensor_records(local_chunks(state)), saved, where, group)
 
 
@@ -175,8 +177,8 @@ def check_records(
 
 # ------------------------------------------------------------------ files
 def _segments(path: Path, role_dir: Path, meta: Any = None) -> list[tuple[int, int, str | None]]:
-    """(offset, length, item key) of the stored items of a DCP shard file, from the DCP metadata (``meta``: that
-    metadata already read, else it is read here)."""
+    """(offset, length, item key) of the stored items of a DCP shard file, from the DCP metadata (``meta``:
+    that metadata already read, else it is read here)."""
     if path.parent.name != DIST_CKPT or path.parent.parent != role_dir or path.suffix != ".distcp":
         return []
     if meta is None:
@@ -191,15 +193,17 @@ def _segments(path: Path, role_dir: Path, meta: Any = None) -> list[tuple[int, i
 
 
 def _item_key(index: Any) -> str:
-    """The key a stored item's segment is recorded under: its FQN, with the chunk's offsets when it has them."""
+    """The key a stored item's segment is recorded under: its FQN, with the chunk's offsets when it has
+    them."""
     offsets = ",".join(map(str, index.offset)) if index.offset is not None else ""
     return f"{index.fqn}@{offsets}" if offsets else index.fqn
 
 
 def dcp_read_order(dcp_dir: Path) -> dict[str, int]:
-    """Where each stored item of a DCP checkpoint comes in a load of its whole state: DCP reads one file after the
-    other, in the order of their first items, and a file's items in the order of the state dict's keys. Empty
-    when the metadata cannot be read (the file check names that damage; the order only schedules the reads)."""
+    """Where each stored item of a DCP checkpoint comes in a load of its whole state: DCP reads one file after
+    the other, in the order of their first items, and a file's items in the order of the state dict's keys.
+    Empty when the metadata cannot be read (the file check names that damage; the order only schedules the
+    reads)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -279,11 +283,11 @@ def role_file_records(role_dir: Path, group: dist.ProcessGroup | None = None) ->
 
 
 def check_files(base: Path, records: dict[str, list[Any]], order: dict[str, int] | None = None) -> list[str]:
-    """What is wrong with each ``base/<name>`` of ``records`` against its record (empty when all are intact); the
-    segments of the files of the recorded size are hashed on one thread pool, in name order with read-ahead or,
-    with ``order`` (:func:`dcp_read_order`: a DCP load reads the same files meanwhile), in the order that load
-    reads them and without read-ahead hints, so that the check follows the load's reads instead of competing with
-    them elsewhere on the disk."""
+    """What is wrong with each ``base/<name>`` of ``records`` against its record (empty when all are intact);
+    the segments of the files of the recorded size are hashed on one thread pool, in name order with
+    read-ahead or, with ``order`` (:func:`dcp_read_order`: a DCP load reads the same files meanwhile), in the
+    order that load reads them and without read-ahead hints, so that the check follows the load's reads
+    instead of competing with them elsewhere on the disk."""
     problems, whole = [], []
     for name, (size, _) in sorted(records.items()):
         path = base / name
@@ -347,10 +351,12 @@ def verify_role(role_dir: str | Path, group: dist.ProcessGroup | None = None) ->
 
 @contextlib.contextmanager
 def verified_read(role_dir: str | Path, what: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
-    """Check this rank's share of a role's recorded files on a background thread while the body reads them (the
-    disk is read once, the CRCs overlap the load), then gather every rank's findings (collective) and raise
-    :class:`CheckpointCorruptError` naming them. When the body fails, the findings are raised from its error (a
-    damaged file is the cause); with none, its error goes on. A role without its manifest is refused first."""
+    """Check this rank's share of a role's recorded files on a background thread while the body reads them
+    (the disk is read once, the CRCs overlap the load), then gather every rank's findings (collective) and
+    raise
+    :class:`CheckpointCorruptError` naming them. When the body fails, the findings are raised from its error
+    (a damaged file is the cause); with none, its error goes on. A role without its manifest is refused
+    first."""
     role_dir = Path(role_dir)
     manifest = read_json(role_dir / ROLE_MANIFEST)
     if manifest is None:
@@ -395,6 +401,6 @@ def _report(problems: list[str], what: str) -> str:
     return (
         f"{what} failed verification:\n  "
         + "\n  ".join(shown)
-        + "\n(it was changed or lost after its save; `posttrain ckpt verify <checkpoint root>` names the newest "
-        "intact step, which trainer.resume_mode=auto resumes from)"
+        + "\n(it was changed or lost after its save; `posttrain ckpt verify <checkpoint root>` names the "
+        "newest intact step, which trainer.resume_mode=auto resumes from)"
     )

@@ -1,9 +1,11 @@
 """Background writer for async checkpoint saves.
 
-One worker thread runs write jobs strictly in submission order: every role's DCP write, then the step's commit.
-Jobs that need collectives (DCP planning, the commit barriers) use ``process_group``, a gloo group created only
-for the writer, so they never interleave with the training collectives on the default group. After a job fails,
-later jobs are skipped (a commit must never follow a failed write) and :meth:`wait` raises the first error.
+One worker thread runs write jobs strictly in submission order: every role's DCP write, then the step's
+commit.
+Jobs that need collectives (DCP planning, the commit barriers) use ``process_group``, a gloo group created
+only for the writer, so they never interleave with the training collectives on the default group. After a job
+fails, later jobs are skipped (a commit must never follow a failed write) and :meth:`wait` raises the first
+error.
 
 :meth:`AsyncWriter.prepare` allocates the host buffers of a future snapshot on a second thread (pinning host
 memory for CUDA state takes seconds per GB-scale tensor set), so the first async save finds them ready;
@@ -41,9 +43,10 @@ class AsyncWriter:
 
     def prepare(self, state: Any, prefix: str) -> Future:
         """Start allocating, on a background thread, the host buffers a snapshot of ``state`` under ``prefix``
-        will use (``state``: nested dicts/lists of tensors and DTensors; only shapes, dtypes and devices are read
-        here, nothing is copied). The next snapshot waits for it (:meth:`ready_buffers`) and reuses the buffers
-        whose shape and dtype still match. Returns the allocation's future (its result: the buffers by key path).
+        will use (``state``: nested dicts/lists of tensors and DTensors; only shapes, dtypes and devices are
+        read here, nothing is copied). The next snapshot waits for it (:meth:`ready_buffers`) and reuses the
+        buffers whose shape and dtype still match. Returns the allocation's future (its result: the buffers by
+        key path).
         """
         plan = buffer_plan(state, prefix)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-ckpt-prepare")

@@ -1,10 +1,10 @@
 """posttrain engine-core: the contracts every other posttrain package builds on.
 
 ``BaseEngine`` (training backends; each backend's config class, registered in the ``posttrain.engines`` entry
-points, builds its engine), the packed-batch contract (``PackedBatch``, micro-batching, ``LossContext``), config
-dataclasses, ``BaseRollout`` and the bucketed weight-sync protocol. It imports no megatron, vLLM or Transformer
-Engine module. The names below are imported from their modules on first use, so that ``posttrain.core.config``
-(the config tree, ``posttrain config show``) imports no torch.
+points, builds its engine), the packed-batch contract (``PackedBatch``, micro-batching, ``LossContext``),
+config dataclasses, ``BaseRollout`` and the bucketed weight-sync protocol. It imports no megatron, vLLM or
+Transformer Engine module. The names below are imported from their modules on first use, so that
+``posttrain.core.config`` (the config tree, ``posttrain config show``) imports no torch.
 """
 
 from __future__ import annotations

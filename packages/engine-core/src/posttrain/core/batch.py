@@ -3,11 +3,13 @@
 Variable-length sequences are concatenated into one stream with no padding. Sequence ``i`` occupies tokens
 ``cu_seqlens[i]:cu_seqlens[i+1]``; ``position_ids`` restart at 0 in each sequence. Every per-token field is
 aligned with the token it describes: ``loss_mask[t] = 1`` means token ``t`` is a training target, and engines
-return ``log_probs[t] = log p(input_ids[t] | tokens before t in its sequence)``, 0 for a sequence's first token.
+return ``log_probs[t] = log p(input_ids[t] | tokens before t in its sequence)``, 0 for a sequence's first
+token.
 
 Micro-batching splits the sequences of a batch into partitions (by count, or by a token budget with balanced
-partitions) and puts the outputs back in the caller's order. The number of loss tokens across all micro-batches
-and data-parallel ranks travels in :class:`LossContext`, so a token-mean loss is the same under any layout.
+partitions) and puts the outputs back in the caller's order. The number of loss tokens across all
+micro-batches and data-parallel ranks travels in :class:`LossContext`, so a token-mean loss is the same under
+any layout.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ class PackedBatch:
     seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-sequence (B,) tensors: uid (prompt group), score, ..."""
     host_cu_seqlens: list[int] | None = field(default=None, repr=False, compare=False)
-    """``cu_seqlens`` as Python ints (read from the tensor on construction; :meth:`to` hands it to the batch on an
-    accelerator, whose lengths are then read without a host-device sync). Leave it None; do not edit
+    """``cu_seqlens`` as Python ints (read from the tensor on construction; :meth:`to` hands it to the batch
+    on an accelerator, whose lengths are then read without a host-device sync). Leave it None; do not edit
     ``cu_seqlens`` of a device batch in place."""
 
     def __post_init__(self) -> None:
@@ -333,8 +335,8 @@ def temperatures(mb: PackedBatch) -> torch.Tensor:
 
 
 def as_floats(values: list[Any]) -> list[float]:
-    """Python floats of scalars and 0-d tensors (an engine's per-micro-batch losses and metrics), with one host
-    sync for all the tensors."""
+    """Python floats of scalars and 0-d tensors (an engine's per-micro-batch losses and metrics), with one
+    host sync for all the tensors."""
     tensors = [v.detach().float().reshape(()) for v in values if isinstance(v, torch.Tensor)]
     read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
     return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
@@ -360,8 +362,8 @@ def run_micro_batches(
     forward_only: bool,
 ) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor], dict[str, list[Any]]]:
     """An engine's micro-batch loop: ``forward(i)`` gives micro-batch ``i`` on the device and its per-token
-    outputs; the loss (when ``loss_fn``) is backpropagated unless ``forward_only``. Returns the detached outputs,
-    the detached losses (read them once, after the loop) and each metric's per-micro-batch values."""
+    outputs; the loss (when ``loss_fn``) is backpropagated unless ``forward_only``. Returns the detached
+    outputs, the detached losses (read them once, after the loop) and each metric's per-micro-batch values."""
     outputs: list[dict[str, torch.Tensor]] = []
     losses: list[torch.Tensor] = []
     metrics: dict[str, list[Any]] = {}

@@ -34,8 +34,9 @@ _U64 = 1 << 64
 _TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _POSITIONS: dict[torch.device, torch.Tensor] = {}
 _SPAN_PLANS: dict[tuple, tuple[list[tuple[int, int]], list[int], torch.Tensor]] = {}
-"""(span starts, ends, chunk, device) -> what :func:`span_sums` reads where, cached: a weight sync checksums the
-same bucket layouts every step, and building the index costs about a millisecond a bucket of 338 tensors."""
+"""(span starts, ends, chunk, device) -> what :func:`span_sums` reads where, cached: a weight sync checksums
+the same bucket layouts every step, and building the index costs about a millisecond a bucket of 338
+tensors."""
 _MAX_SPAN_PLANS = 64
 
 
@@ -82,8 +83,8 @@ def row_hashes(rows: torch.Tensor) -> torch.Tensor:
     """int64 hash of each row of a (n, 256) int8 tensor (see the module docstring)."""
     w, c = _tables(rows.device)
     if rows.device.type == "cpu":
-        # the same products in float32, exact (every sum is below 256 * 128 * 127 < 2**24): about twice as fast
-        # as torch._int_mm on a CPU
+        # the same products in float32, exact (every sum is below 256 * 128 * 127 < 2**24): about twice as
+        # fast as torch._int_mm on a CPU
         return (torch.mm(rows.to(torch.float32), w.to(torch.float32)).to(torch.int64) * c).sum(1)
     n = rows.shape[0]
     if n < _MIN_ROWS:  # zero rows hash to zero
@@ -104,8 +105,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_checksums(tensors: list[torch.Tensor]) -> list[int]:
-    """Checksums of the tensors' raw bytes (dtype and shape are checked separately), with one host sync for the
-    whole list."""
+    """Checksums of the tensors' raw bytes (dtype and shape are checked separately), with one host sync for
+    the whole list."""
     if not tensors:
         return []
     sums = []
@@ -127,7 +128,8 @@ def tensor_checksum(t: torch.Tensor) -> int:
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device`` without waiting for the device's queued work (pinned, non-blocking)."""
+    """A small host tensor on ``device`` without waiting for the device's queued work (pinned,
+    non-blocking)."""
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -137,8 +139,8 @@ def _span_plan(
     starts: list[int], ends: list[int], chunk: int, device: torch.device
 ) -> tuple[list[tuple[int, int]], list[int], torch.Tensor]:
     """The chunks of the scan, how many picks each chunk has, and one int64 index on ``device``: per chunk the
-    positions (in the chunk) of the span ends it holds then its own last position; the table rows of the spans'
-    starts and of their ends; the starts themselves. Cached per layout (:data:`_SPAN_PLANS`)."""
+    positions (in the chunk) of the span ends it holds then its own last position; the table rows of the
+    spans' starts and of their ends; the starts themselves. Cached per layout (:data:`_SPAN_PLANS`)."""
     key = (tuple(starts), tuple(ends), chunk, device)
     plan = _SPAN_PLANS.get(key)
     if plan is None:
@@ -169,12 +171,12 @@ def span_sums(
     chunk: int,
     device: torch.device,
 ) -> list[int]:
-    """The combined (plain, position-weighted) sums of unit values over each unit span ``[starts[i], ends[i])``,
-    in one pass with one host sync. ``values(begin, stop)`` returns the int64 values of units ``begin..stop-1``
-    as a fresh tensor (it is overwritten). With ``S1(x)``, ``S2(x)`` the sums of the first ``x`` values ``u_j``
-    and of ``u_j * (j + 1)``, a span ``[a, b)`` has plain sum ``S1(b) - S1(a)`` and position-weighted sum
-    ``S2(b) - S2(a) - a * plain`` (modulo 2**64); the running sums are computed ``chunk`` units at a time and read
-    only at the spans' ends (:func:`_span_plan`)."""
+    """The combined (plain, position-weighted) sums of unit values over each unit span
+    ``[starts[i], ends[i])``, in one pass with one host sync. ``values(begin, stop)`` returns the int64 values
+    of units ``begin..stop-1`` as a fresh tensor (it is overwritten). With ``S1(x)``, ``S2(x)`` the sums of
+    the first ``x`` values ``u_j`` and of ``u_j * (j + 1)``, a span ``[a, b)`` has plain sum ``S1(b) - S1(a)``
+    and position-weighted sum ``S2(b) - S2(a) - a * plain`` (modulo 2**64); the running sums are computed
+    ``chunk`` units at a time and read only at the spans' ends (:func:`_span_plan`)."""
     chunks, counts, index = _span_plan(starts, ends, chunk, device)
     carry = torch.zeros(1, 2, dtype=torch.int64, device=device)
     table, used = [carry], 0
@@ -214,7 +216,8 @@ def bucket_checksums(
     total = max(ends)
     if total * ROW > buffer.numel():
         raise WeightSyncError(
-            f"bucket of {buffer.numel()} bytes is shorter than its tensors' {total * ROW} bytes (partial transfer)"
+            f"bucket of {buffer.numel()} bytes is shorter than its tensors' {total * ROW} bytes (partial "
+            "transfer)"
         )
     rows = buffer[: total * ROW].view(torch.int8).view(total, ROW)
     return span_sums(lambda b, e: row_hashes(rows[b:e]), starts, ends, chunk_rows, buffer.device)

@@ -3,12 +3,13 @@
 :func:`enable_full_determinism` sets what PyTorch, cuBLAS, cuDNN and Transformer Engine need to give the same
 bits on every run of the same step on the same hardware and layout: ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
 (cuBLAS reads it when it creates a handle, so engines call this before their first matmul),
-``torch.use_deterministic_algorithms(True)`` (an op with no deterministic implementation then raises instead of
-running nondeterministically), cuDNN's deterministic mode without autotuning,
+``torch.use_deterministic_algorithms(True)`` (an op with no deterministic implementation then raises instead
+of running nondeterministically), cuDNN's deterministic mode without autotuning,
 ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` for Transformer Engine, and the Python, NumPy and torch (all devices)
-seeds. It is process-wide and stays on. :func:`enable_deterministic_kernels` is the same without the seeds (what a
-rollout built with ``deterministic=True`` turns on: it samples from its own seeded generator). The vLLM rollout
-adds vLLM's batch-invariant mode on a GPU (:func:`posttrain.rollout_vllm.engines.enable_batch_invariance`).
+seeds. It is process-wide and stays on. :func:`enable_deterministic_kernels` is the same without the seeds
+(what a rollout built with ``deterministic=True`` turns on: it samples from its own seeded generator). The
+vLLM rollout adds vLLM's batch-invariant mode on a GPU
+(:func:`posttrain.rollout_vllm.engines.enable_batch_invariance`).
 """
 
 from __future__ import annotations

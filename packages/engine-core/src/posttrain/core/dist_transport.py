@@ -1,27 +1,30 @@
-"""Weight-sync buckets over torch.distributed point-to-point, between two processes on a private pair of groups.
+"""Weight-sync buckets over torch.distributed point-to-point, between two processes on a private pair of
+groups.
 
-:func:`pair_group` builds a 2-member ``ProcessGroupGloo`` over its own ``TCPStore`` (:func:`pair_store`: member 0
-hosts it on a port the OS picks, member 1 connects to it). The group is never registered with ``torch.distributed``: the
-default process group of a torchrun trainer, if any, is neither needed nor touched, and the group's traffic
-cannot interleave with the trainer's collectives. :func:`nccl_pair_group` builds a 2-member ``ProcessGroupNCCL``
-over the same store (under a key prefix of its own) for members on two different GPUs: NCCL moves the buckets'
-bytes from GPU to GPU (over NVLink where there is one); it refuses two members on one GPU.
+:func:`pair_group` builds a 2-member ``ProcessGroupGloo`` over its own ``TCPStore`` (:func:`pair_store`:
+member 0 hosts it on a port the OS picks, member 1 connects to it). The group is never registered with
+``torch.distributed``: the default process group of a torchrun trainer, if any, is neither needed nor touched,
+and the group's traffic cannot interleave with the trainer's collectives. :func:`nccl_pair_group` builds a
+2-member ``ProcessGroupNCCL`` over the same store (under a key prefix of its own) for members on two different
+GPUs: NCCL moves the buckets' bytes from GPU to GPU (over NVLink where there is one); it refuses two members
+on one GPU.
 
 :class:`PairBucketTransport` is a :class:`~posttrain.core.weight_sync.BucketTransport`: ``send`` moves a
-:class:`~posttrain.core.weight_sync.Bucket` as three messages (the sizes as an int64 pair and the pickled header:
-index, ``is_last``, metadata, extra, over the gloo group; then the used bytes of the buffer, over the NCCL group
-when the transport has one, else over gloo). A gloo send returns once the peer received the data; an NCCL send
-is queued on the GPU, ordered before anything later queued on the sender's current stream (the next bucket's
-packing), and a receive is ordered before the receiver's later work (its checksums). ``recv`` rebuilds the bucket
-into a buffer it reuses (on the transport's device), so a bucket's tensors are valid until the next ``recv``. The
-checksums travel in the metadata and are verified by the receiving
+:class:`~posttrain.core.weight_sync.Bucket` as three messages (the sizes as an int64 pair and the pickled
+header:
+index, ``is_last``, metadata, extra, over the gloo group; then the used bytes of the buffer, over the NCCL
+group when the transport has one, else over gloo). A gloo send returns once the peer received the data; an
+NCCL send is queued on the GPU, ordered before anything later queued on the sender's current stream (the next
+bucket's packing), and a receive is ordered before the receiver's later work (its checksums). ``recv``
+rebuilds the bucket into a buffer it reuses (on the transport's device), so a bucket's tensors are valid until
+the next ``recv``. The checksums travel in the metadata and are verified by the receiving
 :class:`~posttrain.core.weight_sync.BucketReceiver`, not here.
 
 With ``shared=True`` no bytes are sent: the sender packs into a buffer the receiver maps
-(:mod:`posttrain.core.shared_buffer`: a shared-memory segment in host memory, or CUDA IPC between two processes
-on one GPU, where NCCL cannot go), and the header carries its handle. The receiver reads the bucket where it
-lies and calls ``release`` when done with it (``recv`` releases the previous bucket itself); the sender's
-``send`` returns only then, so the next bucket cannot overwrite bytes still being read.
+(:mod:`posttrain.core.shared_buffer`: a shared-memory segment in host memory, or CUDA IPC between two
+processes on one GPU, where NCCL cannot go), and the header carries its handle. The receiver reads the bucket
+where it lies and calls ``release`` when done with it (``recv`` releases the previous bucket itself); the
+sender's ``send`` returns only then, so the next bucket cannot overwrite bytes still being read.
 """
 
 from __future__ import annotations
@@ -58,9 +61,9 @@ def pair_group(store: dist.TCPStore, rank: int, timeout_s: float = 300.0) -> dis
 
 
 def nccl_pair_group(store: dist.TCPStore, rank: int, timeout_s: float = 300.0) -> dist.ProcessGroup:
-    """A 2-member NCCL group over ``store`` (keys under the prefix ``nccl/``), for members on two different GPUs;
-    each member calls it with its own GPU current (``torch.cuda.set_device``). The communicator is made at the
-    first send or receive."""
+    """A 2-member NCCL group over ``store`` (keys under the prefix ``nccl/``), for members on two different
+    GPUs; each member calls it with its own GPU current (``torch.cuda.set_device``). The communicator is made
+    at the first send or receive."""
     if not dist.is_nccl_available():
         raise ValueError("an NCCL weight-sync pair needs a torch built with NCCL (a CUDA build)")
     options = dist.ProcessGroupNCCL.Options()
@@ -71,8 +74,9 @@ def nccl_pair_group(store: dist.TCPStore, rank: int, timeout_s: float = 300.0) -
 class PairBucketTransport:
     """Sends buckets to, or receives them from, the other member of a pair: headers over the gloo ``group``,
     bytes over ``data`` (an :func:`nccl_pair_group`: CUDA buffers on both sides), or over gloo (CPU buffers),
-    or not at all with ``shared`` (the sender's buffer is a :func:`~posttrain.core.shared_buffer.shared_buffer`
-    given to :meth:`attach`; the receiver maps it on ``device``)."""
+    or not at all with ``shared`` (the sender's buffer is
+    a :func:`~posttrain.core.shared_buffer.shared_buffer` given to :meth:`attach`; the receiver maps it on
+    ``device``)."""
 
     def __init__(
         self,
@@ -89,19 +93,20 @@ class PairBucketTransport:
             )
         if not shared and (data is None) != (self.device.type == "cpu"):
             raise ValueError(
-                f"PairBucketTransport on {self.device} with{'out' if data is None else ''} an NCCL group: CPU "
-                "buffers go over gloo (data=None), CUDA buffers over nccl_pair_group (or shared=True)"
+                f"PairBucketTransport on {self.device} with{'out' if data is None else ''} an NCCL group: "
+                "CPU buffers go over gloo (data=None), CUDA buffers over nccl_pair_group (or shared=True)"
             )
         self.shared = shared
         self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
-        """Receiving side: where buckets land, grown to the largest bucket yet (``send`` takes the sender's own
-        buffer); with ``shared``, the sender's buffer as mapped here."""
+        """Receiving side: where buckets land, grown to the largest bucket yet (``send`` takes the sender's
+        own buffer); with ``shared``, the sender's buffer as mapped here."""
         self._outgoing: Any = None  # sending side, shared: the buffer attach() gave
         self._maps = BufferMaps(self.device) if shared else None
         self._unreleased = False
 
     def attach(self, buffer: SharedMemoryBuffer | CudaIpcBuffer) -> torch.Tensor:
-        """Sending side, ``shared``: pack buckets into ``buffer`` (build the sender with ``buffer.tensor``)."""
+        """Sending side, ``shared``: pack buckets into ``buffer`` (build the sender with
+        ``buffer.tensor``)."""
         if not self.shared:
             raise ValueError("attach() is for a PairBucketTransport built with shared=True")
         self._outgoing = buffer
@@ -121,8 +126,8 @@ class PairBucketTransport:
             self._send(bucket.buffer[:used], _TAG_BYTES, self.data)
 
     def _check_buffer(self, bucket: Bucket, used: int) -> tuple[str, Any] | None:
-        """The shared buffer's (kind, handle) after making the packed bytes visible; checks that the bucket lies
-        where the transport sends from."""
+        """The shared buffer's (kind, handle) after making the packed bytes visible; checks that the bucket
+        lies where the transport sends from."""
         if not used:
             return None
         buffer = bucket.buffer

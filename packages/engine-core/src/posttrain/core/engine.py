@@ -2,8 +2,8 @@
 
 An engine owns one model (plus its optimizer, LR scheduler and checkpoint hooks) sharded its own way. Callers
 never touch parameters: they hand it packed batches and a loss function, ask it for an optimizer step, and ask
-it for a stream of full HF-named tensors when the rollout needs new weights. ``train_mode()`` / ``eval_mode()``
-move what the offload flags say onto the device on entry and back on exit.
+it for a stream of full HF-named tensors when the rollout needs new weights.
+``train_mode()`` / ``eval_mode()`` move what the offload flags say onto the device on entry and back on exit.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ class BaseEngine(ABC):
     read it from the class, before building anything."""
 
     computes_token_accuracy: bool = False
-    """Whether a forward with ``batch.meta['calculate_accuracy']`` returns ``correct`` per token (1.0 where the
-    token is the argmax of the logits that predict it, 0.0 elsewhere and at each sequence's first token); SFT
-    reads it from the class to show ``train/token_accuracy``."""
+    """Whether a forward with ``batch.meta['calculate_accuracy']`` returns ``correct`` per token (1.0 where
+    the token is the argmax of the logits that predict it, 0.0 elsewhere and at each sequence's first token);
+    SFT reads it from the class to show ``train/token_accuracy``."""
 
     def __init__(
         self,
@@ -112,8 +112,8 @@ class BaseEngine(ABC):
         cfg = self.engine_config
         if cfg.param_offload is None:
             raise ValueError(
-                "engine.param_offload=null (choose) is resolved by the RL trainer for ref.engine only: set it "
-                "to true or false for this engine"
+                "engine.param_offload=null (choose) is resolved by the RL trainer for ref.engine only: set "
+                "it to true or false for this engine"
             )
         if cfg.param_offload or cfg.optimizer_offload or cfg.grad_offload:
             self.to("cpu", model=cfg.param_offload, optimizer=cfg.optimizer_offload, grad=cfg.grad_offload)
@@ -175,11 +175,12 @@ class BaseEngine(ABC):
         if limit and self.skipped_in_a_row >= limit:
             first = self.first_non_finite()
             raise NonFiniteTrainingError(
-                f"{self.skipped_in_a_row} optimizer steps in a row had a non-finite gradient norm ({grad_norm}); "
-                f"first non-finite tensor on this rank: {first or 'none found here (another rank holds it)'}. "
-                "The run stops here, before anything non-finite is saved: lower optim.lr, check the data of these "
-                "steps, and resume from the last checkpoint (optim.max_skipped_steps_in_a_row sets how many "
-                "skipped steps in a row are tolerated)"
+                f"{self.skipped_in_a_row} optimizer steps in a row had a non-finite gradient norm "
+                f"({grad_norm}); first non-finite tensor on this rank: "
+                f"{first or 'none found here (another rank holds it)'}. The run stops here, before anything "
+                "non-finite is saved: lower optim.lr, check the data of these steps, and resume from the "
+                "last checkpoint (optim.max_skipped_steps_in_a_row sets how many skipped steps in a row are "
+                "tolerated)"
             )
         return grad_norm
 
@@ -228,13 +229,13 @@ class BaseEngine(ABC):
     ) -> PerTensorParams:
         """Lazy stream of full, HF-named tensors for the rollout, and the peft config (LoRA) or None.
 
-        ``dtype``: cast each tensor to it (None: as stored). Without LoRA: every weight, peft config None. With
-        LoRA and ``peft_merge`` (None: the engine's ``peft_merge`` attribute): base weights with the adapter merged,
-        peft config None; otherwise the base weights when ``base_sync_done`` is False and only the adapter tensors
-        (peft names) when it is True, with the peft config dict. Every rank must consume the stream. A yielded
-        tensor must not be overwritten by the stream afterwards (a fresh tensor or a view of the stored weight, not
-        a reused staging buffer): the weight sync's sender holds up to ``copy_group_bytes`` of them before it
-        copies them into a bucket."""
+        ``dtype``: cast each tensor to it (None: as stored). Without LoRA: every weight, peft config None.
+        With LoRA and ``peft_merge`` (None: the engine's ``peft_merge`` attribute): base weights with the
+        adapter merged, peft config None; otherwise the base weights when ``base_sync_done`` is False and only
+        the adapter tensors (peft names) when it is True, with the peft config dict. Every rank must consume
+        the stream. A yielded tensor must not be overwritten by the stream afterwards (a fresh tensor or a
+        view of the stored weight, not a reused staging buffer): the weight sync's sender holds up to
+        ``copy_group_bytes`` of them before it copies them into a bucket."""
 
     @abstractmethod
     def save_checkpoint(
@@ -243,8 +244,8 @@ class BaseEngine(ABC):
 
     @abstractmethod
     def load_checkpoint(self, local_path: str, **kwargs: Any) -> dict[str, Any]:
-        """Restore ``checkpoint.load_contents`` from the role directory ``local_path`` (collective); return the
-        saved step counters (``global_step``, ``skipped_steps``) when ``extra`` is loaded, else ``{}``."""
+        """Restore ``checkpoint.load_contents`` from the role directory ``local_path`` (collective); return
+        the saved step counters (``global_step``, ``skipped_steps``) when ``extra`` is loaded, else ``{}``."""
 
     def prepare_checkpoint(self, role: str, writer: Any) -> None:
         """Start allocating, in the background, the host buffers of this role's future async saves into

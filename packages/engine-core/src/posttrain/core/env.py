@@ -1,15 +1,16 @@
 """The environment contract of multi-turn RL: what an agent talks to, and the tools it may call.
 
 An :class:`Environment` is built once per episode (``cls(**kwargs)``, kwargs from the data row's
-``extra_info.env_kwargs``). ``reset(row)`` gives the first observation (chat messages; the default is the row's
-``prompt``); after every assistant turn the agent loop runs the turn's tool calls (plain Python functions listed
-in ``tools``) and calls ``step(turn)``, which returns more messages, an optional reward and whether the episode is
-over. The JSON schema the model sees for a tool comes from its typed signature and its docstring
-(:func:`tool_schema`).
+``extra_info.env_kwargs``). ``reset(row)`` gives the first observation (chat messages; the default is the
+row's ``prompt``); after every assistant turn the agent loop runs the turn's tool calls (plain Python
+functions listed in ``tools``) and calls ``step(turn)``, which returns more messages, an optional reward and
+whether the episode is over. The JSON schema the model sees for a tool comes from its typed signature and its
+docstring (:func:`tool_schema`).
 
 Environments register by name in the ``posttrain.environments`` entry-point group
-(``calculator = "posttrain.envs.calculator:CalculatorEnv"``) and are found with :func:`environment_class`. This
-module lives in engine-core so that a package of environments depends on engine-core alone, not on the trainers.
+(``calculator = "posttrain.envs.calculator:CalculatorEnv"``) and are found with :func:`environment_class`.
+This module lives in engine-core so that a package of environments depends on engine-core alone, not on the
+trainers.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ class StepResult:
 
 
 class Environment:
-    """Base class of environments. Override :meth:`step` (and :meth:`reset` when the row's prompt is not the first
-    observation); list the tools the model may call in ``tools``."""
+    """Base class of environments. Override :meth:`step` (and :meth:`reset` when the row's prompt is not the
+    first observation); list the tools the model may call in ``tools``."""
 
     tools: Sequence[Callable[..., Any]] = ()
     """Plain functions the model may call by name; their signature and docstring give the schema."""
@@ -90,8 +91,8 @@ class Environment:
         return [dict(m) for m in row["prompt"]]
 
     def step(self, turn: Turn) -> StepResult:
-        """The default: a turn without tool calls ends the episode (reward None: the reward function scores it);
-        a turn with calls continues with their results."""
+        """The default: a turn without tool calls ends the episode (reward None: the reward function scores
+        it); a turn with calls continues with their results."""
         return StepResult(done=not turn.tool_calls and not turn.tool_results)
 
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -135,8 +136,8 @@ def _arg_docs(doc: str) -> dict[str, str]:
 
 
 def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
-    """``{"type": "function", "function": {name, description, parameters}}`` of ``fn``: every parameter must be
-    annotated; the docstring's first paragraph is the description and its ``Args:`` lines describe the
+    """``{"type": "function", "function": {name, description, parameters}}`` of ``fn``: every parameter must
+    be annotated; the docstring's first paragraph is the description and its ``Args:`` lines describe the
     parameters; parameters without a default are required."""
     name = getattr(fn, "__name__", None)
     doc = inspect.getdoc(fn)
@@ -177,9 +178,9 @@ class EnvironmentRegistry(ConfigRegistry):
             self.register(name, name)
         if name not in self._targets:
             raise ValueError(
-                f"no environment named {name!r} (installed environments: {', '.join(self.names()) or 'none'}): "
-                f"install the package that registers it in the {self.group} entry-point group (posttrain-envs "
-                "has calculator), or pick one of those"
+                f"no environment named {name!r} (installed environments: "
+                f"{', '.join(self.names()) or 'none'}): install the package that registers it in the "
+                f"{self.group} entry-point group (posttrain-envs has calculator), or pick one of those"
             )
         cls = load_target(self._targets[name])
         if not (isinstance(cls, type) and issubclass(cls, Environment)):

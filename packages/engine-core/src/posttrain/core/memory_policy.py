@@ -1,18 +1,22 @@
-"""Memory-for-speed trades chosen from the model's size and the free device memory, where the user left them unset.
+"""Memory-for-speed trades chosen from the model's size and the free device memory, where the user left them
+unset.
 
-A config value of ``None`` (``null`` in YAML or on the command line) means "choose"; an explicit value is always
-taken as given. Each choice comes with the reason, in bytes, which the caller logs:
+A config value of ``None`` (``null`` in YAML or on the command line) means "choose"; an explicit value is
+always taken as given. Each choice comes with the reason, in bytes, which the caller logs:
 
 - :func:`choose_gradient_checkpointing`: recompute activations only when one micro-batch's saved activations
   (``max_token_len_per_gpu`` tokens) would not fit beside the training state in the free memory;
-  :func:`resolve_gradient_checkpointing` applies it to a null ``model.enable_gradient_checkpointing`` for an engine.
-- :func:`choose_ref_offload`: keep the reference model on the device unless, with it there, the rollout's share of
-  the memory left could not hold its weights and the KV cache of one generate call.
+  :func:`resolve_gradient_checkpointing` applies it to a null ``model.enable_gradient_checkpointing`` for an
+  engine.
+- :func:`choose_ref_offload`: keep the reference model on the device unless, with it there, the rollout's
+  share of the memory left could not hold its weights and the KV cache of one generate call.
 - :func:`choose_max_num_seqs`: let vLLM schedule every sequence of one generate call at once (at most 1024).
 
-The byte counts are estimates for a dense decoder (Qwen2/Llama layout) in bf16 with an fp32 master copy and Adam:
-per token and layer the saved activations of attention and a gated MLP (``2 * (10 * hidden + 4 * intermediate)``
-bytes), one fp32 row of logits per token, and 16 bytes of training state per parameter, sharded over the ranks.
+The byte counts are estimates for a dense decoder (Qwen2/Llama layout) in bf16 with an fp32 master copy and
+Adam:
+per token and layer the saved activations of attention and a gated MLP
+(``2 * (10 * hidden + 4 * intermediate)`` bytes), one fp32 row of logits per token, and 16 bytes of training
+state per parameter, sharded over the ranks.
 They aim to be within a factor of two, with :data:`HEADROOM` of the free memory kept back for what they miss.
 """
 
@@ -32,7 +36,8 @@ if TYPE_CHECKING:
     from .config import EngineConfig, ModelConfig
 
 HEADROOM = 0.8
-"""Share of the free memory a choice may plan to use; the rest absorbs the estimates' error and fragmentation."""
+"""Share of the free memory a choice may plan to use; the rest absorbs the estimates' error and
+fragmentation."""
 MAX_SEQS = 1024
 """The most sequences :func:`choose_max_num_seqs` lets vLLM run at once."""
 
@@ -111,8 +116,8 @@ def _gib(n: float) -> str:
 
 
 def choose_gradient_checkpointing(shape: ModelShape, tokens: int, free_bytes: int, world: int = 1) -> Choice:
-    """Off when the training state and one ``tokens``-token micro-batch's activations without recomputation fit
-    in :data:`HEADROOM` of ``free_bytes``; on otherwise."""
+    """Off when the training state and one ``tokens``-token micro-batch's activations without recomputation
+    fit in :data:`HEADROOM` of ``free_bytes``; on otherwise."""
     state = shape.train_state_bytes(world)
     need = state + shape.activation_bytes(tokens, checkpointing=False)
     budget = int(HEADROOM * free_bytes)
@@ -168,8 +173,8 @@ def resolve_gradient_checkpointing(
 ) -> ModelConfig:
     """``model_config`` with ``enable_gradient_checkpointing`` chosen where it is null
     (:func:`choose_gradient_checkpointing` on ``device``'s free memory and one micro-batch's token budget, the
-    training state sharded over ``world`` ranks), the choice printed once per process; an explicit value is returned
-    as is."""
+    training state sharded over ``world`` ranks), the choice printed once per process; an explicit value is
+    returned as is."""
     if model_config.enable_gradient_checkpointing is not None:
         return model_config
     tokens = engine_config.max_token_len_per_gpu if engine_config.use_dynamic_bsz else None

@@ -1,13 +1,14 @@
-"""The step machinery shared by the engines that own one ``torch.nn.Module`` (the FSDP and torchtitan engines).
+"""The step machinery shared by the engines that own one ``torch.nn.Module`` (the FSDP and torchtitan
+engines).
 
 :func:`ensure_process_group` starts the default group under ``torchrun``. :class:`ModuleEngineMixin` is their
 ``forward_backward_batch``: the packed batch is split into micro-batches (by token budget with
 ``use_dynamic_bsz``, else by count), every micro-batch's copy to the device is queued up front (pinned,
 asynchronous), each one's per-token outputs (the engine's ``_forward_micro``) go to the loss function with the
-step's global token counts (:func:`posttrain.core.batch.loss_context`), and a rank with fewer micro-batches than
-another data-parallel rank runs zero-weighted 2-token filler passes, so every rank joins the same number of
-FSDP collectives. The outputs come back in batch order on the batch's device; the one host sync is reading the
-losses. The mixin also gives ``device`` (the engine's ``_device``) and the train/eval mode hooks.
+step's global token counts (:func:`posttrain.core.batch.loss_context`), and a rank with fewer micro-batches
+than another data-parallel rank runs zero-weighted 2-token filler passes, so every rank joins the same number
+of FSDP collectives. The outputs come back in batch order on the batch's device; the one host sync is reading
+the losses. The mixin also gives ``device`` (the engine's ``_device``) and the train/eval mode hooks.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def ensure_process_group() -> bool:
 
 
 class ModuleEngineMixin:
-    """``forward_backward_batch``, ``device`` and the mode hooks of a :class:`~posttrain.core.engine.BaseEngine`
-    over one ``module``; the engine supplies ``_forward_micro`` (and ``_reshard`` when it shards)."""
+    """``forward_backward_batch``, ``device`` and the mode hooks of
+    a :class:`~posttrain.core.engine.BaseEngine` over one ``module``; the engine supplies ``_forward_micro``
+    (and ``_reshard`` when it shards)."""
 
     module: torch.nn.Module | None
     _device: torch.device
@@ -77,7 +79,8 @@ class ModuleEngineMixin:
             max_tokens=max_tokens,
             micro_batch_size=per_micro,
             use_dynamic_bsz=cfg.use_dynamic_bsz,
-            dp_group=None,  # counts are equalised below (core's all-reduce uses a CPU tensor, which NCCL rejects)
+            # counts are equalised below (core's all-reduce uses a CPU tensor, which NCCL rejects)
+            dp_group=None,
         )
         steps = self._lockstep_count(len(parts))
         ctx = loss_context(batch, self.get_data_parallel_group())

@@ -1,15 +1,19 @@
-"""The optimizer side shared by the engines that own one ``torch.nn.Module`` (the FSDP and torchtitan engines).
+"""The optimizer side shared by the engines that own one ``torch.nn.Module`` (the FSDP and torchtitan
+engines).
 
-:func:`build_adamw` makes their AdamW and the ``LambdaLR`` schedule that follows ``OptimizerConfig.lr_multiplier``;
+:func:`build_adamw` makes their AdamW and the ``LambdaLR`` schedule that follows
+``OptimizerConfig.lr_multiplier``;
 :class:`OptimizerMixin` gives such an engine :class:`~posttrain.core.engine.BaseEngine`'s
 ``optimizer_zero_grad``, ``apply_optimizer_step`` and ``lr_scheduler_step`` over its ``module``, ``optimizer``
-and ``lr_scheduler`` attributes. :func:`move_optimizer_state` and :func:`move_grads` are the offload moves, and
+and ``lr_scheduler`` attributes. :func:`move_optimizer_state` and :func:`move_grads` are the offload moves,
+and
 :func:`grad_norm_and_clip` the global gradient norm of sharded parameters.
 
 The gradient norm is computed from each rank's local gradient shards (a DTensor's local tensor): the squared
-norms are summed and all-reduced over the shard group only (replicas hold equal shards), so it equals the norm of
-the full gradient as long as every parameter is sharded over that one group (no tensor parallelism). Clipping
-multiplies every gradient by ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does.
+norms are summed and all-reduced over the shard group only (replicas hold equal shards), so it equals the norm
+of the full gradient as long as every parameter is sharded over that one group (no tensor parallelism).
+Clipping multiplies every gradient by ``min(1, max_norm / (norm + 1e-6))``, as
+``torch.nn.utils.clip_grad_norm_`` does.
 """
 
 from __future__ import annotations
@@ -92,8 +96,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def grad_norm_and_clip(
     params: Iterable[torch.Tensor], max_norm: float, shard_group: Any, comm_device: torch.device
 ) -> float:
-    """Global L2 norm of the gradients (local shards' squares summed over ``shard_group``, on ``comm_device``);
-    clip when ``max_norm > 0`` (see the module docstring).
+    """Global L2 norm of the gradients (local shards' squares summed over ``shard_group``, on
+    ``comm_device``); clip when ``max_norm > 0`` (see the module docstring).
 
     One ``_foreach_norm`` per (device, dtype) group and one ``_foreach_mul_`` for the clip, so the cost is a
     few kernel launches rather than a few per parameter; the only host sync is reading the norm."""

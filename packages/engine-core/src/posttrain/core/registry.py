@@ -1,13 +1,14 @@
 """The one registry: a backend name -> its config class, read from entry points once, when a config is loaded.
 
 A training backend registers one config class per name in the ``posttrain.engines`` group (``fsdp2 =
-posttrain.fsdp.config:FSDP2EngineConfig``), a subclass of :class:`~posttrain.core.config.EngineConfig`; a rollout
-registers its config class (a :class:`~posttrain.core.rollout.RolloutConfig` subclass) in ``posttrain.rollouts``.
-The config class carries the rest: which engine (per model type) or rollout it builds, through its ``build(...)``,
-so nothing after the config loader looks a name up. Nothing registers at import time: the groups are read from
-the installed distributions' metadata, so a backend that is not installed is simply absent and asking for it
-lists what is there. A config module must import without its backend's heavy dependencies (the megatron config
-resolves without megatron-core).
+posttrain.fsdp.config:FSDP2EngineConfig``), a subclass of :class:`~posttrain.core.config.EngineConfig`; a
+rollout registers its config class (a :class:`~posttrain.core.rollout.RolloutConfig` subclass) in
+``posttrain.rollouts``.
+The config class carries the rest: which engine (per model type) or rollout it builds, through its
+``build(...)``, so nothing after the config loader looks a name up. Nothing registers at import time: the
+groups are read from the installed distributions' metadata, so a backend that is not installed is simply
+absent and asking for it lists what is there. A config module must import without its backend's heavy
+dependencies (the megatron config resolves without megatron-core).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class ConfigRegistry:
         return self._sources[name]
 
     def config_class(self, name: str) -> type:
-        """Import ``name``'s config class and check its base; a ValueError listing what is installed if unknown."""
+        """Import ``name``'s config class and check its base; a ValueError listing what is installed if
+        unknown."""
         from .config.engine import EngineConfig
         from .rollout import RolloutConfig
 
@@ -89,8 +91,8 @@ class ConfigRegistry:
                 name, f"the package that registers {name!r} in {self.group}"
             )
             raise ValueError(
-                f"{name!r} is not installed ({self.group}: {', '.join(self.names()) or 'none'}): install {hint}, "
-                "or choose one of those"
+                f"{name!r} is not installed ({self.group}: {', '.join(self.names()) or 'none'}): install "
+                f"{hint}, or choose one of those"
             )
         cls = load_target(self._targets[name])
         if not (isinstance(cls, type) and issubclass(cls, base)):
@@ -105,7 +107,8 @@ def installed(group: str) -> ConfigRegistry:
 
 
 def engine_config_class(backend: str) -> type:
-    """The config class the installed backend ``backend`` registered, or a ValueError listing those there are."""
+    """The config class the installed backend ``backend`` registered, or a ValueError listing those there
+    are."""
     return installed(ENGINE_GROUP).config_class(backend)
 
 

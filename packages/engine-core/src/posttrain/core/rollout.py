@@ -50,9 +50,10 @@ class SamplingConfig(SamplingKnobs):
     stop_token_ids: list[int] = field(default_factory=list)
     """Generation stops after any of these (the eos token is always one)."""
     seed: int | None = None
-    """Seed for this call's sampling (None: the rollout's own generator). The call's prompts draw independently:
-    two equal prompts in one call (the n episodes of one agent task) get different samples. A rollout that seeds
-    each request (vLLM) gives prompt ``i`` the seed :meth:`prompt_seed` ``(i)``."""
+    """Seed for this call's sampling (None: the rollout's own generator). The call's prompts draw
+    independently:
+    two equal prompts in one call (the n episodes of one agent task) get different samples. A rollout that
+    seeds each request (vLLM) gives prompt ``i`` the seed :meth:`prompt_seed` ``(i)``."""
 
     def __post_init__(self) -> None:
         self._check_sampling("")
@@ -68,17 +69,20 @@ class SamplingConfig(SamplingKnobs):
 
 @dataclass(kw_only=True)
 class RolloutConfig(SamplingKnobs):
-    """The fields every rollout shares: which backend, the lengths and dtype, the weight sync, and (inherited from
-    :class:`SamplingKnobs`: temperature, top_p, top_k, n) how training rollouts sample. Field names follow verl's
-    ``actor_rollout_ref.rollout``.
+    """The fields every rollout shares: which backend, the lengths and dtype, the weight sync, and (inherited
+    from
+    :class:`SamplingKnobs`: temperature, top_p, top_k, n) how training rollouts sample. Field names follow
+    verl's ``actor_rollout_ref.rollout``.
 
-    Each rollout package subclasses it with its own knobs (``posttrain.rollout_vllm.config.VLLMRolloutConfig``,
-    ``posttrain.rollout_hf.config.HFRolloutConfig``) and registers the subclass under its rollout name in the
-    ``posttrain.rollouts`` entry-point group; the trainers' config loader picks it by ``rollout.name``, and its
+    Each rollout package subclasses it with its own knobs
+    (``posttrain.rollout_vllm.config.VLLMRolloutConfig``, ``posttrain.rollout_hf.config.HFRolloutConfig``) and
+    registers the subclass under its rollout name in the ``posttrain.rollouts`` entry-point group; the
+    trainers' config loader picks it by ``rollout.name``, and its
     :meth:`build` returns the rollout (:attr:`rollout_class`)."""
 
     rollout_class: ClassVar[str] = ""
-    """``module:Class`` of the :class:`BaseRollout` this config builds (set by each rollout's config class)."""
+    """``module:Class`` of the :class:`BaseRollout` this config builds (set by each rollout's config
+    class)."""
 
     name: str = "hf"
     """Backend: ``hf`` (transformers generate, the CPU default), ``vllm``, or another installed rollout."""
@@ -95,11 +99,12 @@ class RolloutConfig(SamplingKnobs):
     update_weights_bucket_megabytes: int = 2048
     """Bucket size of the weight-sync protocol."""
     load_format: str = "auto"
-    """``auto`` loads the weights of ``model.path``; ``dummy`` starts from random weights and relies on the first
-    sync (so an actor built from a Megatron dist_ckpt may point ``model.path`` at a folder without weights)."""
+    """``auto`` loads the weights of ``model.path``; ``dummy`` starts from random weights and relies on the
+    first sync (so an actor built from a Megatron dist_ckpt may point ``model.path`` at a folder without
+    weights)."""
     seed: int = 0
-    """Rollout sampling seed: the engine's own seed, and in the RL trainer mixed with ``trainer.seed``, the step and
-    the data-parallel rank into each generate call's seed."""
+    """Rollout sampling seed: the engine's own seed, and in the RL trainer mixed with ``trainer.seed``, the
+    step and the data-parallel rank into each generate call's seed."""
     val_temperature: float = 0.0
     """Sampling temperature when validating (0 = greedy)."""
     val_n: int = 1
@@ -124,23 +129,25 @@ class RolloutConfig(SamplingKnobs):
             return config
         if type(config) is not RolloutConfig:
             raise ValueError(
-                f"a {type(config).__name__} (rollout.name={config.name!r}) cannot configure a {cls.__name__}: "
-                f"build a {cls.__name__}, or a plain RolloutConfig with the shared fields only"
+                f"a {type(config).__name__} (rollout.name={config.name!r}) cannot configure a "
+                f"{cls.__name__}: build a {cls.__name__}, or a plain RolloutConfig with the shared fields "
+                "only"
             )
         shared = {f.name: getattr(config, f.name) for f in fields(RolloutConfig) if f.name != "name"}
         return cls(**shared)
 
     def build(self, model: ModelConfig | str, *, device: Any, deterministic: bool = False) -> BaseRollout:
         """The rollout this config configures, over ``model`` (the trainer's :class:`ModelConfig` or an HF
-        directory), on ``device``; ``deterministic`` (the trainer's ``actor.engine.full_determinism``) turns on
-        whatever makes the rollout's generation repeatable."""
+        directory), on ``device``; ``deterministic`` (the trainer's ``actor.engine.full_determinism``) turns
+        on whatever makes the rollout's generation repeatable."""
         from .registry import ROLLOUT_PACKAGES, load_target
 
         if not self.rollout_class:
             hint = ROLLOUT_PACKAGES.get(self.name, f"the package that registers rollout {self.name!r}")
             raise ValueError(
-                f"rollout.name={self.name!r}: this {type(self).__name__} names no rollout class; install {hint} "
-                "(the loader then picks its config class), or set rollout.name to an installed rollout"
+                f"rollout.name={self.name!r}: this {type(self).__name__} names no rollout class; install "
+                f"{hint} (the loader then picks its config class), or set rollout.name to an installed "
+                "rollout"
             )
         cls = load_target(self.rollout_class)
         if not (isinstance(cls, type) and issubclass(cls, BaseRollout)):
@@ -150,8 +157,8 @@ class RolloutConfig(SamplingKnobs):
     @property
     def serves_requests(self) -> bool | None:
         """Whether the rollout this config builds generates one request at a time (``agenerate``: the
-        asynchronous agent loop, stream mode), so a run can be refused before anything is built; None: the config
-        cannot tell, the built rollout does (:func:`serves_requests`)."""
+        asynchronous agent loop, stream mode), so a run can be refused before anything is built; None: the
+        config cannot tell, the built rollout does (:func:`serves_requests`)."""
         return None
 
     def sampling(self, validate: bool = False) -> SamplingConfig:
@@ -180,12 +187,12 @@ class RolloutSample:
     finish_reason: str = "length"
     """``stop`` or ``length``."""
     routed_experts: torch.Tensor | None = None
-    """With ``RolloutConfig.return_routed_experts``: (len(prompt_ids) + len(response_ids), MoE layers, k) int32
-    expert ids the rollout's routers chose for each token, aligned with ``prompt_ids + response_ids``. The last
-    token was sampled but never fed to the model: its row is -1. None otherwise."""
+    """With ``RolloutConfig.return_routed_experts``: (len(prompt_ids) + len(response_ids), MoE layers, k)
+    int32 expert ids the rollout's routers chose for each token, aligned with ``prompt_ids + response_ids``.
+    The last token was sampled but never fed to the model: its row is -1. None otherwise."""
     response_mask: list[int] | None = None
-    """A multi-turn episode (:mod:`posttrain.core.env`): 1 on the ids the model sampled, 0 on the environment's
-    ids between its turns (their ``log_probs`` are 0); None: every response id was sampled."""
+    """A multi-turn episode (:mod:`posttrain.core.env`): 1 on the ids the model sampled, 0 on the
+    environment's ids between its turns (their ``log_probs`` are 0); None: every response id was sampled."""
 
 
 @dataclass
@@ -203,14 +210,14 @@ class BaseRollout(ABC):
     """A generation engine that can take new weights.
 
     Built by :meth:`RolloutConfig.build`, which calls ``cls(config, model, device=..., deterministic=...)``: a
-    subclass's constructor takes those (``config`` its own config class, ``model`` a :class:`ModelConfig` or an HF
-    directory)."""
+    subclass's constructor takes those (``config`` its own config class, ``model`` a :class:`ModelConfig` or
+    an HF directory)."""
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutSample]:
-        """``sampling.n`` samples per prompt, grouped by prompt (prompt 0's n samples first). Prompts are token ids,
-        used as given (the agent loop passes whole multi-turn trajectories), and every sample carries the log-probs
-        of its sampled ids."""
+        """``sampling.n`` samples per prompt, grouped by prompt (prompt 0's n samples first). Prompts are
+        token ids, used as given (the agent loop passes whole multi-turn trajectories), and every sample
+        carries the log-probs of its sampled ids."""
 
     @abstractmethod
     def update_weights(
@@ -222,11 +229,12 @@ class BaseRollout(ABC):
         version: int | None = None,
     ) -> SyncReport:
         """Load a stream of (HF name, full tensor); every tensor is verified before generation resumes. A
-        complete, verified sync makes ``version`` the one :meth:`weight_version` reports; a failed one clears it."""
+        complete, verified sync makes ``version`` the one :meth:`weight_version` reports; a failed one clears
+        it."""
 
     def weight_version(self) -> int | None:
-        """The version of the weights being served: the ``version`` of the last complete sync (None before one,
-        or after a failed one). Trainers compare it with the actor's before every rollout."""
+        """The version of the weights being served: the ``version`` of the last complete sync (None before
+        one, or after a failed one). Trainers compare it with the actor's before every rollout."""
         return getattr(self, "_weight_version", None)
 
     def sleep(self, level: int = 1) -> None:
@@ -240,8 +248,9 @@ class BaseRollout(ABC):
 
 
 def serves_requests(rollout: Any) -> bool:
-    """Whether ``rollout`` generates one request at a time through an awaitable ``agenerate(prompt_ids, sampling,
-    prompt_index)`` (the asynchronous agent loop and stream mode need it). A rollout whose ``agenerate`` works only
-    in some settings says which with a ``serves_requests`` attribute (vLLM: with ``rollout.executor=server``);
-    otherwise having ``agenerate`` is the answer."""
+    """Whether ``rollout`` generates one request at a time through an awaitable ``agenerate(prompt_ids,
+    sampling,
+    prompt_index)`` (the asynchronous agent loop and stream mode need it). A rollout whose ``agenerate`` works
+    only in some settings says which with a ``serves_requests`` attribute (vLLM: with
+    ``rollout.executor=server``); otherwise having ``agenerate`` is the answer."""
     return bool(getattr(rollout, "serves_requests", hasattr(rollout, "agenerate")))

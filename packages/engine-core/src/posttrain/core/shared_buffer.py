@@ -1,12 +1,13 @@
-"""Bucket buffers another process on the same host maps, so a weight-sync bucket crosses with no copy in between.
+"""Bucket buffers another process on the same host maps, so a weight-sync bucket crosses with no copy in
+between.
 
-The sender packs a bucket into one buffer created once; a handle to it travels (pickled) to the receiver, which
-maps the same memory once and reads the bucket where it lies:
+The sender packs a bucket into one buffer created once; a handle to it travels (pickled) to the receiver,
+which maps the same memory once and reads the bucket where it lies:
 
 - :class:`SharedMemoryBuffer` (``shm``, host memory): one POSIX shared-memory segment; the handle is its name.
 - :class:`CudaIpcBuffer` (``cuda_ipc``, GPU memory): a CUDA tensor whose IPC handle (torch's own
-  ``reduce_tensor``) is exported once. The receiver opens it on its own numbering of the same GPU (a process that
-  sees one GPU calls it ``cuda:0`` whatever the sender calls it).
+  ``reduce_tensor``) is exported once. The receiver opens it on its own numbering of the same GPU (a process
+  that sees one GPU calls it ``cuda:0`` whatever the sender calls it).
 
 Neither buffer says when the receiver is done with a bucket: the transport that uses one must (the sender may
 overwrite the buffer only then). :class:`BufferMaps` is the receiving half: it maps each handle once.
@@ -60,8 +61,9 @@ class SharedMemoryBuffer:
     @staticmethod
     def open(handle: str, device: torch.device | str | None = None) -> tuple[torch.Tensor, mmap.mmap]:
         """The segment ``handle`` as a uint8 tensor, and the mapping to close when done."""
-        # Map /dev/shm/<name> directly rather than through SharedMemory: on Python < 3.13 attaching registers the
-        # segment with this process's resource tracker, which then reports it leaked (and unlinks it) at exit.
+        # Map /dev/shm/<name> directly rather than through SharedMemory: on Python < 3.13 attaching registers
+        # the segment with this process's resource tracker, which then reports it leaked (and unlinks it) at
+        # exit.
         path = os.path.join("/dev/shm", handle.lstrip("/"))
         if not os.path.exists(path):
             raise FileNotFoundError(

@@ -1,8 +1,8 @@
 """Helpers for the packages' tests: tiny random-init Hugging Face models and a torchrun launcher.
 
 The library never imports this module. Importing it loads torch only: transformers, which engine-core does not
-depend on, is imported inside the functions that build models, so a test venv without transformers (engine-core's
-own) can still import it.
+depend on, is imported inside the functions that build models, so a test venv without transformers
+(engine-core's own) can still import it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ TINY_QWEN2 = dict(
     max_position_embeddings=128,
     tie_word_embeddings=False,
 )
-"""The tiny dense Qwen2 (about 0.1 M parameters); tests override fields (vocabulary, head_dim 64 for vLLM's CPU
-attention, tied embeddings) through :func:`tiny_model`'s keyword arguments."""
+"""The tiny dense Qwen2 (about 0.1 M parameters); tests override fields (vocabulary, head_dim 64 for vLLM's
+CPU attention, tied embeddings) through :func:`tiny_model`'s keyword arguments."""
 
 TINY_QWEN3_MOE = dict(
     vocab_size=256,
@@ -75,7 +75,8 @@ def tiny_model(arch: str = "qwen2", *, seed: int = 0, value_model: bool = False,
 
 
 def save_tiny_model(path: str | Path, arch: str = "qwen2", **kwargs: Any) -> str:
-    """:func:`tiny_model` (same arguments) saved as a Hugging Face directory at ``path``; returns ``str(path)``."""
+    """:func:`tiny_model` (same arguments) saved as a Hugging Face directory at ``path``; returns
+    ``str(path)``."""
     tiny_model(arch, **kwargs).save_pretrained(str(path))
     return str(path)
 
@@ -90,7 +91,8 @@ def torchrun(
 ) -> subprocess.CompletedProcess[str]:
     """Run the script ``target`` (with ``module``, the module of that name) on ``nproc`` local processes with
     ``torch.distributed.run --standalone``, ``OMP_NUM_THREADS=1`` unless ``env`` says otherwise. Returns the
-    finished process (output captured as text); a non-zero exit raises AssertionError with the output's tail."""
+    finished process (output captured as text); a non-zero exit raises AssertionError with the output's
+    tail."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     cmd += [*(["-m"] if module else []), str(target), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -123,8 +125,8 @@ def half_greedy_sequences(model: Any, lengths: list[int], seed: int = 0) -> list
 
 
 def argmax_hits(model: Any, seqs: list[torch.Tensor]) -> torch.Tensor:
-    """Reference token accuracy per token of the packed ``seqs``: 1.0 where the token is the argmax of ``model``'s
-    float64 logits at the previous position, 0.0 elsewhere and at each sequence's first token."""
+    """Reference token accuracy per token of the packed ``seqs``: 1.0 where the token is the argmax of
+    ``model``'s float64 logits at the previous position, 0.0 elsewhere and at each sequence's first token."""
     out = []
     with torch.no_grad():
         for ids in seqs:

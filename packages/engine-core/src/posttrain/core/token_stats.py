@@ -1,7 +1,9 @@
-"""Next-token log-probs, entropy and accuracy of a packed stream, chunk by chunk, never a full fp32 logits tensor.
+"""Next-token log-probs, entropy and accuracy of a packed stream, chunk by chunk, never a full fp32 logits
+tensor.
 
-The FSDP and torchtitan engines replace the model's output layer with a head that keeps the layer's weight and,
-while a :class:`HeadRequest` is set, returns per-position statistics instead of logits: :func:`next_token_stats`.
+The FSDP and torchtitan engines replace the model's output layer with a head that keeps the layer's weight
+and, while a :class:`HeadRequest` is set, returns per-position statistics instead of
+logits: :func:`next_token_stats`.
 For hidden states ``h`` (T, H), targets ``y[t] = input_ids[t+1]`` and inverse temperatures ``1/tau[t+1]``
 (:func:`shifted_targets`) it computes, ``chunk_size`` positions at a time::
 
@@ -12,8 +14,8 @@ For hidden states ``h`` (T, H), targets ``y[t] = input_ids[t+1]`` and inverse te
 
 With gradients on and ``checkpoint``, each chunk's per-chunk function runs under activation checkpointing, so
 autograd keeps only the chunk's logits in the compute dtype and the fp32 working set is one chunk.
-:func:`align_to_tokens` then moves each statistic onto the token it scores (0 at each sequence's first token, the
-convention of :mod:`posttrain.core.batch`) and :func:`token_outputs` names the columns.
+:func:`align_to_tokens` then moves each statistic onto the token it scores (0 at each sequence's first token,
+the convention of :mod:`posttrain.core.batch`) and :func:`token_outputs` names the columns.
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ def chunk_stats(
 
 
 def local_chunk_fn(device: torch.device, use_compile: bool) -> ChunkFn:
-    """:func:`chunk_stats`, compiled (dynamic shapes) when ``use_compile`` and ``device`` is CUDA; a head calls
-    it once and keeps the result, so it compiles on first use."""
+    """:func:`chunk_stats`, compiled (dynamic shapes) when ``use_compile`` and ``device`` is CUDA; a head
+    calls it once and keeps the result, so it compiles on first use."""
     return torch.compile(chunk_stats, dynamic=True) if use_compile and device.type == "cuda" else chunk_stats
 
 
@@ -114,7 +116,8 @@ def align_to_tokens(per_position: torch.Tensor, cu_seqlens: torch.Tensor) -> tor
 def token_outputs(
     stats: torch.Tensor, cu_seqlens: torch.Tensor, with_entropy: bool, with_accuracy: bool
 ) -> dict[str, torch.Tensor]:
-    """The head's (T, 1 to 3) statistics per token: ``log_probs``, and ``entropy`` / ``correct`` when asked."""
+    """The head's (T, 1 to 3) statistics per token: ``log_probs``, and ``entropy`` / ``correct`` when
+    asked."""
     out = {"log_probs": align_to_tokens(stats[:, 0], cu_seqlens)}
     if with_entropy:
         out["entropy"] = align_to_tokens(stats[:, 1], cu_seqlens)

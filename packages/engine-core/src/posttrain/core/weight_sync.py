@@ -1,22 +1,24 @@
 """Bucketed weight-sync protocol between a trainer and a rollout.
 
-The sender casts each (name, tensor) to the rollout dtype and packs it into a flat byte bucket of a fixed size.
-When the next tensor does not fit, the bucket goes out with its metadata (name, shape, dtype, offset, nbytes and
-a checksum of the tensor's bytes); the receiver rebuilds views of the bucket and verifies every checksum before
-handing tensors on. A transport only moves ``(buffer, metadata)``: in-process here, CUDA IPC or shared memory in
-the rollout packages. The checksum (:mod:`.checksum`) is a position-weighted sum of 256-byte row hashes, so a
-swapped, stale or truncated tensor fails loudly.
+The sender casts each (name, tensor) to the rollout dtype and packs it into a flat byte bucket of a fixed
+size.
+When the next tensor does not fit, the bucket goes out with its metadata (name, shape, dtype, offset, nbytes
+and a checksum of the tensor's bytes); the receiver rebuilds views of the bucket and verifies every checksum
+before handing tensors on. A transport only moves ``(buffer, metadata)``: in-process here, CUDA IPC or shared
+memory in the rollout packages. The checksum (:mod:`.checksum`) is a position-weighted sum of 256-byte row
+hashes, so a swapped, stale or truncated tensor fails loudly.
 
-Both sides compute a bucket's checksums in one pass over the bucket (:func:`bucket_checksums`), not one reduction
-per tensor: a 1.5B model is 338 tensors, and per-tensor reductions cost thousands of kernel launches a sync.
+Both sides compute a bucket's checksums in one pass over the bucket (:func:`bucket_checksums`), not one
+reduction per tensor: a 1.5B model is 338 tensors, and per-tensor reductions cost thousands of kernel launches
+a sync.
 The sender places each tensor at a multiple of 256 bytes and copies it there cast to the rollout dtype (no
-temporary in the rollout dtype; the stream may come in the trainer's stored dtype). The copies are batched: the
-sender holds up to ``copy_group_bytes`` of the stream's tensors and copies them with one ``torch._foreach_copy_``
-(on CUDA one multi-tensor kernel, with the cast, for tensors of one source dtype and layout), so the host cost is
-not one ``copy_`` dispatch per tensor. Before a bucket's checksums, one indexed fill zeroes the bytes from each
-tensor's end to the next multiple of 256 (the index is cached per layout), so a tensor's rows inside the bucket are
-the ones :func:`tensor_checksum` reads whatever the buffer held before (the previous bucket of the same sync, which
-shares the buffer, or another layout).
+temporary in the rollout dtype; the stream may come in the trainer's stored dtype). The copies are batched:
+the sender holds up to ``copy_group_bytes`` of the stream's tensors and copies them with one
+``torch._foreach_copy_`` (on CUDA one multi-tensor kernel, with the cast, for tensors of one source dtype and
+layout), so the host cost is not one ``copy_`` dispatch per tensor. Before a bucket's checksums, one indexed
+fill zeroes the bytes from each tensor's end to the next multiple of 256 (the index is cached per layout), so
+a tensor's rows inside the bucket are the ones :func:`tensor_checksum` reads whatever the buffer held before
+(the previous bucket of the same sync, which shares the buffer, or another layout).
 """
 
 from __future__ import annotations
@@ -87,20 +89,22 @@ class InProcessTransport:
 
 
 _MAX_TARGETS = 1 << 16
-"""The most buffer views a :class:`BucketSender` keeps (a model's tensors, base and adapter, are far fewer)."""
+"""The most buffer views a :class:`BucketSender` keeps (a model's tensors, base and adapter, are far
+fewer)."""
 _MAX_LAYOUTS = 64
 """The most bucket layouts whose padding index a :class:`BucketSender` keeps."""
 COPY_GROUP_BYTES = 256 << 20
-"""How many bytes of the stream's tensors a :class:`BucketSender` holds before copying them into the bucket: the
-extra memory a stream of freshly gathered tensors (multi-rank FSDP) keeps alive, one multi-tensor copy per group."""
+"""How many bytes of the stream's tensors a :class:`BucketSender` holds before copying them into the bucket:
+the extra memory a stream of freshly gathered tensors (multi-rank FSDP) keeps alive, one multi-tensor copy per
+group."""
 
 
 class _CopyGroup:
-    """Copies pending for the bucket: (buffer view, source) pairs of one source dtype and device and one target
-    dtype, run by :meth:`run` with one ``torch._foreach_copy_``. Its CUDA kernel takes one multi-tensor launch
-    (casting) when sources share dtype and device and match their targets' strides, else it copies tensor by
-    tensor in C++; some torch versions check only the sources' dtype there and dispatch on the first target's,
-    so a group also keeps one target dtype."""
+    """Copies pending for the bucket: (buffer view, source) pairs of one source dtype and device and one
+    target dtype, run by :meth:`run` with one ``torch._foreach_copy_``. Its CUDA kernel takes one multi-tensor
+    launch (casting) when sources share dtype and device and match their targets' strides, else it copies
+    tensor by tensor in C++; some torch versions check only the sources' dtype there and dispatch on the first
+    target's, so a group also keeps one target dtype."""
 
     def __init__(self, limit: int, non_blocking: bool) -> None:
         self.limit, self.non_blocking = limit, non_blocking
@@ -127,8 +131,9 @@ class _CopyGroup:
 
 
 def _pack(buffer: torch.Tensor, offset: int, tensor: torch.Tensor, dtype: torch.dtype) -> int:
-    """Copy ``tensor`` into ``buffer`` at ``offset`` as ``dtype`` (cast and copy in one kernel, from any device, no
-    host sync into a CUDA buffer) and zero the bytes up to the next checksum row; returns the bytes written."""
+    """Copy ``tensor`` into ``buffer`` at ``offset`` as ``dtype`` (cast and copy in one kernel, from any
+    device, no host sync into a CUDA buffer) and zero the bytes up to the next checksum row; returns the bytes
+    written."""
     nbytes = tensor.numel() * dtype.itemsize
     target = buffer[offset : offset + nbytes].view(dtype).view(tensor.shape)
     target.copy_(tensor, non_blocking=buffer.is_cuda)
@@ -151,7 +156,8 @@ class BucketSender:
     ) -> None:
         if bucket_bytes < ROW:
             raise ValueError(
-                f"bucket size {bucket_bytes} bytes is less than one {ROW}-byte checksum row: use at least {ROW}"
+                f"bucket size {bucket_bytes} bytes is less than one {ROW}-byte checksum row: use at least "
+                f"{ROW}"
             )
         if buffer is not None and (
             buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < bucket_bytes
@@ -179,8 +185,8 @@ class BucketSender:
         """Send every tensor; the last bucket is flagged ``is_last``. Returns counts and timings. Tensors are
         copied into the bucket in groups of up to ``copy_group_bytes`` (a tensor of the stream must stay
         unchanged until the stream yields the next few: the engines' streams yield each tensor once, freshly
-        gathered or a view of the stored weight); a bucket's checksums are computed from the bucket itself when
-        it goes out, with one host sync per bucket."""
+        gathered or a view of the stored weight); a bucket's checksums are computed from the bucket itself
+        when it goes out, with one host sync per bucket."""
         start = time.perf_counter()
         report = SyncReport()
         pending: list[tuple[str, tuple[int, ...], torch.dtype, int, int]] = []
@@ -210,7 +216,8 @@ class BucketSender:
         return report
 
     def _target(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The view of the buffer a tensor of ``shape`` and ``dtype`` is packed into at ``offset`` (cached)."""
+        """The view of the buffer a tensor of ``shape`` and ``dtype`` is packed into at ``offset``
+        (cached)."""
         key = (offset, dtype, shape)
         view = self._targets.get(key)
         if view is None:
@@ -245,16 +252,17 @@ class BucketSender:
 def unpack_bucket(
     bucket: Bucket, verify: bool = True, clone: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Views (or clones) of the tensors in ``bucket``; with ``verify`` every checksum is checked (one host sync
-    for the bucket) before the first tensor is handed out. Each view is one ``as_strided`` of the buffer viewed
-    as its dtype (one such view per dtype and bucket), not a slice and two views per tensor."""
+    """Views (or clones) of the tensors in ``bucket``; with ``verify`` every checksum is checked (one host
+    sync for the bucket) before the first tensor is handed out. Each view is one ``as_strided`` of the buffer
+    viewed as its dtype (one such view per dtype and bucket), not a slice and two views per tensor."""
     views, typed = [], {}
     for meta in bucket.metas:
         end = meta.offset + meta.nbytes
         if end > bucket.buffer.numel() or meta.offset % ROW:
             raise WeightSyncError(
-                f"bucket {bucket.index}: tensor {meta.name!r} at bytes {meta.offset}..{end} is not inside the "
-                f"buffer's {bucket.buffer.numel()} bytes at a multiple of {ROW} (partial or damaged transfer)"
+                f"bucket {bucket.index}: tensor {meta.name!r} at bytes {meta.offset}..{end} is not inside "
+                f"the buffer's {bucket.buffer.numel()} bytes at a multiple of {ROW} (partial or damaged "
+                "transfer)"
             )
         flat = typed.get(meta.dtype)
         if flat is None:

@@ -1,27 +1,27 @@
 """Attention over packed sequences for Hugging Face models, with no padding token computed.
 
 The engine runs a micro-batch as one row of ``T`` tokens (batch size 1) and passes the sequence boundaries
-``cu_seq_lens_q`` / ``max_length_q`` through the model's ``**kwargs`` down to the attention function registered
-here under :data:`ATTN_IMPLEMENTATION`. That function attends causally inside each sequence only:
+``cu_seq_lens_q`` / ``max_length_q`` through the model's ``**kwargs`` down to the attention function
+registered here under :data:`ATTN_IMPLEMENTATION`. That function attends causally inside each sequence only:
 
 - on CUDA in fp16/bf16 it calls ``torch.nn.attention.varlen.varlen_attn`` (flash / cuDNN variable-length
-  kernels). Its causal switch changed between torch releases: 2.10 takes ``is_causal=True``, 2.11 and later take
-  ``window_size=(-1, 0)``; the signature is inspected once to pick the right one. When the installed torch has no
-  ``enable_gqa`` argument the key/value heads are repeated to the query heads first.
+  kernels). Its causal switch changed between torch releases: 2.10 takes ``is_causal=True``, 2.11 and later
+  take ``window_size=(-1, 0)``; the signature is inspected once to pick the right one. When the installed
+  torch has no ``enable_gqa`` argument the key/value heads are repeated to the query heads first.
 - elsewhere (CPU, fp32) it loops over the sequences and calls ``scaled_dot_product_attention(is_causal=True)``
   on each, which is exact and never builds a ``T x T`` mask. On CUDA that loop is slow (a kernel per sequence
   and layer, and a host sync for the boundaries), so taking it there warns once, naming the cause and the fix
   (:func:`fallback_reason`).
 
-Under autocast q, k and v are first cast to the autocast dtype, as autocast does for SDPA. This is what makes a
-one-process engine (no process group: the fp32 module runs under ``torch.autocast``) attend like FSDP2's
+Under autocast q, k and v are first cast to the autocast dtype, as autocast does for SDPA. This is what makes
+a one-process engine (no process group: the fp32 module runs under ``torch.autocast``) attend like FSDP2's
 mixed precision: HF's RoPE multiplies the bf16 projections by fp32 cos/sin (computed in the dtype of the fp32
 residual stream), so q and k would otherwise reach attention in fp32 and miss the varlen kernel.
 
 Without ``cu_seq_lens_q`` (the padded path, used to check the packed one) the call goes to HF's SDPA attention
 with whatever 4-D mask the caller built. Because the implementation name is not registered with HF's mask
-interface, HF hands the caller's mask through unchanged (``None`` in packed mode): no mask is ever built for the
-packed stream.
+interface, HF hands the caller's mask through unchanged (``None`` in packed mode): no mask is ever built for
+the packed stream.
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def fallback_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why packed attention in ``dtype`` on ``device`` would take the slow per-sequence loop where it should not,
-    and the fix; None when it runs the varlen kernel, or off CUDA (where the loop is the implementation)."""
+    """Why packed attention in ``dtype`` on ``device`` would take the slow per-sequence loop where it should
+    not, and the fix; None when it runs the varlen kernel, or off CUDA (where the loop is the
+    implementation)."""
     if device.type != "cuda" or varlen_available(device, dtype):
         return None
     if _varlen_api() is None:
@@ -83,9 +84,9 @@ def fallback_reason(device: torch.device, dtype: torch.dtype) -> str | None:
             "one SDPA call per sequence (slow): install torch >= 2.10"
         )
     return (
-        f"packed attention on CUDA got {dtype} q/k/v; the varlen kernel takes only float16/bfloat16, so it runs "
-        "one SDPA call per sequence (slow): set engine.dtype=bfloat16 (the compute dtype; engine.model_dtype "
-        "keeps the fp32 master weights)"
+        f"packed attention on CUDA got {dtype} q/k/v; the varlen kernel takes only float16/bfloat16, so it "
+        "runs one SDPA call per sequence (slow): set engine.dtype=bfloat16 (the compute dtype; "
+        "engine.model_dtype keeps the fp32 master weights)"
     )
 
 

@@ -3,7 +3,8 @@
 ``save_fsdp_checkpoint`` hands the engine's module (FSDP2, FSDP1 or plain), optimizer, LR scheduler and step
 counters to :func:`posttrain.ckpt.save_role`, which writes DCP shards keyed by HF parameter names
 (``get_state_dict``), per-rank extra state, the ``huggingface/`` directory (config from ``engine.hf_config``,
-tokenizer and generation config from the model directory; full safetensors with ``hf_model``) and the manifest.
+tokenizer and generation config from the model directory; full safetensors with ``hf_model``) and the
+manifest.
 ``load_fsdp_checkpoint`` restores ``checkpoint.load_contents`` on any number of ranks (``set_state_dict``).
 Both are collective: every rank calls them. Retention and the atomic commit belong to the step-level
 :class:`posttrain.ckpt.CheckpointManager`.

@@ -1,6 +1,7 @@
-"""The FSDP engines' configs: :class:`FSDPEngineConfig` (the knobs both share, on top of :class:`EngineConfig`)
-and one class per variant, :class:`FSDP1EngineConfig` (backend ``fsdp``) and :class:`FSDP2EngineConfig`
-(``fsdp2``), each registered under its name in the ``posttrain.engines`` entry-point group.
+"""The FSDP engines' configs: :class:`FSDPEngineConfig` (the knobs both share, on top
+of :class:`EngineConfig`) and one class per variant, :class:`FSDP1EngineConfig` (backend ``fsdp``)
+and :class:`FSDP2EngineConfig` (``fsdp2``), each registered under its name in the ``posttrain.engines``
+entry-point group.
 Field names and defaults follow verl's ``FSDPEngineConfig`` except where a docstring says otherwise. This
 module imports only engine-core's config (no transformers, no FSDP).
 """
@@ -44,8 +45,8 @@ class FSDPEngineConfig(EngineConfig):
         "value_model": "posttrain.fsdp.engine:FSDPValueModelEngine",
     }
     variant: ClassVar[str | None] = None
-    """The strategy a variant class is fixed to (None: the base takes fsdp or fsdp2, for code that builds it by
-    hand; the config loader always picks a variant)."""
+    """The strategy a variant class is fixed to (None: the base takes fsdp or fsdp2, for code that builds it
+    by hand; the config loader always picks a variant)."""
 
     strategy: str | None = "fsdp2"
     """``fsdp`` (FSDP1, FlatParameter) or ``fsdp2`` (per-parameter DTensor sharding): fixed by the variant
@@ -77,17 +78,19 @@ class FSDPEngineConfig(EngineConfig):
     token counts, so one compile serves every packed length). The first steps pay the compile time."""
     fused_rms_norm: bool = True
     """Swap the HF RMSNorm modules of llama, mistral, qwen2, qwen2_moe, qwen3 and qwen3_moe models for
-    :class:`posttrain.fsdp.norms.FusedRMSNorm` when the model is built (logged): HF's math and roundings through
-    ``torch.nn.functional.rms_norm``, one kernel each way on CUDA instead of eight forward and about sixteen
-    backward per norm. Other model types keep HF's modules (also logged). false: HF's modules for every model."""
+    :class:`posttrain.fsdp.norms.FusedRMSNorm` when the model is built (logged): HF's math and roundings
+    through ``torch.nn.functional.rms_norm``, one kernel each way on CUDA instead of eight forward and about
+    sixteen backward per norm. Other model types keep HF's modules (also logged). false: HF's modules for
+    every model."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         allowed = (self.variant,) if self.variant else ("fsdp", "fsdp2")
         if self.strategy not in allowed:
             raise ValueError(
-                f"{type(self).__name__}.strategy={self.strategy!r}: use {' or '.join(allowed)} (FSDP1EngineConfig "
-                "is fsdp, FSDP2EngineConfig fsdp2; another backend has its own engine config class)"
+                f"{type(self).__name__}.strategy={self.strategy!r}: use {' or '.join(allowed)} "
+                "(FSDP1EngineConfig is fsdp, FSDP2EngineConfig fsdp2; another backend has its own engine "
+                "config class)"
             )
         self.model_dtype = normalize_dtype(self.model_dtype, "engine.model_dtype")
         if self.fsdp_size == 0 or self.fsdp_size < -1:
@@ -103,8 +106,9 @@ class FSDPEngineConfig(EngineConfig):
             )
 
     def sharded_layout(self) -> str:
-        """The name of the :mod:`posttrain.fsdp.layout` class that shards under a process group: ``FSDP1Layout``
-        for strategy fsdp, ``FSDP2Layout`` otherwise (without a group the engine runs ``PlainLayout``)."""
+        """The name of the :mod:`posttrain.fsdp.layout` class that shards under a process group:
+        ``FSDP1Layout`` for strategy fsdp, ``FSDP2Layout`` otherwise (without a group the engine runs
+        ``PlainLayout``)."""
         return "FSDP1Layout" if self.strategy == "fsdp" else "FSDP2Layout"
 
     def check_world_size(self, world_size: int) -> int:

@@ -1,23 +1,25 @@
 """FSDP2 / FSDP1 engines over Hugging Face models: a causal LM and a value model (one-label token classifier).
 
 Layout. Under ``torchrun`` (``WORLD_SIZE`` set) the engine initialises the default process group if the caller
-has not (NCCL on CUDA, gloo on CPU) and shards with FSDP2 (``FSDP2EngineConfig``) or FSDP1 (``FSDP1EngineConfig``)
-over all ranks, or HSDP when ``0 < fsdp_size < world``; every rank is a data-parallel rank. In a plain process with
-no process group (a world of 1) it runs the unwrapped module (autocast to ``dtype`` when that differs from
-``model_dtype``). Each layout is a class in :mod:`.layout`, chosen once in :meth:`FSDPEngine.initialize`.
+has not (NCCL on CUDA, gloo on CPU) and shards with FSDP2 (``FSDP2EngineConfig``) or FSDP1
+(``FSDP1EngineConfig``) over all ranks, or HSDP when ``0 < fsdp_size < world``; every rank is a data-parallel
+rank. In a plain process with no process group (a world of 1) it runs the unwrapped module (autocast to
+``dtype`` when that differs from ``model_dtype``). Each layout is a class in :mod:`.layout`, chosen once
+in :meth:`FSDPEngine.initialize`.
 
 A step. ``forward_backward_batch`` splits the packed batch into micro-batches (by token budget with
 ``use_dynamic_bsz``, else by count), runs every rank through the same number of them (a rank with fewer runs
-zero-weighted 2-token filler passes so FSDP's collectives line up), and hands each micro-batch's outputs to the
-loss function with the step's global token counts (:func:`posttrain.core.loss_context`). The model sees one
-packed row per micro-batch (:mod:`posttrain.fsdp.inputs`); the causal LM's head returns next-token log-probs
-(and entropy on request) chunk by chunk (:mod:`posttrain.fsdp.logprobs`), aligned so ``log_probs[t]`` scores
-token ``t``. ``optimizer_step`` clips to ``clip_grad`` and skips the update on a non-finite norm; the LR follows
-``OptimizerConfig.lr_multiplier`` through ``LambdaLR``.
+zero-weighted 2-token filler passes so FSDP's collectives line up), and hands each micro-batch's outputs to
+the loss function with the step's global token counts (:func:`posttrain.core.loss_context`). The model sees
+one packed row per micro-batch (:mod:`posttrain.fsdp.inputs`); the causal LM's head returns next-token
+log-probs (and entropy on request) chunk by chunk (:mod:`posttrain.fsdp.logprobs`), aligned so
+``log_probs[t]`` scores token ``t``. ``optimizer_step`` clips to ``clip_grad`` and skips the update on a
+non-finite norm; the LR follows ``OptimizerConfig.lr_multiplier`` through ``LambdaLR``.
 
 Offload. ``to(device, model, optimizer, grad)`` moves parameter shards (FSDP1 flat parameters in place),
 AdamW state and gradients; ``train_mode`` / ``eval_mode`` call it according to ``param_offload`` /
-``optimizer_offload``. With FSDP2's ``offload_policy`` the parameters live on the CPU and ``to`` leaves them there.
+``optimizer_offload``. With FSDP2's ``offload_policy`` the parameters live on the CPU and ``to`` leaves them
+there.
 """
 
 from __future__ import annotations
@@ -199,13 +201,14 @@ class FSDPEngine(ModuleEngineMixin, OptimizerMixin, BaseEngine):
         peft_merge: bool | None = None,
         dtype: torch.dtype | str | None = None,
     ) -> PerTensorParams:
-        """Lazy (HF name, full tensor) stream in ``dtype``; by default as stored (fp32 master weights stay fp32: a
-        rollout's bucket sender casts them while packing, one kernel per tensor instead of two).
+        """Lazy (HF name, full tensor) stream in ``dtype``; by default as stored (fp32 master weights stay
+        fp32: a rollout's bucket sender casts them while packing, one kernel per tensor instead of two).
 
         Tensors are gathered one at a time. Without LoRA: every weight, peft
         config None. With LoRA and ``peft_merge`` (default :attr:`peft_merge`): base weights with the adapter
         merged, peft config None. Otherwise the base weights when ``base_sync_done`` is False, and only the
-        adapter tensors (peft names) when it is True, with the peft config dict. Every rank must consume it."""
+        adapter tensors (peft names) when it is True, with the peft config dict. Every rank must consume
+        it."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         if self.layout.needs_params_on_device_to_stream() and self.is_param_offload_enabled:
@@ -243,16 +246,17 @@ class FSDPEngine(ModuleEngineMixin, OptimizerMixin, BaseEngine):
         prepare_fsdp_checkpoint(self, role, writer)
 
     def load_checkpoint(self, local_path: str, **kwargs: Any) -> dict[str, Any]:
-        """Delegates to ``posttrain.fsdp.checkpoint.load_fsdp_checkpoint``: the saved counters (``global_step``,
-        ``skipped_steps``) when ``extra`` is loaded, else ``{}``."""
+        """Delegates to ``posttrain.fsdp.checkpoint.load_fsdp_checkpoint``: the saved counters
+        (``global_step``, ``skipped_steps``) when ``extra`` is loaded, else ``{}``."""
         from .checkpoint import load_fsdp_checkpoint
 
         return load_fsdp_checkpoint(self, local_path)
 
 
 class FSDPLanguageModelEngine(FSDPEngine):
-    """Causal LM: ``log_probs`` per token, ``entropy`` when ``batch.meta['calculate_entropy']`` and ``correct``
-    (1.0 where the token is the argmax of the logits that predict it) when ``batch.meta['calculate_accuracy']``."""
+    """Causal LM: ``log_probs`` per token, ``entropy`` when ``batch.meta['calculate_entropy']`` and
+    ``correct`` (1.0 where the token is the argmax of the logits that predict it) when
+    ``batch.meta['calculate_accuracy']``."""
 
     value_model = False
     computes_token_accuracy = True

@@ -2,9 +2,9 @@
 
 :class:`PlainLayout` is a process without a process group (a world of 1): the unwrapped module, autocast to
 ``dtype`` when that differs from ``model_dtype``. :class:`FSDP1Layout` (``FSDP1EngineConfig``) and
-:class:`FSDP2Layout` (``FSDP2EngineConfig``) shard over every rank of the default group (HSDP when ``0 < fsdp_size
-< world``). The engine asks its layout where to build the model, how to wrap it, move it, clip its gradients and
-read its state, and reads no version flag.
+:class:`FSDP2Layout` (``FSDP2EngineConfig``) shard over every rank of the default group (HSDP when
+``0 < fsdp_size < world``). The engine asks its layout where to build the model, how to wrap it, move it, clip
+its gradients and read its state, and reads no version flag.
 """
 
 from __future__ import annotations

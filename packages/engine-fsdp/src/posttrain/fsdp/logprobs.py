@@ -3,11 +3,12 @@
 The model's ``lm_head`` is replaced by :class:`PackedLogProbHead`, which keeps the same weight (so the HF
 parameter name and any tying with the input embedding stay as they were) and, while a
 :class:`~posttrain.core.token_stats.HeadRequest` is set, returns per-token statistics instead of logits
-(log-prob, entropy, accuracy; computed chunk by chunk by :func:`posttrain.core.token_stats.next_token_stats`, the
-torchtitan engine's head too). Running inside the model's own forward means FSDP's root hooks gather and reduce
-the head weight as usual. The chunk size is ``engine.entropy_from_logits_chunk_size``, or the whole micro-batch
-without ``entropy_from_logits_with_chunking``; with ``engine.entropy_checkpointing`` each chunk's fp32 part is
-recomputed in backward. For padded (B, S) inputs the request's ``valid_index`` picks the real tokens first.
+(log-prob, entropy, accuracy; computed chunk by chunk by :func:`posttrain.core.token_stats.next_token_stats`,
+the torchtitan engine's head too). Running inside the model's own forward means FSDP's root hooks gather and
+reduce the head weight as usual. The chunk size is ``engine.entropy_from_logits_chunk_size``, or the whole
+micro-batch without ``entropy_from_logits_with_chunking``; with ``engine.entropy_checkpointing`` each chunk's
+fp32 part is recomputed in backward. For padded (B, S) inputs the request's ``valid_index`` picks the real
+tokens first.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 ``build_model`` makes the HF model (causal LM, or token classification with one label for a value model) with
 the packed attention implementation, swaps its RMSNorm modules for fused ones (``engine.fused_rms_norm``,
-:mod:`posttrain.fsdp.norms`), optionally wraps it in a peft LoRA model, replaces the causal LM's ``lm_head`` with
+:mod:`posttrain.fsdp.norms`), optionally wraps it in a peft LoRA model, replaces the causal LM's ``lm_head``
+with
 :class:`~posttrain.fsdp.logprobs.PackedLogProbHead` and turns on gradient checkpointing.
 
 Two ways to get weights:
@@ -12,8 +13,8 @@ Two ways to get weights:
   :func:`load_weights`, which reads one tensor at a time from the safetensors files (memory-mapped) and keeps
   only this rank's shard (``distribute_tensor(..., src_data_rank=None)`` slices locally, no communication).
   RoPE's non-persistent ``inv_freq`` buffers are recomputed with the model's own init. LoRA tensors come from
-  the adapter file, or are drawn on the CPU from a generator seeded by ``seed`` and the parameter name (A: peft's
-  kaiming-uniform, B: zeros), so every layout initialises the same adapter.
+  the adapter file, or are drawn on the CPU from a generator seeded by ``seed`` and the parameter name (A:
+  peft's kaiming-uniform, B: zeros), so every layout initialises the same adapter.
 - ``meta=False`` (config-only random init, or FSDP1): the whole model is built on ``init_device`` after
   ``torch.manual_seed(seed)``, so every rank holds identical weights before sharding; a model directory's
   safetensors are then loaded with the same :func:`load_weights`.
@@ -127,7 +128,8 @@ def _nonpersistent_buffers_known(model: torch.nn.Module) -> bool:
 
 
 def _fuse_rms_norms(model: torch.nn.Module, model_type: str) -> None:
-    """``engine.fused_rms_norm``: :func:`posttrain.fsdp.norms.fuse_rms_norms`, the outcome printed on rank 0."""
+    """``engine.fused_rms_norm``: :func:`posttrain.fsdp.norms.fuse_rms_norms`, the outcome printed on rank
+    0."""
     import sys
 
     from .norms import FUSED_RMS_NORM_CLASSES, fuse_rms_norms
@@ -308,8 +310,8 @@ def materialize(module: torch.nn.Module, device: torch.device | str) -> None:
 def init_rope_buffers(hf_model: torch.nn.Module) -> None:
     """Recompute RoPE ``inv_freq`` buffers (non-persistent, so garbage after ``to_empty``).
 
-    A fresh copy of each rotary module is built on the CPU from the model config (its own ``__init__`` computes
-    the buffers, whatever the RoPE type and transformers version) and its buffers are copied in."""
+    A fresh copy of each rotary module is built on the CPU from the model config (its own ``__init__``
+    computes the buffers, whatever the RoPE type and transformers version) and its buffers are copied in."""
     for module in hf_model.modules():
         if not hasattr(module, "original_inv_freq"):
             continue

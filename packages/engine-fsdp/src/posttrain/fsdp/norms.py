@@ -2,12 +2,12 @@
 
 The RMSNorm of Llama, Mistral, Qwen2 and Qwen3 (and their MoE variants) in transformers is
 ``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).to(x.dtype)``: eight elementwise or reduction
-kernels forward, about sixteen backward, most of them reading or writing the whole tensor in fp32. A Qwen3 decoder layer
-runs four of them (two on the hidden state, ``q_norm`` and ``k_norm`` on the heads). :class:`FusedRMSNorm` computes
-``weight * F.rms_norm(x)``: ``F.rms_norm`` without a weight normalises in fp32 and rounds to the input dtype, as
-HF's does, in one kernel each way on CUDA (``_fused_rms_norm``); the weight is multiplied afterwards, so the
-result is rounded where HF rounds it (bitwise HF's on a CPU, where ``F.rms_norm`` runs HF's ops; on CUDA the
-fused kernel's fp32 sum may differ from HF's in its last bits).
+kernels forward, about sixteen backward, most of them reading or writing the whole tensor in fp32. A Qwen3
+decoder layer runs four of them (two on the hidden state, ``q_norm`` and ``k_norm`` on the
+heads). :class:`FusedRMSNorm` computes ``weight * F.rms_norm(x)``: ``F.rms_norm`` without a weight normalises
+in fp32 and rounds to the input dtype, as HF's does, in one kernel each way on CUDA (``_fused_rms_norm``); the
+weight is multiplied afterwards, so the result is rounded where HF rounds it (bitwise HF's on a CPU, where
+``F.rms_norm`` runs HF's ops; on CUDA the fused kernel's fp32 sum may differ from HF's in its last bits).
 
 :func:`fuse_rms_norms` swaps the modules in place (same weight parameter, same name) for the model types of
 :data:`FUSED_RMS_NORM_CLASSES`; other model types are left as they are.
@@ -26,11 +26,13 @@ FUSED_RMS_NORM_CLASSES: dict[str, str] = {
     "qwen3": "Qwen3RMSNorm",
     "qwen3_moe": "Qwen3MoeRMSNorm",
 }
-"""HF ``model_type`` -> the RMSNorm class whose forward :class:`FusedRMSNorm` reproduces (tested per class)."""
+"""HF ``model_type`` -> the RMSNorm class whose forward :class:`FusedRMSNorm` reproduces (tested per
+class)."""
 
 
 class FusedRMSNorm(torch.nn.Module):
-    """``weight * F.rms_norm(x, eps)``: HF's Llama-style RMSNorm (see the module docstring), same ``weight``."""
+    """``weight * F.rms_norm(x, eps)``: HF's Llama-style RMSNorm (see the module docstring), same
+    ``weight``."""
 
     def __init__(self, weight: torch.nn.Parameter, eps: float) -> None:
         super().__init__()

@@ -2,8 +2,8 @@
 
 FSDP2 (``fully_shard``) wraps every decoder layer (the classes in the model's ``_no_split_modules``, or those
 named by ``wrap_policy.transformer_layer_cls_to_wrap``) and then the root, with a ``MixedPrecisionPolicy``
-(parameters gathered in the compute dtype, gradients reduced in fp32), ``reshard_after_forward`` and optionally
-``CPUOffloadPolicy``. With ``0 < fsdp_size < world`` the mesh is 2-D
+(parameters gathered in the compute dtype, gradients reduced in fp32), ``reshard_after_forward`` and
+optionally ``CPUOffloadPolicy``. With ``0 < fsdp_size < world`` the mesh is 2-D
 ``(ddp, fsdp)``: parameters are sharded inside groups of ``fsdp_size`` ranks and replicated across groups
 (HSDP). FSDP1 wraps the same decoder layers through ``ModuleWrapPolicy``, or every subtree of at least
 ``wrap_policy.min_num_params`` parameters through ``size_based_auto_wrap_policy`` when that is > 0.
@@ -128,7 +128,8 @@ def apply_fsdp1(
 
 
 def fsdp1_auto_wrap_policy(layers: tuple[type, ...], min_num_params: int = 0) -> Any:
-    """Every ``layers`` module as a unit, or (``min_num_params > 0``) every subtree of that many parameters."""
+    """Every ``layers`` module as a unit, or (``min_num_params > 0``) every subtree of that many
+    parameters."""
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
     if min_num_params > 0:

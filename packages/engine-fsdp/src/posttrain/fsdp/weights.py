@@ -1,14 +1,14 @@
 """The rollout's weight stream: full tensors under HF names, gathered one at a time.
 
 :func:`iter_rollout_tensors` walks the module's state dict in a fixed order. Each entry is a local shard
-(a DTensor under FSDP2, and under FSDP1 with a ``SHARDED_STATE_DICT``); it is moved to the compute device, gathered
-with ``full_tensor()`` only when the consumer asks for it, and cast to the rollout dtype, so peak extra memory is
-one full tensor. Every rank must consume the stream to the end: each gather is a collective.
+(a DTensor under FSDP2, and under FSDP1 with a ``SHARDED_STATE_DICT``); it is moved to the compute device,
+gathered with ``full_tensor()`` only when the consumer asks for it, and cast to the rollout dtype, so peak
+extra memory is one full tensor. Every rank must consume the stream to the end: each gather is a collective.
 
 With LoRA there are three streams:
 
-- ``merge=True``: base weights with the adapter folded in, ``W + scaling * B @ A`` (computed in fp32), under HF
-  names, equal to peft's ``merge_and_unload``;
+- ``merge=True``: base weights with the adapter folded in, ``W + scaling * B @ A`` (computed in fp32), under
+  HF names, equal to peft's ``merge_and_unload``;
 - ``adapter_only=False``: the base weights alone, under HF names (the rollout's base model);
 - ``adapter_only=True``: only the adapter tensors, under peft's saved names (``...q_proj.lora_A.weight``).
 
@@ -31,8 +31,8 @@ def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     if isinstance(t, DTensor):
         if t.device_mesh.size() == 1:  # one shard is the whole tensor: no collective, no copy
-            # the local tensor as ``to_local`` returns it under no_grad, without its grad-mode switch (about 7 of
-            # the 8 us per tensor this costs on a CPU host, 338 times a sync at 1.5B)
+            # the local tensor as ``to_local`` returns it under no_grad, without its grad-mode switch (about 7
+            # of the 8 us per tensor this costs on a CPU host, 338 times a sync at 1.5B)
             local = t._local_tensor.detach()
             return local if local.device == device else local.to(device)
         return t.to(device).full_tensor()

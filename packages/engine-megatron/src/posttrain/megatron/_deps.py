@@ -12,8 +12,8 @@ import importlib.util
 from types import ModuleType
 
 TE_HINT = (
-    "Megatron-Bridge imports Transformer Engine (transformer_engine.pytorch) unconditionally: install it on the "
-    "machine that runs the megatron engine, for a CUDA 13 torch with the CUDA toolkit: `pip install "
+    "Megatron-Bridge imports Transformer Engine (transformer_engine.pytorch) unconditionally: install it on "
+    "the machine that runs the megatron engine, for a CUDA 13 torch with the CUDA toolkit: `pip install "
     "--no-build-isolation 'transformer_engine[core_cu13,pytorch]==2.20.2'` (core_cu12 for CUDA 12; "
     "docs/megatron-engine.md, Installing Transformer Engine)"
 )
@@ -38,8 +38,8 @@ def has_apex_wgrad_fusion() -> bool:
 BRIDGE_MIN = "0.6.2"
 BRIDGE_HINT = (
     "posttrain-engine-megatron expects Megatron-Bridge >= {min} in place (it is a prerequisite, not a "
-    "dependency): install it from source or `pip install --no-deps megatron-bridge=={min}` into a Megatron stack, "
-    "or in an environment without one `uv pip install --overrides overrides.txt "
+    "dependency): install it from source or `pip install --no-deps megatron-bridge=={min}` into a Megatron "
+    "stack, or in an environment without one `uv pip install --overrides overrides.txt "
     "'posttrain-engine-megatron[bridge]'` (docs/megatron-engine.md, Installing)"
 )
 

@@ -1,8 +1,8 @@
 """Async save of a Megatron dist_ckpt (torch_dist) on posttrain's background checkpoint writer.
 
-The caller blocks for Megatron-Core's async planning (``dist_checkpointing.save(async_sharded_save=True)``: the
-sharding validation, the DCP save plan and the common state, collectives on the default group) and for a host
-copy of every tensor this rank writes (the snapshot: training may change the parameters right after). The
+The caller blocks for Megatron-Core's async planning (``dist_checkpointing.save(async_sharded_save=True)``:
+the sharding validation, the DCP save plan and the common state, collectives on the default group) and for a
+host copy of every tensor this rank writes (the snapshot: training may change the parameters right after). The
 file writes and the finalisation then run as one job on :class:`posttrain.ckpt.AsyncWriter`'s thread: the
 snapshot is written by Megatron-Core's own writer function, the per-rank write results are gathered and the
 global DCP metadata written (Megatron-Core's ``save_state_dict_async_finalize``, but over the writer's gloo
@@ -46,7 +46,8 @@ def _snapshot(write_buckets: list) -> list:
 
 
 def _finalize(storage_writer: Any, global_metadata: Any, group: Any) -> None:
-    """Gather the write results on rank 0, write the DCP metadata there, raise everywhere if any write failed."""
+    """Gather the write results on rank 0, write the DCP metadata there, raise everywhere if any write
+    failed."""
     results = storage_writer.retrieve_write_results()
     rank = dist.get_rank()
     gathered = [None] * dist.get_world_size() if rank == 0 else None
@@ -76,7 +77,8 @@ def _write(request: Any, buckets: list, planned: tuple, ckpt_dir: Path, config: 
 
 
 def save(sharded: dict[str, Any], ckpt_dir: Path, content_metadata: dict, writer: Any) -> Future:
-    """Plan and snapshot ``sharded`` into ``ckpt_dir`` now; queue the writes and finalisation on ``writer``."""
+    """Plan and snapshot ``sharded`` into ``ckpt_dir`` now; queue the writes and finalisation on
+    ``writer``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingConfig
 

@@ -1,10 +1,11 @@
 """Variable-length (THD) core attention for Megatron-Core's local layer spec, and the layer spec choice.
 
-Megatron-Core's local ``DotProductAttention`` refuses packed sequences and context parallelism: only Transformer
-Engine's attention reads ``PackedSeqParams``. :class:`VarlenDotProductAttention` keeps the local module's
-parameters and scaling and adds the packed path: query/key/value arrive as ``(T, heads, head_dim)`` for the whole
-packed stream and each sequence ``cu_seqlens[i]:cu_seqlens[i+1]`` attends causally to itself only (one
-``torch.nn.attention.varlen.varlen_attn`` flash call on CUDA in bf16/fp16, SDPA per sequence elsewhere; see
+Megatron-Core's local ``DotProductAttention`` refuses packed sequences and context parallelism: only
+Transformer Engine's attention reads ``PackedSeqParams``. :class:`VarlenDotProductAttention` keeps the local
+module's parameters and scaling and adds the packed path: query/key/value arrive as ``(T, heads, head_dim)``
+for the whole packed stream and each sequence ``cu_seqlens[i]:cu_seqlens[i+1]`` attends causally to itself
+only (one ``torch.nn.attention.varlen.varlen_attn`` flash call on CUDA in bf16/fp16, SDPA per sequence
+elsewhere; see
 :func:`.context_parallel.varlen_causal_attention`). Under context parallelism (``context_parallel_size > 1``)
 the stream holds this rank's two chunks of every sequence; keys and values are all-gathered over the CP group
 and each query chunk attends to the key prefix of its sequence up to its own end (:mod:`.context_parallel`).
@@ -133,8 +134,8 @@ def _swap_norms(spec: Any) -> None:
 
 
 def layer_spec(provider: Any, use_te: bool, vp_stage: int | None = None) -> Any:
-    """The decoder spec: Transformer Engine's layers when installed, else the local layers with varlen attention
-    and :class:`TorchNorm` (a block spec, so the final norm is a :class:`TorchNorm` too)."""
+    """The decoder spec: Transformer Engine's layers when installed, else the local layers with varlen
+    attention and :class:`TorchNorm` (a block spec, so the final norm is a :class:`TorchNorm` too)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,

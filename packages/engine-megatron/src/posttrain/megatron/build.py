@@ -1,10 +1,10 @@
 """Build a Megatron-Core model, its optimizer and its parallel layout from a local Hugging Face directory.
 
-The path is Megatron-Bridge's: ``AutoBridge.from_hf_pretrained(dir)`` reads the HF config, ``to_megatron_provider``
-turns it into a GPT model provider, posttrain sets the parallel sizes, dtype, layer spec and the user's
-``override_transformer_config`` on that provider, ``provide_distributed_model`` instantiates the VPP chunks (wrapped
-in Megatron DDP or Megatron-FSDP when training) and ``load_hf_weights`` copies the HF weights in, slicing them
-for this rank's TP/PP/EP shard.
+The path is Megatron-Bridge's: ``AutoBridge.from_hf_pretrained(dir)`` reads the HF config,
+``to_megatron_provider`` turns it into a GPT model provider, posttrain sets the parallel sizes, dtype, layer
+spec and the user's ``override_transformer_config`` on that provider, ``provide_distributed_model``
+instantiates the VPP chunks (wrapped in Megatron DDP or Megatron-FSDP when training) and ``load_hf_weights``
+copies the HF weights in, slicing them for this rank's TP/PP/EP shard.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from .attention import layer_spec
 from .config import McoreEngineConfig
 
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-"""TransformerConfig fields for ``model.enable_gradient_checkpointing``: every decoder layer's forward runs again in
-backward, as HF's per-layer gradient checkpointing does (``override_transformer_config`` may set others)."""
+"""TransformerConfig fields for ``model.enable_gradient_checkpointing``: every decoder layer's forward runs
+again in backward, as HF's per-layer gradient checkpointing does (``override_transformer_config`` may set
+others)."""
 
 CPU_OFF_FUSIONS = (
     "gradient_accumulation_fusion",
@@ -45,9 +46,9 @@ as Megatron's SequentialMLP)."""
 CUDA_TE_FUSIONS = {"apply_rope_fusion": True, "bias_activation_fusion": True, "bias_dropout_fusion": True}
 """Fusions Megatron-LM's training turns on by default (its ``--no-rope-fusion``, ``--no-bias-swiglu-fusion``,
 ``--no-bias-dropout-fusion`` flags) that TransformerConfig and Megatron-Bridge's GPT provider leave off: TE's
-fused RoPE for packed (THD) sequences, one kernel with no host sync where Megatron-Core's unfused THD RoPE reads
-the sequence lengths back per layer; the fused SwiGLU; the fused bias-dropout-add. Set on CUDA with TE only;
-``override_transformer_config`` may turn each off."""
+fused RoPE for packed (THD) sequences, one kernel with no host sync where Megatron-Core's unfused THD RoPE
+reads the sequence lengths back per layer; the fused SwiGLU; the fused bias-dropout-add. Set on CUDA with TE
+only; ``override_transformer_config`` may turn each off."""
 
 
 def parallel_sizes(cfg: McoreEngineConfig) -> dict[str, Any]:
@@ -121,9 +122,9 @@ def _set_checked(obj: Any, overrides: dict[str, Any], key: str) -> None:
 
 def _set_fusions(provider: Any, cfg: McoreEngineConfig, *, fused: bool) -> None:
     """:data:`CUDA_TE_FUSIONS` on where TE runs on CUDA (``fused``), :data:`CPU_OFF_FUSIONS` off elsewhere;
-    ``gradient_accumulation_fusion`` off under Megatron-FSDP (its own gradient buffers) and without APEX's wgrad
-    kernel, which Megatron-Core's ColumnParallelLinear (the output layer, also on the TE spec) requires although
-    Megatron-Bridge turns the fusion on wherever TE imports."""
+    ``gradient_accumulation_fusion`` off under Megatron-FSDP (its own gradient buffers) and without APEX's
+    wgrad kernel, which Megatron-Core's ColumnParallelLinear (the output layer, also on the TE spec) requires
+    although Megatron-Bridge turns the fusion on wherever TE imports."""
     for name, value in (CUDA_TE_FUSIONS if fused else dict.fromkeys(CPU_OFF_FUSIONS, False)).items():
         if hasattr(provider, name):
             setattr(provider, name, value)
@@ -183,7 +184,8 @@ def make_provider(
 
 
 def make_ddp_config(cfg: McoreEngineConfig) -> Any:
-    """Megatron's DistributedDataParallelConfig for ``cfg`` (Megatron-FSDP shards params, grads and optimizer)."""
+    """Megatron's DistributedDataParallelConfig for ``cfg`` (Megatron-FSDP shards params, grads and
+    optimizer)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     ddp = DistributedDataParallelConfig(
@@ -251,8 +253,8 @@ def _settle_grad_norm_groups(optimizer: Any) -> None:
     """Run, on every rank now, the collective Megatron-Core's first gradient clipping would run only on ranks
     that hold trainable parameters.
 
-    ``clip_grad_norm`` asks ``has_grad_norm_group(g)`` for each separately clipped group (an all-reduce over the
-    grad-stats group, cached after the first call) only when the rank has parameters, so a pipeline stage
+    ``clip_grad_norm`` asks ``has_grad_norm_group(g)`` for each separately clipped group (an all-reduce over
+    the grad-stats group, cached after the first call) only when the rank has parameters, so a pipeline stage
     with nothing to train (LoRA adapting only some layers) would leave the others waiting in that all-reduce.
     Asking here, on every rank, fills the cache everywhere."""
     from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS

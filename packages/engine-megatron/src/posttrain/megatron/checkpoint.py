@@ -9,8 +9,8 @@ Layout of one role directory::
     <role dir>/manifest.json  checksums of every tensor and file, written last (:mod:`.verified`)
 
 The model and optimizer go through ``megatron.core.dist_checkpointing`` with the sharded state dicts of the
-model chunks and of Megatron's optimizer, so a checkpoint written at one TP/PP/DP layout loads at another; with
-``checkpoint.async_save`` the dist_ckpt files are written on the step manager's background writer
+model chunks and of Megatron's optimizer, so a checkpoint written at one TP/PP/DP layout loads at another;
+with ``checkpoint.async_save`` the dist_ckpt files are written on the step manager's background writer
 (:mod:`.async_save`; a portable checkpoint's files through :mod:`.portable` on the same writer). Under
 Megatron-FSDP ``dist_ckpt/`` holds the fsdp_dtensor format instead (torch DCP over DTensors, reshardable over
 DP: :mod:`.fsdp_dtensor`).
@@ -150,7 +150,8 @@ def _write_hf(engine: Any, hf_dir: Path, with_weights: bool) -> None:
 
 
 def hf_save_kwargs(cfg: Any) -> dict[str, Any]:
-    """``engine.hf_save_kwargs`` as ``save_hf_weights`` takes them: a ``weight_dtype`` name becomes its torch dtype."""
+    """``engine.hf_save_kwargs`` as ``save_hf_weights`` takes them: a ``weight_dtype`` name becomes its torch
+    dtype."""
     kwargs = dict(cfg.hf_save_kwargs)
     if isinstance(kwargs.get("weight_dtype"), str):
         kwargs["weight_dtype"] = parse_dtype(kwargs["weight_dtype"], "engine.hf_save_kwargs.weight_dtype")
@@ -237,8 +238,9 @@ def save(
 ) -> None:
     """Write ``checkpoint.save_contents`` of ``engine`` under ``local_path`` (a role directory).
 
-    With ``checkpoint.async_save`` pass the step manager's ``writer`` (:class:`posttrain.ckpt.AsyncWriter`): the
-    call returns after the planning and the host snapshot, and the dist_ckpt files are written on its thread.
+    With ``checkpoint.async_save`` pass the step manager's ``writer`` (:class:`posttrain.ckpt.AsyncWriter`):
+    the call returns after the planning and the host snapshot, and the dist_ckpt files are written on its
+    thread.
     ``max_ckpt_to_keep`` (else ``checkpoint.max_ckpt_to_keep``) prunes older ``global_step_<N>`` siblings once
     this save is written, when ``local_path`` is ``<root>/global_step_<N>/<role>`` (:func:`_retain`).
     """

@@ -1,8 +1,8 @@
 """``McoreEngineConfig``: the megatron engine's knobs on top of the shared :class:`EngineConfig`.
 
-Registered as backend ``megatron`` (entry-point group ``posttrain.engines``); it builds the megatron engines. Field names
-and defaults follow verl's ``McoreEngineConfig``. This module imports only engine-core's config: resolving
-``model_engine=megatron`` needs no megatron-core. Rules that need the HF model config or CUDA are in
+Registered as backend ``megatron`` (entry-point group ``posttrain.engines``); it builds the megatron engines.
+Field names and defaults follow verl's ``McoreEngineConfig``. This module imports only engine-core's config:
+resolving ``model_engine=megatron`` needs no megatron-core. Rules that need the HF model config or CUDA are in
 :mod:`posttrain.megatron.rules`.
 """
 
@@ -87,9 +87,9 @@ class McoreEngineConfig(EngineConfig):
             )
             if self.portable_checkpoint:
                 raise ValueError(
-                    "engine.portable_checkpoint=true with engine.vanilla_mbridge=true: the portable (HF-keyed) "
-                    "save uses Megatron-Bridge's conversion tasks, which the legacy mbridge lacks; set "
-                    "engine.vanilla_mbridge=false or engine.portable_checkpoint=false"
+                    "engine.portable_checkpoint=true with engine.vanilla_mbridge=true: the portable "
+                    "(HF-keyed) save uses Megatron-Bridge's conversion tasks, which the legacy mbridge "
+                    "lacks; set engine.vanilla_mbridge=false or engine.portable_checkpoint=false"
                 )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             warnings.warn(
@@ -149,15 +149,17 @@ class McoreEngineConfig(EngineConfig):
         expert_span = dp * self.context_parallel_size * self.tensor_model_parallel_size
         if expert_span % (self.expert_model_parallel_size * etp):
             raise ValueError(
-                f"expert_model_parallel_size x expert_tensor_parallel_size = {self.expert_model_parallel_size} x "
-                f"{etp} does not divide data-parallel x context-parallel x tensor-parallel = {expert_span} "
-                f"(world size {world_size}): pick an expert_model_parallel_size that divides {expert_span // etp}"
+                "expert_model_parallel_size x expert_tensor_parallel_size = "
+                f"{self.expert_model_parallel_size} x {etp} does not divide data-parallel x context-parallel "
+                f"x tensor-parallel = {expert_span} (world size {world_size}): pick an "
+                f"expert_model_parallel_size that divides {expert_span // etp}"
             )
         return dp
 
     def check_checkpoint(self, checkpoint: CheckpointConfig, role: str = "actor") -> None:
-        """Megatron-FSDP saves DTensor state through Megatron-Bridge's fsdp_dtensor path, which async save does
-        not cover. (An optimizer without the model is refused for every engine by ``CheckpointConfig``.)"""
+        """Megatron-FSDP saves DTensor state through Megatron-Bridge's fsdp_dtensor path, which async save
+        does not cover. (An optimizer without the model is refused for every engine by
+        ``CheckpointConfig``.)"""
         if not self.use_megatron_fsdp:
             return
         if checkpoint.async_save:

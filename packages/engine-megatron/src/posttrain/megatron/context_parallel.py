@@ -2,24 +2,27 @@
 
 **Split** (Megatron-Core's and Transformer Engine's load balancing for THD): every sequence is padded to a
 multiple of ``2*cp`` and cut into ``2*cp`` chunks of ``c`` tokens; CP rank ``r`` holds chunks ``r`` and
-``2*cp-1-r`` (one early, one late chunk, so every rank does the same causal-attention work). A rank's stream is
-its two chunks of each sequence, in sequence order. Megatron-Core's THD RoPE (``_apply_rotary_pos_emb_thd`` with
-``cu_seqlens_q_padded``) gives those rows the positions ``[r*c, (r+1)*c)`` and ``[(2cp-1-r)*c, (2cp-r)*c)`` of
-their sequence, which is where this split puts them. Under sequence parallelism one extra padding sequence makes
-the stream a multiple of ``2*cp*tp``, so each rank's stream splits evenly over TP.
+``2*cp-1-r`` (one early, one late chunk, so every rank does the same causal-attention work). A rank's stream
+is its two chunks of each sequence, in sequence order. Megatron-Core's THD RoPE (``_apply_rotary_pos_emb_thd``
+with ``cu_seqlens_q_padded``) gives those rows the positions ``[r*c, (r+1)*c)`` and
+``[(2cp-1-r)*c, (2cp-r)*c)`` of their sequence, which is where this split puts them. Under sequence
+parallelism one extra padding sequence makes the stream a multiple of ``2*cp*tp``, so each rank's stream
+splits evenly over TP.
 
 **Attention** ("all-gather KV", Transformer Engine's ``cp_comm_type='all_gather'``): keys and values are
 all-gathered over the CP group (the backward reduce-scatters their gradients back to the ranks that own them).
-Query chunk ``j`` of a sequence (positions ``[j*c, (j+1)*c)``) attends to the key prefix ``[0, (j+1)*c)`` of its
-sequence with a causal mask aligned to the bottom right (query ``i`` of the chunk sees keys ``0 .. j*c+i``).
-:class:`AttentionPlan` holds the rows of the gathered keys that form each local chunk's prefix, so the chunks run
-as one variable-length batch (:func:`varlen_causal_attention`).
+Query chunk ``j`` of a sequence (positions ``[j*c, (j+1)*c)``) attends to the key prefix ``[0, (j+1)*c)`` of
+its sequence with a causal mask aligned to the bottom right (query ``i`` of the chunk sees keys
+``0 .. j*c+i``).
+:class:`AttentionPlan` holds the rows of the gathered keys that form each local chunk's prefix, so the chunks
+run as one variable-length batch (:func:`varlen_causal_attention`).
 
 **Outputs**: per-row results (log-probs, entropy, values) come out in the rank's row order;
-:meth:`CpLayout.to_packed` all-gathers them over CP and puts them back in packed token order. Every CP rank then
-computes the same loss on the same gathered values, so the gather's backward keeps only this rank's slice.
-Per-token inputs that cross chunk boundaries (the next-token targets, their temperatures) are computed on whole
-sequences first and laid out as this rank's rows with :meth:`CpLayout.to_rows`.
+:meth:`CpLayout.to_packed` all-gathers them over CP and puts them back in packed token order. Every CP rank
+then computes the same loss on the same gathered values, so the gather's backward keeps only this rank's
+slice.
+Per-token inputs that cross chunk boundaries (the next-token targets, their temperatures) are computed on
+whole sequences first and laid out as this rank's rows with :meth:`CpLayout.to_rows`.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class AttentionPlan:
 
 @dataclass
 class CpPackedSeqParams(PackedSeqParams):
-    """Megatron's ``PackedSeqParams`` plus the plan :class:`~.attention.VarlenDotProductAttention` runs under CP."""
+    """Megatron's ``PackedSeqParams`` plus the plan :class:`~.attention.VarlenDotProductAttention` runs under
+    CP."""
 
     cp_plan: AttentionPlan | None = None
 
@@ -96,7 +100,8 @@ class CpSplit:
     """The index arithmetic of one micro-batch's split, for one CP rank (CPU tensors)."""
 
     padded: torch.Tensor
-    """(B',) padded sequence lengths (multiples of ``2*cp``), plus the sequence-parallel padding sequence if any."""
+    """(B',) padded sequence lengths (multiples of ``2*cp``), plus the sequence-parallel padding sequence if
+    any."""
     actual: torch.Tensor
     """(B',) real sequence lengths (the padding sequence counts as real)."""
     offset: torch.Tensor
@@ -178,8 +183,8 @@ def _cumsum0(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 def split_micro_batch(
     input_ids: torch.Tensor, cu_seqlens: torch.Tensor, sp_multiple: int, group: Any, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, CpPackedSeqParams, CpLayout]:
-    """This CP rank's ``(1, T_local)`` token ids and positions, the packed-sequence params (``cu_seqlens_q``: real
-    lengths; ``cu_seqlens_q_padded``: the padded sequences Megatron's RoPE splits) and the layout."""
+    """This CP rank's ``(1, T_local)`` token ids and positions, the packed-sequence params (``cu_seqlens_q``:
+    real lengths; ``cu_seqlens_q_padded``: the padded sequences Megatron's RoPE splits) and the layout."""
     split = plan_split(cu_seqlens, sp_multiple, group.size(), group.rank())
     ids = torch.zeros(split.offset.numel(), dtype=input_ids.dtype)
     ids[split.real_index] = input_ids.cpu()
@@ -228,8 +233,8 @@ def varlen_causal_attention(
 
     ``(T_q, heads, d)`` queries, ``(T_k, heads, d)`` keys/values. On CUDA in bf16/fp16: one
     ``torch.nn.attention.varlen.varlen_attn`` call (flash attention; ``window_size=(-1, 0)`` is its causal
-    mode, which flash aligns to the bottom right). Elsewhere SDPA per segment with that mask written out (SDPA's
-    ``is_causal`` is aligned to the top left when ``Lq != Lk``)."""
+    mode, which flash aligns to the bottom right). Elsewhere SDPA per segment with that mask written out
+    (SDPA's ``is_causal`` is aligned to the top left when ``Lq != Lk``)."""
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0.0 and _has_varlen():
         from torch.nn.attention.varlen import varlen_attn
 

@@ -1,10 +1,10 @@
 """Offline HF <-> Megatron conversion through Megatron-Bridge.
 
-``hf_to_megatron`` builds the Megatron model at the requested TP/PP/EP layout, loads the HF safetensors into it
-through the bridge and writes a Megatron dist_ckpt (model only) plus the HF config files, in the same layout as
-an engine's role directory (``<out>/dist_ckpt``, ``<out>/huggingface``). ``megatron_to_hf`` builds the model from
-``<in>/huggingface``'s config at whatever layout the current processes give, loads the dist_ckpt (resharding as
-needed) and writes HF safetensors from the bridge's
+``hf_to_megatron`` builds the Megatron model at the requested TP/PP/EP layout, loads the HF safetensors into
+it through the bridge and writes a Megatron dist_ckpt (model only) plus the HF config files, in the same
+layout as an engine's role directory (``<out>/dist_ckpt``, ``<out>/huggingface``). ``megatron_to_hf`` builds
+the model from ``<in>/huggingface``'s config at whatever layout the current processes give, loads the
+dist_ckpt (resharding as needed) and writes HF safetensors from the bridge's
 streaming export. Both keep the checkpoint's dtype, so a round trip
 reproduces every tensor bit for bit.
 """

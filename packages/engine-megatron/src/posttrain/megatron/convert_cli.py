@@ -1,4 +1,5 @@
-"""``posttrain convert hf-to-megatron|megatron-to-hf``: offline checkpoint conversion (see :mod:`.convert`)."""
+"""``posttrain convert hf-to-megatron|megatron-to-hf``: offline checkpoint conversion
+(see :mod:`.convert`)."""
 
 from __future__ import annotations
 

@@ -2,20 +2,20 @@
 
 ``initialize`` creates Megatron's process groups (TP, PP with VPP, CP, EP/ETP; DP is what is left), builds the
 model through Megatron-Bridge from the HF directory, wraps it in Megatron DDP (or Megatron-FSDP) and builds
-Megatron's (distributed) Adam. ``forward_backward_batch`` splits a packed batch into micro-batches and runs them
-through Megatron's pipeline schedule (no pipelining, 1F1B, or interleaved 1F1B with VPP); each micro-batch is
-one THD stream. The last pipeline stage turns the TP-sharded logits into per-token log-probs (and entropy) and
-calls the loss function; the schedule divides each micro-batch loss by the number of micro-batches, so the
-loss handed back to it is multiplied by that number and the caller's global token normalisation
-(:class:`posttrain.core.batch.LossContext`) is what decides the gradient scale. With context parallelism each
-CP rank runs its load-balanced chunks of every sequence (:mod:`.context_parallel`); the per-token outputs are
-gathered over CP into packed order, so each CP rank calls the loss function on the whole micro-batch. The
-schedule multiplies that loss by the CP size and Megatron DDP averages gradients over data x context parallel
-ranks, which together leave the gradient of the CP=1 loss. Outputs come back, in the caller's order, only on
-ranks where :meth:`is_mp_src_rank_with_outputs` (TP and CP rank 0 of the last stage).
+Megatron's (distributed) Adam. ``forward_backward_batch`` splits a packed batch into micro-batches and runs
+them through Megatron's pipeline schedule (no pipelining, 1F1B, or interleaved 1F1B with VPP); each
+micro-batch is one THD stream. The last pipeline stage turns the TP-sharded logits into per-token log-probs
+(and entropy) and calls the loss function; the schedule divides each micro-batch loss by the number of
+micro-batches, so the loss handed back to it is multiplied by that number and the caller's global token
+normalisation (:class:`posttrain.core.batch.LossContext`) is what decides the gradient scale. With context
+parallelism each CP rank runs its load-balanced chunks of every sequence (:mod:`.context_parallel`); the
+per-token outputs are gathered over CP into packed order, so each CP rank calls the loss function on the whole
+micro-batch. The schedule multiplies that loss by the CP size and Megatron DDP averages gradients over
+data x context parallel ranks, which together leave the gradient of the CP=1 loss. Outputs come back, in the
+caller's order, only on ranks where :meth:`is_mp_src_rank_with_outputs` (TP and CP rank 0 of the last stage).
 With ``model.lora_rank > 0`` the chunks carry Megatron-Bridge's LoRA (:mod:`.lora`): only the adapters train,
-:meth:`disable_adapter` runs the base model, and :meth:`get_per_tensor_param` streams merged weights, the base,
-or the adapter under peft's names.
+:meth:`disable_adapter` runs the base model, and :meth:`get_per_tensor_param` streams merged weights, the
+base, or the adapter under peft's names.
 """
 
 from __future__ import annotations
@@ -370,9 +370,10 @@ class MegatronEngine(BaseEngine):
     ) -> PerTensorParams:
         """Lazy (HF name, full tensor) stream (in ``dtype`` when given) and the peft config or None.
 
-        Without LoRA: every weight. With LoRA and ``peft_merge`` (default :attr:`peft_merge`): base weights with
-        the adapter merged. Otherwise the base weights when ``base_sync_done`` is False and only the adapter
-        tensors (peft names) when it is True, with the peft config dict. Every rank must consume it."""
+        Without LoRA: every weight. With LoRA and ``peft_merge`` (default :attr:`peft_merge`): base weights
+        with the adapter merged. Otherwise the base weights when ``base_sync_done`` is False and only the
+        adapter tensors (peft names) when it is True, with the peft config dict. Every rank must consume
+        it."""
         if self.is_value_model:
             raise ValueError(
                 "get_per_tensor_param on a value model: only policy weights are synced to rollouts"
@@ -399,8 +400,8 @@ class MegatronEngine(BaseEngine):
         checkpoint.save(self, local_path, global_step, max_ckpt_to_keep, writer=kwargs.get("writer"))
 
     def load_checkpoint(self, local_path: str, **kwargs: Any) -> dict[str, int]:
-        """Restore ``checkpoint.load_contents``; returns the saved counters (``global_step``, ``skipped_steps``)
-        when ``extra`` is loaded, else ``{}``."""
+        """Restore ``checkpoint.load_contents``; returns the saved counters (``global_step``,
+        ``skipped_steps``) when ``extra`` is loaded, else ``{}``."""
         checkpoint.wait_for_pending_save(self)
         return checkpoint.load(self, local_path)
 
@@ -432,7 +433,8 @@ class MegatronEngine(BaseEngine):
 
 class MegatronLanguageModelEngine(MegatronEngine):
     """Causal LM: outputs ``log_probs``, ``entropy`` when ``batch.meta['calculate_entropy']`` and ``correct``
-    (1.0 where the token is the argmax of the logits that predict it) when ``batch.meta['calculate_accuracy']``."""
+    (1.0 where the token is the argmax of the logits that predict it) when
+    ``batch.meta['calculate_accuracy']``."""
 
     computes_token_accuracy = True
 

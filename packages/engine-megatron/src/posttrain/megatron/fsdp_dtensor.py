@@ -1,12 +1,12 @@
 """Megatron-FSDP checkpoints in the ``fsdp_dtensor`` format: torch DCP over DTensor state dicts.
 
 This is the format Megatron-LM and Megatron-Bridge write for ``ckpt_format="fsdp_dtensor"``: the model's state
-dict (``state_dict_for_save_checkpoint()`` of the Megatron-FSDP wrapper, one DTensor per parameter, sharded over
-the data-parallel ranks) and the distributed optimizer's ``sharded_state_dict`` with
+dict (``state_dict_for_save_checkpoint()`` of the Megatron-FSDP wrapper, one DTensor per parameter, sharded
+over the data-parallel ranks) and the distributed optimizer's ``sharded_state_dict`` with
 ``distrib_optim_sharding_type="fsdp_dtensor"`` (Adam moments keyed by parameter name, DTensors too) go through
 the same preprocessing as theirs (SwiGLU ``linear_fc1`` split into ``_w``/``_v``, expert re-indexing, uneven
-shard metadata) and into ``torch.distributed.checkpoint``. DCP stores global tensors, so a checkpoint written at
-one data-parallel size loads at another. Model and optimizer always come from one state dict (Megatron-FSDP
+shard metadata) and into ``torch.distributed.checkpoint``. DCP stores global tensors, so a checkpoint written
+at one data-parallel size loads at another. Model and optimizer always come from one state dict (Megatron-FSDP
 cannot save or load the optimizer without the model, a rule the config enforces), ``extra`` (LR step, skipped
 steps) is stored next to them; loading is strict (a key missing from the checkpoint is an error).
 
@@ -48,7 +48,8 @@ def _empty_like(param: Any) -> Any:
 
 
 def optimizer_state_dict(chunk: torch.nn.Module, optimizer: Any, is_loading: bool) -> dict[str, Any]:
-    """The optimizer's fsdp_dtensor state dict with an entry for every parameter on every rank, sorted by name.
+    """The optimizer's fsdp_dtensor state dict with an entry for every parameter on every rank, sorted by
+    name.
 
     Adam keeps no state for a parameter whose shard on this rank is empty, so ranks list different parameters
     in different orders; the preprocessing runs one collective per parameter, so each rank adds empty
@@ -84,7 +85,8 @@ def _raw_state(engine: Any, contents: list[str], is_loading: bool) -> dict[str, 
 def model_key_root(chunk: torch.nn.Module) -> torch.nn.Module:
     """The module Megatron-Core's fsdp_dtensor helpers resolve model keys against (``get_parameter("module." +
     key)``): a bare module whose ``module`` is the GPTModel. Model keys are the GPTModel's own names, while a
-    bf16 model sits in a Float16Module inside the DDP or Megatron-FSDP wrapper, so the wrapper itself is not it."""
+    bf16 model sits in a Float16Module inside the DDP or Megatron-FSDP wrapper, so the wrapper itself is not
+    it."""
     from .build import unwrap
 
     root = torch.nn.Module()

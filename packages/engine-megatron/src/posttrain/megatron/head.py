@@ -1,19 +1,19 @@
 """Log-probs and entropy of vocab-parallel (TP-sharded) logits, in row chunks, with a hand-written backward.
 
-Each TP rank holds ``V / tp`` columns of the logits ``l`` (rows: tokens). With ``x = l / tau`` (the row's sampling
-temperature), ``m`` the row's global max (an all-reduce), ``s = x - m`` and ``Z = sum_v exp(s_v)`` (an
-all-reduce)::
+Each TP rank holds ``V / tp`` columns of the logits ``l`` (rows: tokens). With ``x = l / tau`` (the row's
+sampling temperature), ``m`` the row's global max (an all-reduce), ``s = x - m`` and ``Z = sum_v exp(s_v)``
+(an all-reduce)::
 
     log p(y) = s_y - log Z                  (s_y contributed by the rank that owns column y)
     H        = log Z - sum_v p_v s_v        (p = exp(s - log Z))
 
 Backward needs no collective: with ``E = sum_v p_v s_v = log Z - H`` (saved per row),
-``d log p(y) / d s_v = [v = y] - p_v`` and ``dH / d s_v = -p_v (s_v - E)``, and each rank fills the gradient of
-its own columns; ``d / d l = (d / d s) / tau``. Forward and backward both walk ``chunk_size`` rows at a time in
-float32, so the fp32 working set is one chunk; autograd keeps the logits in their own dtype (bf16 on GPU) and
-three floats per row, and backward recomputes ``p`` once per chunk. This is cheaper than autograd through the
-same formulas (which saves several fp32 ``(T, V/tp)`` tensors) and than activation checkpointing of each chunk
-(which runs the forward twice): measured on the GPU machine, BENCHMARKS.md.
+``d log p(y) / d s_v = [v = y] - p_v`` and ``dH / d s_v = -p_v (s_v - E)``, and each rank fills the gradient
+of its own columns; ``d / d l = (d / d s) / tau``. Forward and backward both walk ``chunk_size`` rows at a
+time in float32, so the fp32 working set is one chunk; autograd keeps the logits in their own dtype (bf16 on
+GPU) and three floats per row, and backward recomputes ``p`` once per chunk. This is cheaper than autograd
+through the same formulas (which saves several fp32 ``(T, V/tp)`` tensors) and than activation checkpointing
+of each chunk (which runs the forward twice): measured on the GPU machine, BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -113,9 +113,10 @@ def vocab_parallel_logprobs(
     temperature: torch.Tensor | None = None,
     chunk_size: int = 2048,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p(targets), entropy or None) in float32 (float64 for float64 logits) per row of this rank's ``(N, V/tp)`` logits, whose first column
-    is vocabulary id ``vocab_start``; rows divided by ``temperature`` (N,) first. Collective over ``tp_group``
-    (None or one rank: no communication); every rank of it passes the same rows."""
+    """(log p(targets), entropy or None) in float32 (float64 for float64 logits) per row of this rank's
+    ``(N, V/tp)`` logits, whose first column is vocabulary id ``vocab_start``; rows divided by ``temperature``
+    (N,) first. Collective over ``tp_group`` (None or one rank: no communication); every rank of it passes the
+    same rows."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1 (engine.entropy_from_logits_chunk_size)")
     temp = None if temperature is None else temperature.to(logits.device, torch.float32)
@@ -130,8 +131,8 @@ def vocab_parallel_argmax_hits(
     logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, tp_group: Any, chunk_size: int = 2048
 ) -> torch.Tensor:
     """1.0 where ``targets`` is the argmax (the first index of the maximum, as ``torch.argmax``) of its row of
-    the vocab-parallel ``(N, V/tp)`` logits, else 0.0, in float32; ``chunk_size`` rows at a time in the logits'
-    own dtype (a temperature would not move the argmax). Collective over ``tp_group`` like
+    the vocab-parallel ``(N, V/tp)`` logits, else 0.0, in float32; ``chunk_size`` rows at a time in the
+    logits' own dtype (a temperature would not move the argmax). Collective over ``tp_group`` like
     :func:`vocab_parallel_logprobs`: two all-reduces of one value per row."""
     hits = []
     targets = targets.to(logits.device)

@@ -6,7 +6,8 @@ optimizer exist: every base parameter is frozen, each selected linear becomes a 
 the base layer, ``adapter.linear_in`` = A, ``adapter.linear_out`` = B) and only A and B train (a value model's
 head trains in full, as in the FSDP engine). ``load_hf_weights`` then fills the base weights.
 
-Module names follow peft (``target_modules``, ``exclude_modules`` of :class:`posttrain.core.config.ModelConfig`):
+Module names follow peft (``target_modules``, ``exclude_modules``
+of :class:`posttrain.core.config.ModelConfig`):
 ``all-linear``, a list of names (a name matches a module whose HF name equals it or ends with ``.<name>``) or
 a regex (full match), checked against the HF name of each part of a Megatron linear:
 
@@ -19,14 +20,15 @@ Megatron (``decoder.layers.N.``)    HF (``model.layers.N.``)
 ``mlp.linear_fc2``                  ``mlp.down_proj``
 ==================================  ====================================================
 
-MoE expert linears (``mlp.experts.*``) and the router are not adapted. The mapping is coarser than peft's where
-Megatron fuses layers: a fused linear is adapted when any of its HF
+MoE expert linears (``mlp.experts.*``) and the router are not adapted. The mapping is coarser than peft's
+where Megatron fuses layers: a fused linear is adapted when any of its HF
 parts is selected, so ``target_modules=[q_proj]`` also adapts k and v, and excluding ``k_proj`` alone
 excludes nothing. A fused linear has one A shared by its parts and one B that splits into the parts' Bs; the
 bridge's adapter export repeats A for each part, so the exported peft adapter computes exactly what the
 engine computes (it is a peft adapter whose q/k/v, or gate/up, As happen to be equal). A selection may leave a
 pipeline stage without adapters (``target_modules`` naming late layers only): that stage trains nothing, and
-:func:`posttrain.megatron.build.build_optimizer` keeps its gradient-clipping collectives in step with the others.
+:func:`posttrain.megatron.build.build_optimizer` keeps its gradient-clipping collectives in step with the
+others.
 
 Checkpoints: a LoRA linear's sharded state keeps the base layer's own keys and adds ``<linear>.adapter.*``, so
 native ``dist_ckpt`` saves hold the adapters and a base-only ``dist_ckpt`` loads with fresh adapters
@@ -181,7 +183,8 @@ class MegatronLora:
         if chosen:
             chunks = self.peft(chunks, training=True)
         else:  # a stage without adapters trains nothing (or only a value head): an empty target list
-            # would adapt everything. Its optimizer is empty; build.build_optimizer keeps its collectives in step.
+            # would adapt everything. Its optimizer is empty; build.build_optimizer keeps its collectives in
+            # step.
             self.peft.freeze_model(chunks, training=True)
         adapted = sorted(name for name, _ in _adapter_wrappers(chunks))
         if adapted != sorted(chosen):
@@ -206,8 +209,8 @@ class MegatronLora:
                 module.enable_adapter_layers()
 
     def peft_config(self) -> dict[str, Any]:
-        """The adapter's peft ``LoraConfig`` as a dict; ``target_modules`` are leaf names (``q_proj``) when the
-        adapter covers those modules in every layer, else the full HF module names."""
+        """The adapter's peft ``LoraConfig`` as a dict; ``target_modules`` are leaf names (``q_proj``) when
+        the adapter covers those modules in every layer, else the full HF module names."""
         from megatron.bridge.models.conversion.peft_bridge import build_adapter_config_dict
 
         leaves = sorted({name.rsplit(".", 1)[1] for name in self.hf_modules})

@@ -47,8 +47,8 @@ class PackedInput:
 def pack_micro_batch(
     mb: PackedBatch, pad_multiple: int, device: torch.device, cp_group: object = None
 ) -> PackedInput:
-    """``mb`` as one THD stream padded to a multiple of ``pad_multiple`` tokens; with a ``cp_group`` of more than
-    one rank, this CP rank's part of it (``pad_multiple`` is then the sequence-parallel TP size or 1)."""
+    """``mb`` as one THD stream padded to a multiple of ``pad_multiple`` tokens; with a ``cp_group`` of more
+    than one rank, this CP rank's part of it (``pad_multiple`` is then the sequence-parallel TP size or 1)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     if cp_group is not None and cp_group.size() > 1:
@@ -81,8 +81,8 @@ def token_outputs(
     chunk_size: int = 2048,
     with_accuracy: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Per-token ``log_probs`` (and ``entropy``, and with ``with_accuracy`` ``correct``: 1.0 where the token is
-    the argmax of the logits that predict it) aligned with the tokens they describe, from (T, V/tp) logits,
+    """Per-token ``log_probs`` (and ``entropy``, and with ``with_accuracy`` ``correct``: 1.0 where the token
+    is the argmax of the logits that predict it) aligned with the tokens they describe, from (T, V/tp) logits,
     computed ``chunk_size`` rows at a time (:func:`.head.vocab_parallel_logprobs`,
     :func:`.head.vocab_parallel_argmax_hits`).
 

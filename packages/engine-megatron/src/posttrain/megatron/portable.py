@@ -1,17 +1,18 @@
 """Portable Megatron checkpoints: model and AdamW state keyed by HF names, in the FSDP engine's layout.
 
 A role directory written by the FSDP engine (:func:`posttrain.ckpt.save_role`) holds, in torch DCP,
-``model.<hf name>`` and the optimizer flattened per HF name (``optimizer.state.<hf name>.exp_avg|exp_avg_sq|step``,
-``optimizer.param_groups.<hf name>.lr|betas|...``), the LR scheduler state and counters in
-``dist_ckpt/extra/rank_<r>.pt``, and ``manifest.json`` with ``layout: dcp-hf-names``. This module reads and
-writes that layout from the megatron engine, so one checkpoint resumes on either backend:
+``model.<hf name>`` and the optimizer flattened per HF name
+(``optimizer.state.<hf name>.exp_avg|exp_avg_sq|step``, ``optimizer.param_groups.<hf name>.lr|betas|...``),
+the LR scheduler state and counters in ``dist_ckpt/extra/rank_<r>.pt``, and ``manifest.json`` with
+``layout: dcp-hf-names``. This module reads and writes that layout from the megatron engine, so one checkpoint
+resumes on either backend:
 
 - **load** (any checkpoint whose manifest says ``dcp-hf-names``): per Megatron parameter, every rank reads the
-  full HF tensors it needs with DCP (no collectives), converts them with Megatron-Bridge's own mapping (the one
-  that loads HF weights: fused QKV, fused gate/up, TP split) and copies the result into the model parameter,
-  the optimizer's fp32 main parameter and its ``exp_avg``/``exp_avg_sq``. Adam moments are elementwise, so they
-  convert exactly like the parameter. ``step`` and the LR step (the torch LR scheduler's ``last_epoch``) carry
-  over, as do ``skipped_steps`` and the torch RNG of the rank.
+  full HF tensors it needs with DCP (no collectives), converts them with Megatron-Bridge's own mapping (the
+  one that loads HF weights: fused QKV, fused gate/up, TP split) and copies the result into the model
+  parameter, the optimizer's fp32 main parameter and its ``exp_avg``/``exp_avg_sq``. Adam moments are
+  elementwise, so they convert exactly like the parameter. ``step`` and the LR step (the torch LR scheduler's
+  ``last_epoch``) carry over, as do ``skipped_steps`` and the torch RNG of the rank.
 - **save** (``engine.portable_checkpoint=true``): the fp32 main parameters and Adam moments (DP shards of the
   distributed optimizer all-reduced into whole TP shards) go through the bridge's Megatron -> HF conversion
   (full tensors); each rank keeps every world-size-th HF name and one ``dcp.save`` writes them. Param groups
@@ -23,8 +24,8 @@ Limits: one (non-chained) dense optimizer, i.e. no MoE; no Megatron-FSDP; no pre
 embeddings only at PP = 1; bridge mappings must only move values (concatenate, interleave, split), which holds
 for Qwen2/Llama-style models (a zero-centred-norm mapping, which shifts values, is refused). The Megatron RNG
 tracker is not saved (dropout is off in posttrain's engines). Weight decay follows the engine that resumes:
-Megatron exempts biases and norms, torch's AdamW does not. Loading reads every needed full tensor on every rank
-(IO grows with the rank count); saving holds each rank's share of the full tensors in host memory.
+Megatron exempts biases and norms, torch's AdamW does not. Loading reads every needed full tensor on every
+rank (IO grows with the rank count); saving holds each rank's share of the full tensors in host memory.
 
 With ``checkpoint.async_save`` the save blocks for the conversion and the device-to-host copy of this rank's
 share (the snapshot, into the step manager's writer's reused host buffers; the conversion's collectives run on
@@ -129,7 +130,8 @@ class _Slots:
         return self.inner.param_groups[group]["params"][order], slice(rng.start, rng.end)
 
     def get(self, p: torch.Tensor, kind: str) -> torch.Tensor:
-        """The whole (TP-local) fp32 ``kind`` ('param' or a moment) of ``p``; collective over DP when sharded."""
+        """The whole (TP-local) fp32 ``kind`` ('param' or a moment) of ``p``; collective over DP when
+        sharded."""
         slot = self.main(p)
         src = None
         if slot is not None:
@@ -185,7 +187,8 @@ class _Slots:
 
 # ---------------------------------------------------------------------------------------- FSDP-side templates
 def _template(optimizer_config: Any, lr_step: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(param group without params, LR scheduler state) of the FSDP engine's AdamW + LambdaLR at ``lr_step``."""
+    """(param group without params, LR scheduler state) of the FSDP engine's AdamW + LambdaLR at
+    ``lr_step``."""
     oc = optimizer_config
     dummy = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW(
@@ -266,7 +269,8 @@ def _to_host(tensor: torch.Tensor, buffers: dict[str, Any] | None, path: str) ->
 def _collect(
     engine: Any, contents: list[str], rank: int, world: int, buffers: dict[str, Any] | None, key: str
 ) -> tuple[dict, dict | None]:
-    """This rank's share of the DCP state on the host, and the full model on rank 0 when ``hf_model`` is saved.
+    """This rank's share of the DCP state on the host, and the full model on rank 0 when ``hf_model`` is
+    saved.
 
     ``buffers``: the async writer's host buffers (keys under ``key``), None for a sync save."""
     tasks = _tasks(engine)

@@ -5,15 +5,16 @@ The routing travels as a per-token batch field, ``batch.fields["routed_experts"]
 :meth:`PackedBatch.select` into every micro-batch, whatever the micro-batching and sequence order.
 
 R2 ("router replay"): a forward-only pass records each MoE layer's top-k expert indices per token and returns
-them as ``model_output["routed_experts"]`` (int32, in the caller's token order); the trainer puts them into the
-update batch's fields. R3 ("rollout router replay"): the rollout recorded them and the trainer puts them into
-the batch's fields before the log-prob pass, so the log-prob pass and the update both replay them. A pass whose
-batch has the field replays it (except the recording pass of R2): Megatron-Core's ``RouterReplay`` hooks
-(enabled by ``moe_enable_routing_replay``) take the given indices instead of the router's top-k, in the forward
-and in the activation-recompute backward; the router's probabilities are still computed and gathered at them.
+them as ``model_output["routed_experts"]`` (int32, in the caller's token order); the trainer puts them into
+the update batch's fields. R3 ("rollout router replay"): the rollout recorded them and the trainer puts them
+into the batch's fields before the log-prob pass, so the log-prob pass and the update both replay them. A pass
+whose batch has the field replays it (except the recording pass of R2): Megatron-Core's ``RouterReplay`` hooks
+(enabled by ``moe_enable_routing_replay``) take the given indices instead of the router's top-k, in the
+forward and in the activation-recompute backward; the router's probabilities are still computed and gathered
+at them.
 
-A row of -1 marks a token whose routing was never recorded (a rollout never feeds its last sampled token to the
-model). Megatron-Core cannot route some tokens of a micro-batch and replay the others, so such rows replay
+A row of -1 marks a token whose routing was never recorded (a rollout never feeds its last sampled token to
+the model). Megatron-Core cannot route some tokens of a micro-batch and replay the others, so such rows replay
 experts ``0..k-1``. That is exact for the log-probs only because those tokens affect none of them: the last
 token of a sequence is seen by no later position (causal attention) and its own output predicts nothing, and
 with dropless routing (no expert capacity) one token's experts do not change another token's output.
@@ -35,9 +36,9 @@ FIELD = "routed_experts"
 class RouterReplay:
     """Drives the Megatron-Core ``RouterReplay`` instances of one engine's routers.
 
-    Megatron-Core also keeps every instance ever built in a process-wide list and its static helpers act on that
-    list, so they would mix the routers of two engines (an actor and a reference, or a rebuilt engine); this
-    driver acts only on the instances of its own model, collected by :meth:`attach`."""
+    Megatron-Core also keeps every instance ever built in a process-wide list and its static helpers act on
+    that list, so they would mix the routers of two engines (an actor and a reference, or a rebuilt engine);
+    this driver acts only on the instances of its own model, collected by :meth:`attach`."""
 
     def __init__(self, config: RouterReplayConfig, sequence_parallel: bool = False) -> None:
         self.config = config

@@ -85,14 +85,14 @@ def check_context_parallel(cfg: McoreEngineConfig) -> None:
     cp = cfg.context_parallel_size
     if cfg.use_megatron_fsdp:
         raise ValueError(
-            f"engine.context_parallel_size={cp} with engine.use_megatron_fsdp=true is untested (Megatron-FSDP "
-            "would shard over data x context parallel ranks): set context_parallel_size=1 or "
+            f"engine.context_parallel_size={cp} with engine.use_megatron_fsdp=true is untested "
+            "(Megatron-FSDP would shard over data x context parallel ranks): set context_parallel_size=1 or "
             "use_megatron_fsdp=false"
         )
     if cfg.router_replay.mode != "disabled":
         raise ValueError(
-            f"engine.context_parallel_size={cp} with engine.router_replay.mode={cfg.router_replay.mode} is not "
-            "implemented (the recorded experts are in packed token order, not per CP chunk): set "
+            f"engine.context_parallel_size={cp} with engine.router_replay.mode={cfg.router_replay.mode} is "
+            "not implemented (the recorded experts are in packed token order, not per CP chunk): set "
             "context_parallel_size=1 or router_replay.mode=disabled"
         )
 
@@ -106,9 +106,10 @@ def check_engine(
         vanilla.check(cfg)
     if cfg.use_megatron_fsdp and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
         raise ValueError(
-            "engine.use_megatron_fsdp=true with CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron-FSDP needs the variable "
-            "unset or > 1 (Megatron-LM and Megatron-Bridge refuse 1 for FSDP; it is TP/SP overlap that wants 1): "
-            "unset CUDA_DEVICE_MAX_CONNECTIONS or set it to 8 (examples/grpo_megatron.sh does with MEGATRON_FSDP=1)"
+            "engine.use_megatron_fsdp=true with CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron-FSDP needs the "
+            "variable unset or > 1 (Megatron-LM and Megatron-Bridge refuse 1 for FSDP; it is TP/SP overlap "
+            "that wants 1): unset CUDA_DEVICE_MAX_CONNECTIONS or set it to 8 (examples/grpo_megatron.sh does "
+            "with MEGATRON_FSDP=1)"
         )
     if cfg.use_megatron_fsdp and not on_cuda:
         raise ValueError(

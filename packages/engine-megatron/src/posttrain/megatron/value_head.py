@@ -1,8 +1,8 @@
 """The value head that replaces the LM output layer of a value model (critic).
 
-Megatron's GPTModel calls ``output_layer(hidden, weight=..., runtime_gather_output=...)`` on the last stage. The
-head is one ``hidden -> 1`` linear map replicated on every TP rank (its gradient is identical on all of them);
-under sequence parallelism it first gathers the sequence shards so every rank sees all tokens.
+Megatron's GPTModel calls ``output_layer(hidden, weight=..., runtime_gather_output=...)`` on the last stage.
+The head is one ``hidden -> 1`` linear map replicated on every TP rank (its gradient is identical on all of
+them); under sequence parallelism it first gathers the sequence shards so every rank sees all tokens.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class ValueHead(torch.nn.Module):
 
 
 def add_value_head(chunks: list[torch.nn.Module], seed: int = 0) -> list[torch.nn.Module]:
-    """Pre-wrap hook: swap the output layer of the last-stage chunk for a :class:`ValueHead` drawn from ``seed``.
+    """Pre-wrap hook: swap the output layer of the last-stage chunk for a :class:`ValueHead` drawn from
+    ``seed``.
 
     The head is registered with Megatron-Bridge as a replicated module, so weight loading (which skips the
     LM head through ``allowed_mismatched_params``) knows how to treat it."""

@@ -4,9 +4,9 @@ engine makes.
 ``VanillaBridge`` builds the model chunks with ``mbridge.AutoBridge.from_pretrained(dir).get_model(...)`` and
 offers the Megatron-Bridge methods the engine and its checkpoints call (``load_hf_weights``,
 ``get_conversion_tasks``, ``export_hf_weights``, ``save_hf_weights``) over mbridge's ``load_weights``,
-``export_weights`` and ``save_weights``. mbridge builds its own TransformerConfig from the HF config; posttrain
-passes the settings it also sets on Megatron-Bridge's provider (dropout off, ``sequence_parallel``, fusions off
-without CUDA, the user's ``override_transformer_config``) through ``set_extra_args``.
+``export_weights`` and ``save_weights``. mbridge builds its own TransformerConfig from the HF config;
+posttrain passes the settings it also sets on Megatron-Bridge's provider (dropout off, ``sequence_parallel``,
+fusions off without CUDA, the user's ``override_transformer_config``) through ``set_extra_args``.
 
 Written against mbridge 0.15.1 (the extra ``posttrain-engine-megatron[mbridge]``), with three adaptations:
 
@@ -51,14 +51,14 @@ LOCAL_NORMS = {
 
 
 def check(cfg: McoreEngineConfig) -> None:
-    """Warn that the path is deprecated, import ``mbridge`` (ImportError with the install hint) and reject what
-    it cannot do."""
+    """Warn that the path is deprecated, import ``mbridge`` (ImportError with the install hint) and reject
+    what it cannot do."""
     warnings.warn(DEPRECATION, DeprecationWarning, stacklevel=3)
     _deps.import_vanilla_mbridge()
     if cfg.use_megatron_fsdp:
         raise ValueError(
-            "engine.vanilla_mbridge=true with engine.use_megatron_fsdp=true: the mbridge path wraps models in "
-            "Megatron DDP only; set engine.use_megatron_fsdp=false or engine.vanilla_mbridge=false"
+            "engine.vanilla_mbridge=true with engine.use_megatron_fsdp=true: the mbridge path wraps models "
+            "in Megatron DDP only; set engine.use_megatron_fsdp=false or engine.vanilla_mbridge=false"
         )
     if cfg.router_replay.mode != "disabled":
         raise ValueError(
@@ -70,8 +70,8 @@ def check(cfg: McoreEngineConfig) -> None:
 def extra_args(
     cfg: McoreEngineConfig, *, on_cuda: bool, use_te: bool, recompute: bool = False
 ) -> dict[str, Any]:
-    """TransformerConfig fields posttrain sets on top of mbridge's own (``recompute``: ``build.FULL_RECOMPUTE``;
-    the user's overrides last)."""
+    """TransformerConfig fields posttrain sets on top of mbridge's own (``recompute``:
+    ``build.FULL_RECOMPUTE``; the user's overrides last)."""
     extra: dict[str, Any] = {
         "attention_dropout": 0.0,
         "hidden_dropout": 0.0,
@@ -114,8 +114,8 @@ def _use_local_layers(bridge: Any) -> None:
 def instantiate(provide: Callable[..., Any], vpp: int | None) -> list[torch.nn.Module]:
     """mbridge's model provider called for this rank's pipeline (and virtual pipeline) stages.
 
-    mbridge 0.15.1's own ``get_model`` reads ``ModelType.encoder_and_decoder``, which Megatron-Core 0.19 no longer
-    has; this and :func:`wrap` do what it did, as Megatron-Bridge's ``get_model`` does."""
+    mbridge 0.15.1's own ``get_model`` reads ``ModelType.encoder_and_decoder``, which Megatron-Core 0.19 no
+    longer has; this and :func:`wrap` do what it did, as Megatron-Bridge's ``get_model`` does."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel.utils import (
@@ -184,7 +184,8 @@ class VanillaBridge:
             _use_local_layers(self.bridge)
 
     def build_model(self, *, wrap_with_ddp: bool, on_cuda: bool, value_head: Any = None) -> list:
-        """This rank's model chunks (one per virtual pipeline stage), wrapped in Megatron DDP when training."""
+        """This rank's model chunks (one per virtual pipeline stage), wrapped in Megatron DDP when
+        training."""
         chunks = instantiate(self.bridge._model_provider([]), self.cfg.virtual_pipeline_model_parallel_size)
         if value_head is not None:
             chunks = value_head(chunks)
@@ -199,8 +200,8 @@ class VanillaBridge:
         return None
 
     def export_hf_weights(self, chunks: list, cpu: bool = False, show_progress: bool = False, **_: Any):
-        """``(hf_name, full tensor)`` pairs, detached, like Megatron-Bridge's ``export_hf_weights`` (mbridge yields
-        views of the parameters that still carry autograd history)."""
+        """``(hf_name, full tensor)`` pairs, detached, like Megatron-Bridge's ``export_hf_weights`` (mbridge
+        yields views of the parameters that still carry autograd history)."""
         for name, tensor in self.bridge.export_weights(chunks):
             yield name, tensor.detach().cpu() if cpu else tensor.detach()
 

@@ -1,4 +1,5 @@
-"""Checksums of the native Megatron checkpoint (``engine.portable_checkpoint=false``), checked like the portable one.
+"""Checksums of the native Megatron checkpoint (``engine.portable_checkpoint=false``), checked like the
+portable one.
 
 A native save records in ``<role>/manifest.json`` (written last, :data:`LAYOUT` ``megatron-dist-ckpt``) under
 ``checksums``:
@@ -13,10 +14,10 @@ A native save records in ``<role>/manifest.json`` (written last, :data:`LAYOUT` 
   ``transformer_config.json``), as :func:`posttrain.ckpt.verify.role_file_records` records them.
 
 A load checks every file against its record on every rank before reading any (each rank reading its share),
-then the loaded tensors: finite always, and equal to their saved checksums when the parallel layout (world size,
-TP, PP, DP) is the saved one (resharded tensors have other local shapes and keys). The step manager lists the
-role in ``checkpoint.json`` once its manifest exists, so ``posttrain ckpt verify`` and resume's fallback to the
-newest intact step cover this layout too.
+then the loaded tensors: finite always, and equal to their saved checksums when the parallel layout (world
+size, TP, PP, DP) is the saved one (resharded tensors have other local shapes and keys). The step manager
+lists the role in ``checkpoint.json`` once its manifest exists, so ``posttrain ckpt verify`` and resume's
+fallback to the newest intact step cover this layout too.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def layout(engine: Any) -> dict[str, int]:
 
 
 def record_tensors(engine: Any, contents: list[str], role_dir: Path) -> dict[str, list[Any]]:
-    """Checksums of every rank's tensors (collective over the default group); refuses NaN/inf before any write."""
+    """Checksums of every rank's tensors (collective over the default group); refuses NaN/inf before any
+    write."""
     merged: dict[str, list[Any]] = {}
     for part in gather(tensor_records(local_tensors(engine, contents))):
         merged.update(part)
@@ -113,7 +115,8 @@ def _versions() -> dict[str, str | None]:
 
 
 def manifest(engine: Any, contents: list[str], global_step: int, tensors: dict[str, list[Any]]) -> dict:
-    """The role manifest of a native save, its ``files`` checksums still to be added by :func:`write_manifest`."""
+    """The role manifest of a native save, its ``files`` checksums still to be added
+    by :func:`write_manifest`."""
     sizes = layout(engine)
     return {
         "format": FORMAT,
@@ -145,18 +148,18 @@ def verify_before_load(role_dir: Path) -> dict[str, Any]:
     record = read_json(role_dir / ROLE_MANIFEST)
     if record is None:
         raise CheckpointCorruptError(
-            f"{role_dir / ROLE_MANIFEST}: missing or unreadable, so {role_dir} cannot be verified (its save did "
-            "not finish, or the file was deleted): resume from another step "
-            "(trainer.resume_from_path=<root>/global_step_<M>; `posttrain ckpt verify <root>` names the newest "
-            "intact one)"
+            f"{role_dir / ROLE_MANIFEST}: missing or unreadable, so {role_dir} cannot be verified (its save "
+            "did not finish, or the file was deleted): resume from another step "
+            "(trainer.resume_from_path=<root>/global_step_<M>; `posttrain ckpt verify <root>` names the "
+            "newest intact one)"
         )
     raise_if(verify_role(role_dir), f"checkpoint {role_dir}")
     return record
 
 
 def check_after_load(engine: Any, contents: list[str], role_dir: Path, record: dict[str, Any]) -> None:
-    """The loaded tensors are finite, and equal their saved checksums when the parallel layout is the saved one
-    (collective; raises on every rank)."""
+    """The loaded tensors are finite, and equal their saved checksums when the parallel layout is the saved
+    one (collective; raises on every rank)."""
     sizes = layout(engine)
     same = sizes.pop("world") == record.get("world_size") and sizes == record.get("parallel_sizes")
     saved = record["checksums"]["tensors"] if same else None

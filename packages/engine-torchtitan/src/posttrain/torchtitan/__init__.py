@@ -1,1 +1,2 @@
-"""TorchTitan training engine (torchtitan models and parallelisms over Hugging Face checkpoints) for posttrain."""
+"""TorchTitan training engine (torchtitan models and parallelisms over Hugging Face checkpoints) for
+posttrain."""

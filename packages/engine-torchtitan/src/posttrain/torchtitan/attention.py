@@ -1,18 +1,19 @@
 """Packed (per-document causal) attention for torchtitan models, and the document boundaries it reads.
 
-The engine runs a micro-batch as one row of ``T`` tokens whose positions restart at every document, and hands the
-model the boundaries as torchtitan's :class:`VarlenMetadata` (:func:`packed_metadata`, built from the packed
-batch's ``cu_seqlens`` on the host: no device sync). The inner attention of every layer is chosen once, by device
-and compute dtype (:func:`inner_attention_config`):
+The engine runs a micro-batch as one row of ``T`` tokens whose positions restart at every document, and hands
+the model the boundaries as torchtitan's :class:`VarlenMetadata` (:func:`packed_metadata`, built from the
+packed batch's ``cu_seqlens`` on the host: no device sync). The inner attention of every layer is chosen once,
+by device and compute dtype (:func:`inner_attention_config`):
 
-- on CUDA computing in bfloat16, torchtitan's own ``VarlenAttention`` (flash / cuDNN variable-length kernels), or
-  on a torch whose ``varlen_attn`` lacks the arguments it passes (2.11) the same kernel called directly
+- on CUDA computing in bfloat16, torchtitan's own ``VarlenAttention`` (flash / cuDNN variable-length kernels),
+  or on a torch whose ``varlen_attn`` lacks the arguments it passes (2.11) the same kernel called directly
   (:func:`posttrain.torchtitan.compat.varlen_attention_config`). Both cast q/k/v to bfloat16, so they are used
   only when the compute dtype is bfloat16: with ``engine.dtype=fp32`` (or fp16) on CUDA the engine takes
   :class:`PackedSDPA` instead and warns that it is slow, as the FSDP engine's packed attention does;
 - elsewhere, :class:`PackedSDPA`: causal ``scaled_dot_product_attention`` on each document separately, in the
-  dtype q/k/v arrive in. torchtitan 0.3.0 has nothing that trains on a CPU here (its varlen attention calls CUDA
-  kernels, flex attention has no CPU backward, and SDPA is refused for language models). The choice is logged.
+  dtype q/k/v arrive in. torchtitan 0.3.0 has nothing that trains on a CPU here (its varlen attention calls
+  CUDA kernels, flex attention has no CPU backward, and SDPA is refused for language models). The choice is
+  logged.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def inner_attention_config(device: torch.device, dtype: torch.dtype) -> Module.C
     if device.type == "cuda":
         warnings.warn(
             f"torchtitan engine on CUDA computing in {dtype}: torchtitan's varlen attention casts q/k/v to "
-            "bfloat16, so packed attention runs one SDPA call per document in the compute dtype instead (exact, "
-            "slow): set engine.dtype=bfloat16 for the varlen kernel (engine.model_dtype keeps fp32 master weights)",
+            "bfloat16, so packed attention runs one SDPA call per document in the compute dtype instead "
+            "(exact, slow): set engine.dtype=bfloat16 for the varlen kernel (engine.model_dtype keeps fp32 "
+            "master weights)",
             RuntimeWarning,
             stacklevel=2,
         )

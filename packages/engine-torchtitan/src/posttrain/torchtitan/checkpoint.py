@@ -1,9 +1,10 @@
 """torchtitan engine checkpoint hooks: one role directory through :mod:`posttrain.ckpt`, under HF names.
 
-The role's model is the engine's HF-named view (:func:`posttrain.torchtitan.modeling.hf_view`), so the DCP shards,
-the optimizer state (``state.<HF name>.exp_avg``) and the ``huggingface/`` export are keyed exactly as the FSDP
-engine writes them: a role saved by either engine loads on the other, on any number of ranks. ``config.json`` of
-the export is ``model.path``'s with ``model.override_config`` applied. Both calls are collective.
+The role's model is the engine's HF-named view (:func:`posttrain.torchtitan.modeling.hf_view`), so the DCP
+shards, the optimizer state (``state.<HF name>.exp_avg``) and the ``huggingface/`` export are keyed exactly as
+the FSDP engine writes them: a role saved by either engine loads on the other, on any number of ranks.
+``config.json`` of the export is ``model.path``'s with ``model.override_config`` applied. Both calls are
+collective.
 
 A Qwen3-MoE model is the exception: its experts are saved as torchtitan's grouped tensors
 (``mlp.experts.w1_EFD``, ...), so such a role resumes on the torchtitan engine only (on any number of ranks;
@@ -25,8 +26,8 @@ def check_moe_contents(save_contents: list[str]) -> None:
     """Refuse ``hf_model`` for a MoE model (its export would hold grouped expert tensors HF cannot load)."""
     if "hf_model" in save_contents:
         raise ValueError(
-            "checkpoint.save_contents has hf_model, which the torchtitan engine does not write for a MoE model "
-            "(its checkpoints hold torchtitan's grouped expert tensors): drop hf_model from "
+            "checkpoint.save_contents has hf_model, which the torchtitan engine does not write for a MoE "
+            "model (its checkpoints hold torchtitan's grouped expert tensors): drop hf_model from "
             "checkpoint.save_contents (e.g. checkpoint.save_contents=[model,optimizer,extra])"
         )
 
@@ -37,8 +38,9 @@ def refuse_other_moe_role(local_path: str) -> None:
     if backend != "torchtitan":
         engine = "megatron" if backend == "megatron" else "fsdp2"  # fsdp, fsdp2 and torch: the FSDP engine
         raise ValueError(
-            f"{local_path} was saved by backend {backend!r}: a MoE model's checkpoint resumes on the engine that "
-            f"wrote it (the torchtitan engine keeps grouped expert tensors); load it with model_engine={engine}"
+            f"{local_path} was saved by backend {backend!r}: a MoE model's checkpoint resumes on the engine "
+            "that wrote it (the torchtitan engine keeps grouped expert tensors); load it with "
+            f"model_engine={engine}"
         )
 
 

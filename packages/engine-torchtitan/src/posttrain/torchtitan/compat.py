@@ -3,10 +3,12 @@
 torchtitan 0.3.0 targets torch 2.14. Of what the engine uses, torch 2.11 lacks:
 
 - ``torch.distributed.fsdp.DataParallelMeshDims``, imported at the top of ``torchtitan.distributed.fsdp`` and
-  ``torchtitan.distributed.full_dtensor``. Every model package's ``__init__`` imports its ``parallelize`` module,
-  which imports both, so ``import torchtitan.models.qwen3.model`` fails although the model code runs on 2.11.
+  ``torchtitan.distributed.full_dtensor``. Every model package's ``__init__`` imports its ``parallelize``
+  module, which imports both, so ``import torchtitan.models.qwen3.model`` fails although the model code runs
+  on 2.11.
 - the ``num_splits`` and ``enable_gqa`` arguments of ``torch.nn.attention.varlen.varlen_attn``, which
-  torchtitan's ``VarlenAttention`` passes (``num_splits`` under flash attention 2, ``enable_gqa`` for GQA models).
+  torchtitan's ``VarlenAttention`` passes (``num_splits`` under flash attention 2, ``enable_gqa`` for GQA
+  models).
 
 On such a torch the engine (each step logged once):
 
@@ -14,10 +16,10 @@ On such a torch the engine (each step logged once):
   package's ``__init__`` (:func:`prepare_model_imports`): it registers the package as a bare namespace whose
   ``__path__`` is torchtitan's folder, so the model code is torchtitan's own, unchanged;
 - shards with torch's ``fully_shard`` in the unit layout of torchtitan's ``apply_fsdp_to_decoder`` for a dense
-  decoder (:func:`fully_shard_decoder`); a MoE model runs in one process only (in a process group it is refused
-  before the model is built: :func:`check_moe_sharding`);
-- on CUDA, runs :class:`TorchVarlenAttention`: torch's ``varlen_attn`` with key/value heads repeated to the query
-  heads.
+  decoder (:func:`fully_shard_decoder`); a MoE model runs in one process only (in a process group it is
+  refused before the model is built: :func:`check_moe_sharding`);
+- on CUDA, runs :class:`TorchVarlenAttention`: torch's ``varlen_attn`` with key/value heads repeated to the
+  query heads.
 
 Nothing here runs at import; the checks read the installed torch (the tests hide its attributes to take this
 path on a newer torch).
@@ -61,9 +63,10 @@ def prepare_model_imports() -> bool:
     if titan_fsdp_importable():
         return False
     logger.info(
-        "torch %s lacks torch.distributed.fsdp.DataParallelMeshDims (torchtitan 0.3.0's FSDP module imports it, "
-        "and its model packages import that module): the torchtitan engine imports torchtitan's model modules "
-        "without their package __init__ and shards with torch's fully_shard in torchtitan's unit layout",
+        "torch %s lacks torch.distributed.fsdp.DataParallelMeshDims (torchtitan 0.3.0's FSDP module imports "
+        "it, and its model packages import that module): the torchtitan engine imports torchtitan's model "
+        "modules without their package __init__ and shards with torch's fully_shard in torchtitan's unit "
+        "layout",
         torch.__version__,
     )
     for name in MODEL_PACKAGES:
@@ -97,16 +100,16 @@ def fully_shard_decoder(
     pp_enabled: bool,
     reshard_after_forward_policy: str = "default",
 ) -> None:
-    """torchtitan 0.3.0's ``apply_fsdp_to_decoder`` for a dense decoder, with torch's ``fully_shard``: one unit
-    per block; embeddings, final norm and output layer one unit when tied (else embeddings alone and norm +
-    output layer together, resharded after forward only with ``always``); the root last; gradient division
+    """torchtitan 0.3.0's ``apply_fsdp_to_decoder`` for a dense decoder, with torch's ``fully_shard``: one
+    unit per block; embeddings, final norm and output layer one unit when tied (else embeddings alone and norm
+    + output layer together, resharded after forward only with ``always``); the root last; gradient division
     off (the caller sets it)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if any(getattr(block, "moe_enabled", False) for block in model.layers.values()):
         raise ValueError(
-            f"torch {torch.__version__}: MoE blocks need torchtitan's own FSDP function, which needs torch >= "
-            "2.12 (DataParallelMeshDims); use a dense model here or a newer torch"
+            f"torch {torch.__version__}: MoE blocks need torchtitan's own FSDP function, which needs torch "
+            ">= 2.12 (DataParallelMeshDims); use a dense model here or a newer torch"
         )
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     common = {"mesh": dp_mesh, "mp_policy": mp}
@@ -129,8 +132,8 @@ def fully_shard_decoder(
 
 
 def check_moe_sharding(is_moe: bool, distributed: bool) -> None:
-    """Refuse, before the model is built, a MoE model that FSDP2 would shard on a torch without torchtitan's FSDP
-    function: :func:`fully_shard_decoder` has dense decoders' unit layout only, and expert parallelism's
+    """Refuse, before the model is built, a MoE model that FSDP2 would shard on a torch without torchtitan's
+    FSDP function: :func:`fully_shard_decoder` has dense decoders' unit layout only, and expert parallelism's
     sharding is torchtitan's."""
     if is_moe and distributed and not titan_fsdp_importable():
         raise ValueError(
@@ -141,7 +144,8 @@ def check_moe_sharding(is_moe: bool, distributed: bool) -> None:
 
 
 def decoder_fsdp_function() -> Any:
-    """torchtitan's ``apply_fsdp_to_decoder`` where this torch imports it, else :func:`fully_shard_decoder`."""
+    """torchtitan's ``apply_fsdp_to_decoder`` where this torch imports it,
+    else :func:`fully_shard_decoder`."""
     if titan_fsdp_importable():
         from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
@@ -151,8 +155,8 @@ def decoder_fsdp_function() -> Any:
 
 
 def titan_varlen_runs() -> bool:
-    """True when this torch's ``varlen_attn`` takes the ``num_splits`` and ``enable_gqa`` arguments torchtitan's
-    ``VarlenAttention`` passes (torch >= 2.12)."""
+    """True when this torch's ``varlen_attn`` takes the ``num_splits`` and ``enable_gqa`` arguments
+    torchtitan's ``VarlenAttention`` passes (torch >= 2.12)."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
@@ -167,8 +171,8 @@ def varlen_attention_config() -> Any:
     if titan_varlen_runs():
         return VarlenAttention.Config()
     logger.info(
-        "torch %s's varlen_attn lacks the num_splits/enable_gqa arguments torchtitan's VarlenAttention passes: "
-        "packed attention runs torch's varlen_attn directly (key/value heads repeated for GQA)",
+        "torch %s's varlen_attn lacks the num_splits/enable_gqa arguments torchtitan's VarlenAttention "
+        "passes: packed attention runs torch's varlen_attn directly (key/value heads repeated for GQA)",
         torch.__version__,
     )
     return TorchVarlenAttention.Config()

@@ -3,11 +3,12 @@
 Registered as backend ``torchtitan`` (entry-point group ``posttrain.engines``); :meth:`build` returns the
 engine, initialised. This module imports only engine-core's config (no torchtitan).
 
-Parallelisms of torchtitan 0.3.0 this engine does not have, and why (no field, so a key for them is refused by the
-config loader): pipeline parallelism (torchtitan's schedules call one loss on the last stage over equal-shape
-micro-batches; posttrain's losses take per-token log-probs of variable-length packed micro-batches), context
-parallelism (torchtitan's CP runs SDPA / flex attention only and refuses its varlen attention, which packed
-documents need), sequence parallelism (the packed attention needs whole rows on every rank).
+Parallelisms of torchtitan 0.3.0 this engine does not have, and why (no field, so a key for them is refused by
+the config loader): pipeline parallelism (torchtitan's schedules call one loss on the last stage over
+equal-shape micro-batches; posttrain's losses take per-token log-probs of variable-length packed
+micro-batches), context parallelism (torchtitan's CP runs SDPA / flex attention only and refuses its varlen
+attention, which packed documents need), sequence parallelism (the packed attention needs whole rows on every
+rank).
 """
 
 from __future__ import annotations
@@ -40,19 +41,21 @@ class TorchTitanEngineConfig(EngineConfig):
     must divide the query and key/value heads and the world size. Data parallelism is world / tp_size."""
     ep_size: int = 1
     """Expert-parallel degree of a MoE model (torchtitan's ``expert_parallel_degree``): each sparse layer's
-    experts are split over groups of ``ep_size`` data-parallel ranks, tokens reach their experts by all-to-all;
-    it must divide the experts and the FSDP shard group. 1 keeps every expert on every rank (FSDP-sharded)."""
+    experts are split over groups of ``ep_size`` data-parallel ranks, tokens reach their experts by
+    all-to-all; it must divide the experts and the FSDP shard group. 1 keeps every expert on every rank
+    (FSDP-sharded)."""
     model_dtype: str = "fp32"
     """Dtype of the master parameters (the optimizer's copy); FSDP2 computes in ``dtype``."""
     reshard_after_forward: str = "default"
-    """torchtitan's ``fsdp_reshard_after_forward`` policy: ``default`` (every block but the last), ``always`` or
-    ``never``."""
+    """torchtitan's ``fsdp_reshard_after_forward`` policy: ``default`` (every block but the last), ``always``
+    or ``never``."""
     activation_checkpointing: str | None = None
     """torchtitan's activation checkpointing of each block: ``none``, ``full`` (recompute the block) or
     ``selective`` (save the matmul outputs, recompute the rest); null follows
     ``model.enable_gradient_checkpointing`` (full when true, none when false; chosen where null)."""
     compile: bool = False
-    """``torch.compile`` each transformer block (torchtitan's ``apply_compile``); the first steps pay for it."""
+    """``torch.compile`` each transformer block (torchtitan's ``apply_compile``); the first steps pay for
+    it."""
     use_torch_compile: bool = True
     """Compile the log-prob/entropy head's per-chunk function on CUDA."""
     entropy_checkpointing: bool = True
@@ -62,8 +65,8 @@ class TorchTitanEngineConfig(EngineConfig):
         super().__post_init__()
         if self.strategy != "torchtitan":
             raise ValueError(
-                f"TorchTitanEngineConfig.strategy={self.strategy!r}: it is always torchtitan (another backend "
-                "has its own engine config class)"
+                f"TorchTitanEngineConfig.strategy={self.strategy!r}: it is always torchtitan (another "
+                "backend has its own engine config class)"
             )
         self.model_dtype = normalize_dtype(self.model_dtype, "engine.model_dtype")
         if self.tp_size < 1:
@@ -72,8 +75,8 @@ class TorchTitanEngineConfig(EngineConfig):
             raise ValueError(f"engine.ep_size={self.ep_size}: use 1 (no expert parallelism) or more")
         if self.ep_size > 1 and self.tp_size > 1:
             raise ValueError(
-                f"engine.ep_size={self.ep_size} with engine.tp_size={self.tp_size}: the torchtitan engine runs "
-                "MoE models without tensor parallelism; set engine.tp_size=1"
+                f"engine.ep_size={self.ep_size} with engine.tp_size={self.tp_size}: the torchtitan engine "
+                "runs MoE models without tensor parallelism; set engine.tp_size=1"
             )
         if self.fsdp_size == 0 or self.fsdp_size < -1:
             raise ValueError(f"engine.fsdp_size={self.fsdp_size}: use -1 (all ranks) or a positive divisor")
@@ -102,8 +105,8 @@ class TorchTitanEngineConfig(EngineConfig):
             )
         if self.fsdp_size == 1 and dp > 1:
             raise ValueError(
-                f"engine.fsdp_size=1 on {dp} data-parallel ranks is pure replication, where FSDP2 (torch 2.14) "
-                "divides the gradients twice: use a shard group of at least 2 ranks (or -1)"
+                f"engine.fsdp_size=1 on {dp} data-parallel ranks is pure replication, where FSDP2 (torch "
+                "2.14) divides the gradients twice: use a shard group of at least 2 ranks (or -1)"
             )
         if self.fsdp_size > dp:
             raise ValueError(

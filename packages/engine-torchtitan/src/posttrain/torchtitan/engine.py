@@ -1,23 +1,25 @@
-"""The torchtitan engine: torchtitan's Qwen3 / Llama-3 model for an HF checkpoint behind posttrain's BaseEngine.
+"""The torchtitan engine: torchtitan's Qwen3 / Llama-3 model for an HF checkpoint behind posttrain's
+BaseEngine.
 
 Layout. Under ``torchrun`` (``WORLD_SIZE`` set) the engine initialises the default process group if the caller
 has not (NCCL on CUDA, gloo on CPU), splits the model over groups of ``tp_size`` consecutive ranks with
-torchtitan's tensor parallelism, and shards with torchtitan's FSDP2 function over the data-parallel ranks (world /
-tp_size), or HSDP when ``0 < fsdp_size <`` that. The ranks of one TP group take the same data; TP rank 0 returns
-the outputs. In a plain process it runs the unsharded model (autocast to ``dtype`` when that differs from
-``model_dtype``).
+torchtitan's tensor parallelism, and shards with torchtitan's FSDP2 function over the data-parallel ranks
+(world / tp_size), or HSDP when ``0 < fsdp_size <`` that. The ranks of one TP group take the same data; TP
+rank 0 returns the outputs. In a plain process it runs the unsharded model (autocast to ``dtype`` when that
+differs from ``model_dtype``).
 
 A step. ``forward_backward_batch`` splits the packed batch into micro-batches (by token budget with
 ``use_dynamic_bsz``, else by count), runs every rank through the same number of them (zero-weighted 2-token
 filler passes on a rank with fewer), and hands each micro-batch's outputs to the loss function with the step's
 global token counts (:func:`posttrain.core.loss_context`). The model sees one packed row with positions that
-restart per document and torchtitan's varlen metadata (:mod:`posttrain.torchtitan.attention`); its output layer
-returns next-token log-probs (and entropy on request) chunk by chunk (:mod:`posttrain.torchtitan.head`).
+restart per document and torchtitan's varlen metadata (:mod:`posttrain.torchtitan.attention`); its output
+layer returns next-token log-probs (and entropy on request) chunk by chunk (:mod:`posttrain.torchtitan.head`).
 ``optimizer_step`` clips to ``clip_grad`` and skips the update on a non-finite norm; the LR follows
 ``OptimizerConfig.lr_multiplier`` through ``LambdaLR``.
 
-Names. Weights load from the HF safetensors, stream to the rollout and go into checkpoints through the HF-named
-view of the model (:func:`posttrain.torchtitan.modeling.hf_view`), so checkpoints have the FSDP engine's layout.
+Names. Weights load from the HF safetensors, stream to the rollout and go into checkpoints through the
+HF-named view of the model (:func:`posttrain.torchtitan.modeling.hf_view`), so checkpoints have the FSDP
+engine's layout.
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ def check_model_config(model_config: ModelConfig, engine_config: TorchTitanEngin
     """Refuse what this engine cannot do with the model, before any work."""
     if model_config.lora_rank > 0:
         raise ValueError(
-            f"model.lora_rank={model_config.lora_rank}: the torchtitan engine has no LoRA (torchtitan 0.3.0's "
-            "models have no adapters); set model.lora_rank=0, or use model_engine=fsdp2 for LoRA"
+            f"model.lora_rank={model_config.lora_rank}: the torchtitan engine has no LoRA (torchtitan "
+            "0.3.0's models have no adapters); set model.lora_rank=0, or use model_engine=fsdp2 for LoRA"
         )
     hf_config = read_hf_config(model_config)
     modeling.check_supported(hf_config)
@@ -99,14 +101,16 @@ def read_hf_weights(model_dir: str) -> dict[str, torch.Tensor]:
 
 
 class TorchTitanLanguageModelEngine(ModuleEngineMixin, OptimizerMixin, BaseEngine):
-    """Causal LM: ``log_probs`` per token, ``entropy`` when ``batch.meta['calculate_entropy']`` and ``correct``
-    (1.0 where the token is the argmax of the logits that predict it) when ``batch.meta['calculate_accuracy']``.
+    """Causal LM: ``log_probs`` per token, ``entropy`` when ``batch.meta['calculate_entropy']`` and
+    ``correct`` (1.0 where the token is the argmax of the logits that predict it) when
+    ``batch.meta['calculate_accuracy']``.
     The micro-batch loop and the optimizer calls are engine-core's (:class:`ModuleEngineMixin`,
     :class:`OptimizerMixin`), as the FSDP engine's."""
 
     computes_token_accuracy = True
     value_model = False
-    """A value model (:class:`TorchTitanValueModelEngine`) has a ``hidden -> 1`` head instead of the LM head."""
+    """A value model (:class:`TorchTitanValueModelEngine`) has a ``hidden -> 1`` head instead of the LM
+    head."""
 
     def __init__(
         self,
@@ -160,8 +164,8 @@ class TorchTitanLanguageModelEngine(ModuleEngineMixin, OptimizerMixin, BaseEngin
         for key, size in (("tp_size", cfg.tp_size), ("ep_size", cfg.ep_size)):
             if not self.distributed and size > 1:
                 raise ValueError(
-                    f"engine.{key}={size} in a single process: launch {size} or more ranks with torchrun, or set "
-                    f"engine.{key}=1"
+                    f"engine.{key}={size} in a single process: launch {size} or more ranks with torchrun, or "
+                    f"set engine.{key}=1"
                 )
         compat.check_moe_sharding(self.is_moe, self.distributed)
         world = torch.distributed.get_world_size() if self.distributed else 1
@@ -270,7 +274,8 @@ class TorchTitanLanguageModelEngine(ModuleEngineMixin, OptimizerMixin, BaseEngin
         return torch.autocast(self._device.type, dtype=compute)
 
     def _forward_micro(self, mb: PackedBatch) -> dict[str, torch.Tensor]:
-        """Per-token outputs of one micro-batch (on the device; its boundaries read from ``host_cu_seqlens``)."""
+        """Per-token outputs of one micro-batch (on the device; its boundaries read from
+        ``host_cu_seqlens``)."""
         ids = mb.input_ids
         targets, inv_temp = shifted_targets(ids, temperatures(mb))
         with_entropy = bool(mb.meta.get("calculate_entropy", False))
@@ -314,8 +319,8 @@ class TorchTitanLanguageModelEngine(ModuleEngineMixin, OptimizerMixin, BaseEngin
     ) -> PerTensorParams:
         """Lazy (HF name, full tensor) stream in ``dtype`` (default: as stored), MoE experts one tensor per
         expert; a tied ``lm_head`` is left out as ``save_pretrained`` does. Every rank must consume it (each
-        gather is a collective). There is no LoRA here: ``base_sync_done`` and ``peft_merge`` change nothing, and
-        the peft config is None."""
+        gather is a collective). There is no LoRA here: ``base_sync_done`` and ``peft_merge`` change nothing,
+        and the peft config is None."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         state = self.hf_module.state_dict(keep_vars=True)

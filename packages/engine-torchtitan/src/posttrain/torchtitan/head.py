@@ -1,20 +1,23 @@
-"""The output layer as a head that returns next-token log-probs (entropy, accuracy), never fp32 logits of a row.
+"""The output layer as a head that returns next-token log-probs (entropy, accuracy), never fp32 logits of a
+row.
 
-:class:`StatsHead` replaces torchtitan's ``lm_head`` (same ``weight`` parameter, so weight tying, FSDP units and
-names stay as they were). With a :class:`~posttrain.core.token_stats.HeadRequest` set it returns, for hidden
-states ``h`` (T, D), targets ``y[t] = input_ids[t+1]`` and inverse temperatures ``1/tau[t+1]``, chunk by chunk
-(:func:`posttrain.core.token_stats.next_token_stats`, as the FSDP engine's head)::
+:class:`StatsHead` replaces torchtitan's ``lm_head`` (same ``weight`` parameter, so weight tying, FSDP units
+and names stay as they were). With a :class:`~posttrain.core.token_stats.HeadRequest` set it returns, for
+hidden states ``h`` (T, D), targets ``y[t] = input_ids[t+1]`` and inverse temperatures ``1/tau[t+1]``, chunk
+by chunk (:func:`posttrain.core.token_stats.next_token_stats`, as the FSDP engine's head)::
 
     z = (h W^T) / tau            # fp32, one chunk at a time
     log_prob[t] = z[y[t]] - logsumexp(z)
     entropy[t]  = logsumexp(z) - sum(softmax(z) * z)
-    correct[t]  = argmax(z) == y[t]     # 1.0 / 0.0, no gradient; the first index of the maximum, as torch.argmax
+    correct[t]  = argmax(z) == y[t]     # 1.0 / 0.0, no gradient;
+                                        # the first index of the maximum, as torch.argmax
 
 With gradients on and ``checkpoint``, each chunk's fp32 part is recomputed in backward. Under tensor
-parallelism the weight is torchtitan's vocabulary shard (``Shard(0)``, tied with the embedding's) and each rank
-computes the statistics of its slice: the max, the sum of exponentials, the target's logit and ``sum(p * z)`` are
-summed over the TP group (:func:`tp_sharding_config`), so no rank holds a whole vocabulary row; the argmax is the
-smallest vocabulary index that holds the group's maximum (two one-value-per-row all-reduces).
+parallelism the weight is torchtitan's vocabulary shard (``Shard(0)``, tied with the embedding's) and each
+rank computes the statistics of its slice: the max, the sum of exponentials, the target's logit and
+``sum(p * z)`` are summed over the TP group (:func:`tp_sharding_config`), so no rank holds a whole vocabulary
+row; the argmax is the smallest vocabulary index that holds the group's maximum (two one-value-per-row
+all-reduces).
 :func:`posttrain.core.token_stats.align_to_tokens` moves the statistics onto the token they score (0 at each
 document's first token), the convention of the other engines.
 """
@@ -78,7 +81,8 @@ def _chunk_stats_tp(
 
 
 def _tp_argmax_hits(logits: torch.Tensor, targets: torch.Tensor, group: Any, offset: int) -> torch.Tensor:
-    """1.0 where ``targets`` is the smallest vocabulary index holding the maximum of its row over the group."""
+    """1.0 where ``targets`` is the smallest vocabulary index holding the maximum of its row over the
+    group."""
     values, index = logits.max(dim=-1)
     best = values.clone()
     dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)

@@ -1,15 +1,16 @@
 """torchtitan's Qwen3 / Llama-3 model for a Hugging Face checkpoint, and an HF-named view of its parameters.
 
-:func:`titan_model_config` turns an HF ``config.json`` into torchtitan's model config (``Qwen3Model.Config`` or
-``Llama3Model.Config``) with separate q/k/v projections and HF's rotate-half RoPE (``CosSinRoPE``), so every
-torchtitan parameter is an HF tensor as stored (no fused qkv, no RoPE permutation of q/k). The output layer is
+:func:`titan_model_config` turns an HF ``config.json`` into torchtitan's model config (``Qwen3Model.Config``
+or ``Llama3Model.Config``) with separate q/k/v projections and HF's rotate-half RoPE (``CosSinRoPE``), so
+every torchtitan parameter is an HF tensor as stored (no fused qkv, no RoPE permutation of q/k). The output
+layer is
 :class:`~posttrain.torchtitan.head.StatsHead`. Anything else is refused by name before any work
 (:func:`check_supported`).
 
-:func:`hf_view` puts the model's own leaf modules (the same parameter objects, plain or FSDP-sharded) under the
-HF names of torchtitan's state-dict adapter (``from_hf_map``). Checkpoints (:mod:`posttrain.ckpt`), the rollout's
-weight stream and the initial load all go through this view, so they see HF names and write the layout the
-other engines write.
+:func:`hf_view` puts the model's own leaf modules (the same parameter objects, plain or FSDP-sharded) under
+the HF names of torchtitan's state-dict adapter (``from_hf_map``). Checkpoints (:mod:`posttrain.ckpt`), the
+rollout's weight stream and the initial load all go through this view, so they see HF names and write the
+layout the other engines write.
 """
 
 from __future__ import annotations
@@ -96,25 +97,26 @@ def check_supported(hf_config: Any) -> None:
 
 
 def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
-    """Raise a ValueError naming the fix unless ``tp_size`` divides the query and key/value heads (and is 1 for
-    an MoE model)."""
+    """Raise a ValueError naming the fix unless ``tp_size`` divides the query and key/value heads (and is 1
+    for an MoE model)."""
     if tp_size > 1 and moe.is_moe(hf_config):
         raise ValueError(
-            f"engine.tp_size={tp_size} with the MoE model {hf_config.model_type}: the torchtitan engine runs MoE "
-            "models without tensor parallelism; set engine.tp_size=1 (FSDP2 over all ranks)"
+            f"engine.tp_size={tp_size} with the MoE model {hf_config.model_type}: the torchtitan engine runs "
+            "MoE models without tensor parallelism; set engine.tp_size=1 (FSDP2 over all ranks)"
         )
     heads, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if tp_size > 1 and (heads % tp_size or kv % tp_size):
         fits = [d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0]
         raise ValueError(
-            f"engine.tp_size={tp_size} does not divide the model's {heads} attention heads and {kv} key/value "
-            f"heads: use a tp_size in {fits}"
+            f"engine.tp_size={tp_size} does not divide the model's {heads} attention heads and {kv} "
+            f"key/value heads: use a tp_size in {fits}"
         )
 
 
 def _rope_config(hf_config: Any, head_dim: int) -> Any:
     """torchtitan's ``CosSinRoPE.Config`` (HF's rotate-half layout); with ``rope_type: llama3`` the Llama-3.1
-    scaling parameters go into its ``scaling_*`` fields and :class:`LlamaScaledCosSinRoPE` builds the cache."""
+    scaling parameters go into its ``scaling_*`` fields and :class:`LlamaScaledCosSinRoPE` builds the
+    cache."""
     from torchtitan.models.common import CosSinRoPE
 
     from .rope import LlamaScaledCosSinRoPE
@@ -190,8 +192,8 @@ def titan_model_config(
     attention needs whole rows), the output layer :func:`~posttrain.torchtitan.head.tp_sharding_config`. With
     ``value_head`` the output layer is a ``hidden -> 1`` linear with a bias (HF's token-classification
     ``score``), untied. ``experts``: how a MoE model's experts are built
-    (:func:`posttrain.torchtitan.moe.experts_config`); with its ``ep_size > 1`` the MoE modules carry torchtitan's
-    expert-parallel placements."""
+    (:func:`posttrain.torchtitan.moe.experts_config`); with its ``ep_size > 1`` the MoE modules carry
+    torchtitan's expert-parallel placements."""
     from torchtitan.models.common import Embedding
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.nn_modules import RMSNorm
@@ -260,7 +262,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 
 VALUE_HEAD = "score"
-"""HF name of the value head (``*ForTokenClassification.score``), torchtitan's ``lm_head`` in a value model."""
+"""HF name of the value head (``*ForTokenClassification.score``), torchtitan's ``lm_head`` in a value
+model."""
 
 
 def hf_name_map(model: nn.Module, model_type: str) -> dict[str, str]:

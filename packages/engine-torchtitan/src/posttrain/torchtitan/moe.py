@@ -3,16 +3,16 @@
 A layer ``i`` is sparse as in HF's ``Qwen3MoeDecoderLayer`` (``i`` not in ``mlp_only_layers`` and ``(i + 1) %
 decoder_sparse_step == 0``): torchtitan's ``MoE`` with a softmax top-k router (``route_norm`` =
 ``norm_topk_prob``), no shared experts and no load-balancing expert bias (HF's model has none, and an
-aux-loss-free bias would route differently from the checkpoint's model). The routing weights multiply the expert
-outputs, as in HF.
+aux-loss-free bias would route differently from the checkpoint's model). The routing weights multiply the
+expert outputs, as in HF.
 
 Experts. torchtitan's ``GroupedExperts`` casts tokens and weights to bfloat16 for ``torch._grouped_mm``; the
-engine uses it only on CUDA computing in bfloat16 (:func:`experts_config`). Elsewhere :class:`LoopedExperts` (the
-same parameters under the same names) runs each expert's SwiGLU with ``F.linear`` in the dtype the tokens arrive
-in, so an fp32 engine is fp32 throughout.
+engine uses it only on CUDA computing in bfloat16 (:func:`experts_config`). Elsewhere :class:`LoopedExperts`
+(the same parameters under the same names) runs each expert's SwiGLU with ``F.linear`` in the dtype the tokens
+arrive in, so an fp32 engine is fp32 throughout.
 
-Names. torchtitan keeps one ``(experts, ...)`` tensor per projection (``w1_EFD`` gate, ``w3_EFD`` up, ``w2_EDF``
-down); HF safetensors hold one tensor per expert (``mlp.experts.<e>.{gate,up,down}_proj.weight``).
+Names. torchtitan keeps one ``(experts, ...)`` tensor per projection (``w1_EFD`` gate, ``w3_EFD`` up,
+``w2_EDF`` down); HF safetensors hold one tensor per expert (``mlp.experts.<e>.{gate,up,down}_proj.weight``).
 :func:`group_experts` stacks the latter into the former (loading), :func:`split_experts` splits them back (the
 rollout's weight stream).
 """
@@ -50,8 +50,8 @@ def num_experts(hf_config: Any) -> int:
     n = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
     if not n:
         raise ValueError(
-            f"{hf_config.model_type} config without num_experts / num_local_experts: is it a complete Qwen3-MoE "
-            "config.json?"
+            f"{hf_config.model_type} config without num_experts / num_local_experts: is it a complete "
+            "Qwen3-MoE config.json?"
         )
     return int(n)
 
@@ -99,8 +99,8 @@ def check_expert_parallel(hf_config: Any, ep_size: int) -> None:
         return
     if not is_moe(hf_config):
         raise ValueError(
-            f"engine.ep_size={ep_size} on the dense model {hf_config.model_type}: expert parallelism splits MoE "
-            "experts; set engine.ep_size=1"
+            f"engine.ep_size={ep_size} on the dense model {hf_config.model_type}: expert parallelism splits "
+            "MoE experts; set engine.ep_size=1"
         )
     n = num_experts(hf_config)
     if n % ep_size:
@@ -153,7 +153,8 @@ def moe_config(hf_config: Any, plan: ExpertsPlan, linear: dict) -> Any:
 
 
 def group_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF per-expert tensors stacked into ``<layer>.mlp.experts.{w1_EFD,w3_EFD,w2_EDF}``; the rest unchanged."""
+    """HF per-expert tensors stacked into ``<layer>.mlp.experts.{w1_EFD,w3_EFD,w2_EDF}``; the rest
+    unchanged."""
     out: dict[str, torch.Tensor] = {}
     found: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for name, tensor in weights.items():

@@ -1,11 +1,12 @@
-"""torchtitan's parallelisms applied to the engine's model: TP, activation checkpointing, torch.compile, FSDP2/HSDP.
+"""torchtitan's parallelisms applied to the engine's model: TP, activation checkpointing, torch.compile,
+FSDP2/HSDP.
 
 The order is torchtitan's own (``parallelize_qwen3``): tensor parallelism (``model.parallelize`` with the
-placements the model config carries), then activation checkpointing wraps each block, compile then compiles each
-block, FSDP2 shards last (``apply_fsdp_to_decoder``: a unit per block, embeddings + final norm + output layer as
-one unit when tied). The meshes are torchtitan's ``ParallelDims`` (its DTensor backend, ``partial_dtensor``),
-built on the compute device: torchtitan picks its mesh device once at import (CUDA when no accelerator is
-found), so :func:`build_parallel_dims` names the device for the time of the build.
+placements the model config carries), then activation checkpointing wraps each block, compile then compiles
+each block, FSDP2 shards last (``apply_fsdp_to_decoder``: a unit per block, embeddings + final norm + output
+layer as one unit when tied). The meshes are torchtitan's ``ParallelDims`` (its DTensor backend,
+``partial_dtensor``), built on the compute device: torchtitan picks its mesh device once at import (CUDA when
+no accelerator is found), so :func:`build_parallel_dims` names the device for the time of the build.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from .config import TorchTitanEngineConfig
 
 def build_parallel_dims(device_type: str, cfg: TorchTitanEngineConfig) -> Any:
     """torchtitan's ``ParallelDims`` over all ranks with its meshes built: ``tp`` groups of ``tp_size``
-    consecutive ranks, the rest data parallel (``fsdp``, or ``dp_replicate`` x ``fsdp`` when ``0 < fsdp_size <``
-    the data-parallel size)."""
+    consecutive ranks, the rest data parallel (``fsdp``, or ``dp_replicate`` x ``fsdp`` when
+    ``0 < fsdp_size <`` the data-parallel size)."""
     import torchtitan.distributed.parallel_dims as titan_dims
 
     world = dist.get_world_size()
@@ -58,8 +59,8 @@ def dp_mesh(dims: Any) -> Any:
 
 
 def apply_tensor_parallel(model: nn.Module, dims: Any) -> None:
-    """torchtitan's TP / EP: every module's parameters distributed and its forward wrapped by the placements its
-    config carries (``modeling.titan_model_config`` with ``tp_size`` or ``ep_size``)."""
+    """torchtitan's TP / EP: every module's parameters distributed and its forward wrapped by the placements
+    its config carries (``modeling.titan_model_config`` with ``tp_size`` or ``ep_size``)."""
     if dims.tp_enabled or dims.ep_enabled:
         model.parallelize(dims)
 
@@ -120,9 +121,10 @@ def apply_fsdp(model: nn.Module, dims: Any, cfg: TorchTitanEngineConfig) -> None
 
 
 def _plain_single_rank_reduce(module: Any) -> None:
-    """Under forced SUM, torch's FSDP2 divides the gradients of a one-rank shard group by the factor twice (its
-    single-rank copy divides, then the post-division runs): give such groups (EP's expert shards when ``ep_size``
-    is the whole shard group) the plain path, which has no collective to force and divides once."""
+    """Under forced SUM, torch's FSDP2 divides the gradients of a one-rank shard group by the factor twice
+    (its single-rank copy divides, then the post-division runs): give such groups (EP's expert shards when
+    ``ep_size`` is the whole shard group) the plain path, which has no collective to force and divides
+    once."""
     for group in module._get_fsdp_state()._fsdp_param_groups:
         if group.mesh_info.mesh.size() == 1:
             group.force_sum_reduction_for_comms = False
@@ -139,7 +141,8 @@ def full_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def dtensor_grad_norm_and_clip(params: list[torch.Tensor], max_norm: float) -> float:
     """Global L2 norm of DTensor gradients on several meshes (TP-sharded and TP-replicated ones): torchtitan's
-    ``clip_grad_norm_``, which reduces each DTensor's norm over its own placements; clip when ``max_norm > 0``."""
+    ``clip_grad_norm_``, which reduces each DTensor's norm over its own placements; clip when
+    ``max_norm > 0``."""
     from torchtitan.distributed.utils import clip_grad_norm_
 
     norm = clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))

@@ -1,9 +1,10 @@
 """HF's rotate-half RoPE with Llama-3.1 frequency scaling, on torchtitan's ``CosSinRoPE``.
 
-torchtitan 0.3.0 has Llama-3 scaling only in its complex (interleaved) RoPE, whose q/k layout is not HF's stored
-one; its ``CosSinRoPE`` refuses ``scaling="llama"``. :class:`LlamaScaledCosSinRoPE` is ``CosSinRoPE`` with that
-branch: the same ``RoPE.Config`` fields (``scaling_factor``, ``low_freq_factor``, ``high_freq_factor``,
-``original_max_position_embeddings``) and the formula of HF's ``_compute_llama3_parameters``.
+torchtitan 0.3.0 has Llama-3 scaling only in its complex (interleaved) RoPE, whose q/k layout is not HF's
+stored one; its ``CosSinRoPE`` refuses ``scaling="llama"``. :class:`LlamaScaledCosSinRoPE` is ``CosSinRoPE``
+with that branch: the same ``RoPE.Config`` fields (``scaling_factor``, ``low_freq_factor``,
+``high_freq_factor``, ``original_max_position_embeddings``) and the formula of HF's
+``_compute_llama3_parameters``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """``calculator``: answer an arithmetic question, with a calculator tool to call.
 
-The row's ``prompt`` is the first observation. The model may call ``calculator(expression)`` any number of times;
-the first turn without a tool call ends the episode and scores 1.0 when the number after its last ``####``
-equals the row's ground truth, else 0.0. ``latency_s`` and ``jitter_s`` make each call sleep first, like a tool
-behind a network (``bench/agent_throughput.py`` uses them).
+The row's ``prompt`` is the first observation. The model may call ``calculator(expression)`` any number of
+times; the first turn without a tool call ends the episode and scores 1.0 when the number after its last
+``####`` equals the row's ground truth, else 0.0. ``latency_s`` and ``jitter_s`` make each call sleep first,
+like a tool behind a network (``bench/agent_throughput.py`` uses them).
 """
 
 from __future__ import annotations

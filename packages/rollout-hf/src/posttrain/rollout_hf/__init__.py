@@ -1,8 +1,8 @@
 """transformers rollout for posttrain: the CPU default (``rollout.name=hf``).
 
 ``HFRollout`` generates in left-padded batches with a KV cache and takes weights through engine-core's
-bucketed, checksummed weight-sync protocol. Its config (:mod:`.config`) imports without torch; the names below are
-imported from their modules when first read.
+bucketed, checksummed weight-sync protocol. Its config (:mod:`.config`) imports without torch; the names below
+are imported from their modules when first read.
 """
 
 from typing import Any

@@ -1,12 +1,13 @@
-"""The HF rollout's attention: transformers' SDPA attention, minus the key/value copies of a masked decode step.
+"""The HF rollout's attention: transformers' SDPA attention, minus the key/value copies of a masked decode
+step.
 
 With an attention mask, transformers' SDPA function repeats every key/value head to the query heads
-(``repeat_kv``) so that SDPA keeps an efficient kernel; in a decode step over a static cache of ``L`` slots that
-copies the whole cache, ``num_key_value_groups`` times over, in every layer and step. For a one-token query this
-function instead folds the query heads of each group into the query-length dimension: ``(B, Hq, 1, D)`` becomes
-``(B, Hkv, Hq / Hkv, D)`` against the ``(B, Hkv, L, D)`` cache, with the ``(B, 1, 1, L)`` mask broadcast. Each
-query attends to exactly the keys it did before, in one SDPA call, with no copy. Everything else (prefill, no
-mask, no grouping) goes to transformers' ``sdpa_attention_forward``.
+(``repeat_kv``) so that SDPA keeps an efficient kernel; in a decode step over a static cache of ``L`` slots
+that copies the whole cache, ``num_key_value_groups`` times over, in every layer and step. For a one-token
+query this function instead folds the query heads of each group into the query-length dimension:
+``(B, Hq, 1, D)`` becomes ``(B, Hkv, Hq / Hkv, D)`` against the ``(B, Hkv, L, D)`` cache, with the
+``(B, 1, 1, L)`` mask broadcast. Each query attends to exactly the keys it did before, in one SDPA call, with
+no copy. Everything else (prefill, no mask, no grouping) goes to transformers' ``sdpa_attention_forward``.
 
 :func:`register` adds it to transformers' attention and mask interfaces under :data:`ATTN_IMPLEMENTATION`
 (masks are SDPA's), and the rollout switches an ``sdpa`` model to it.

@@ -1,8 +1,9 @@
 """The HF rollout's config: the fields every rollout shares plus the decode loop's own knobs.
 
-Registered as ``hf`` in the ``posttrain.rollouts`` entry-point group (it builds :class:`~posttrain.rollout_hf.rollout.HFRollout`), so with ``rollout.name=hf`` (the
-default) every field here is a ``rollout.<field>`` key (``rollout.compile=true``). Importing this module imports
-no transformers.
+Registered as ``hf`` in the ``posttrain.rollouts`` entry-point group (it
+builds :class:`~posttrain.rollout_hf.rollout.HFRollout`), so with ``rollout.name=hf`` (the default) every
+field here is a ``rollout.<field>`` key (``rollout.compile=true``). Importing this module imports no
+transformers.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class HFRolloutConfig(RolloutConfig):
     (transformers' ``DynamicCache``, for models whose layers a static cache does not cover)."""
     compile: bool = False
     """``torch.compile`` the one-token decode forward (needs ``cache=static``; not with
-    ``return_routed_experts``, whose router hooks must run eagerly). The first call compiles; later calls of the
-    same shape reuse it."""
+    ``return_routed_experts``, whose router hooks must run eagerly). The first call compiles; later calls of
+    the same shape reuse it."""
     compile_mode: str = "reduce-overhead"
     """``torch.compile`` mode of the decode forward (``reduce-overhead`` captures CUDA graphs)."""
     stop_check_interval: int = 8

@@ -1,8 +1,8 @@
 """The HF rollout's decode loop: one batched generation over a transformers causal LM, kept on the device.
 
 The prompts are left-padded into one ``(rows, width)`` batch, prefilled once, then decoded one token per step.
-Every row stays in the batch until the end: a row that produced a stop token is masked (it is fed the pad token
-and its later outputs are dropped), so shapes never change and nothing per token needs the host:
+Every row stays in the batch until the end: a row that produced a stop token is masked (it is fed the pad
+token and its later outputs are dropped), so shapes never change and nothing per token needs the host:
 
 - the KV cache is transformers' ``StaticCache`` sized ``width + max_new_tokens`` (``rollout.cache``;
   ``dynamic`` uses the ``DynamicCache`` that grows by one slot a step);
@@ -10,12 +10,12 @@ and its later outputs are dropped), so shapes never change and nothing per token
   mask and the step's cache slot, so HF's mask code, which reads mask values on the host, is skipped; models
   with sliding-window layers or another attention implementation get the 2-D mask and HF's own masks; a masked
   one-token step attends without copying the cache per query head (:mod:`posttrain.rollout_hf.attention`);
-- sampling, log-probs (:mod:`posttrain.rollout_hf.sampling`), the stop test and the finished mask are device ops;
-  whether every row has finished is read only every ``stop_check_interval`` steps.
+- sampling, log-probs (:mod:`posttrain.rollout_hf.sampling`), the stop test and the finished mask are device
+  ops; whether every row has finished is read only every ``stop_check_interval`` steps.
 
 With ``rollout.compile`` the one-token forward is ``torch.compile``'d (CUDA graphs with the default
-mode); prompts are then padded to the rollout's prompt budget so every call has the same shapes, and the static
-cache is kept between calls (until ``sleep``) so the compiled graph is reused.
+mode); prompts are then padded to the rollout's prompt budget so every call has the same shapes, and the
+static cache is kept between calls (until ``sleep``) so the compiled graph is reused.
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ class Decoder:
         routing: RoutingRecorder | None = None,
         width: int | None = None,
     ) -> Decoded:
-        """Generate for every row (left-padded to ``width``, default the longest); see the module docstring."""
+        """Generate for every row (left-padded to ``width``, default the longest); see the module
+        docstring."""
         device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
         num, max_new = len(rows), sampling.max_new_tokens
         ids, prompt_mask = left_pad(rows, width or max(len(r) for r in rows), self.pad, device)

@@ -6,8 +6,8 @@ intermediate, hidden), each expert's gate rows first, and ``mlp.experts.down_pro
 intermediate). Checkpoints, and so the trainer's weight stream, name every expert's projections separately
 (``mlp.experts.<e>.gate_proj.weight``, ``up_proj``, ``down_proj``); transformers' ``qwen2_moe`` conversion
 mapping merges them (``MergeModulelist(dim=0)``, then ``Concatenate(dim=1)`` for gate and up) when it loads a
-checkpoint. :func:`expert_slot` gives the slice of the fused parameter such a tensor fills, so a sync copies it
-straight in.
+checkpoint. :func:`expert_slot` gives the slice of the fused parameter such a tensor fills, so a sync copies
+it straight in.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 With a LoRA actor an engine streams, as verl does, the base weights once (``peft_config`` given,
 ``base_sync_done=False``) and afterwards only the adapter tensors under peft's names
-(``[base_model.model.]<module>.lora_A.weight`` / ``.lora_B.weight``, ``base_sync_done=True``). The rollout keeps
-a copy of the base weight of every adapted module and sets ``W = W_base + scaling * B @ A`` (in float32, then
-cast), so repeated syncs never accumulate. ``scaling = lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``),
-with ``r`` and ``lora_alpha`` taken per module from ``rank_pattern`` / ``alpha_pattern`` as peft does. DoRA,
-embedding adapters and ``modules_to_save`` are refused: stream merged weights for those.
+(``[base_model.model.]<module>.lora_A.weight`` / ``.lora_B.weight``, ``base_sync_done=True``). The rollout
+keeps a copy of the base weight of every adapted module and sets ``W = W_base + scaling * B @ A`` (in float32,
+then cast), so repeated syncs never accumulate. ``scaling = lora_alpha / r`` (``/ sqrt(r)`` with
+``use_rslora``), with ``r`` and ``lora_alpha`` taken per module from ``rank_pattern`` / ``alpha_pattern`` as
+peft does. DoRA, embedding adapters and ``modules_to_save`` are refused: stream merged weights for those.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def lora_scaling(peft_config: dict[str, Any], module: str) -> float:
 
 
 class AdapterMerger:
-    """Holds (on CPU) the base weights of adapted modules and writes ``base + scaling * B @ A`` into the model."""
+    """Holds (on CPU) the base weights of adapted modules and writes ``base + scaling * B @ A`` into the
+    model."""
 
     def __init__(self) -> None:
         self.bases: dict[str, torch.Tensor] = {}

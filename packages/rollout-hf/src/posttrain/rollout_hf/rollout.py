@@ -1,16 +1,17 @@
 """HFRollout: batched generation with a transformers causal LM, the CPU default rollout.
 
 Generation runs the HF model's own forward in a decode loop (:mod:`posttrain.rollout_hf.decode`) rather than
-``model.generate``, so that sampling draws from a ``torch.Generator`` (reproducible from ``SamplingConfig.seed`` or
-the rollout seed without touching the global RNG) and the reported log-probs are exactly those of
-:mod:`posttrain.rollout_hf.sampling`. Prompts are repeated ``n`` times (prompt 0's samples first), left-padded into
-one batch with positions that start at 0 on each prompt's first real token, prefilled once into a static KV cache,
-then decoded one token per step until every row has produced a stop token (eos always counts) or
+``model.generate``, so that sampling draws from a ``torch.Generator`` (reproducible from
+``SamplingConfig.seed`` or the rollout seed without touching the global RNG) and the reported log-probs are
+exactly those of
+:mod:`posttrain.rollout_hf.sampling`. Prompts are repeated ``n`` times (prompt 0's samples first), left-padded
+into one batch with positions that start at 0 on each prompt's first real token, prefilled once into a static
+KV cache, then decoded one token per step until every row has produced a stop token (eos always counts) or
 ``max_new_tokens`` tokens; the loop stays on the device (no host sync per token). :meth:`HFRollout.agenerate`
 serves one prompt per request (the agent loop's ``agent.loop=async`` and ``trainer.mode=stream``) through the
 same path, one request at a time. The HF rollout's own keys
-(:class:`~posttrain.rollout_hf.config.HFRolloutConfig`: ``rollout.cache``, ``rollout.compile``...) set the cache
-kind and the ``torch.compile`` of the decode step. With
+(:class:`~posttrain.rollout_hf.config.HFRolloutConfig`: ``rollout.cache``, ``rollout.compile``...) set the
+cache kind and the ``torch.compile`` of the decode step. With
 ``rollout.return_routed_experts`` (MoE models) each sample also carries the experts every MoE layer chose for
 its tokens (:mod:`posttrain.rollout_hf.routing`).
 
@@ -101,12 +102,13 @@ class HFRollout(BaseRollout):
         *,
         deterministic: bool = False,
     ) -> None:
-        """``config`` is an :class:`HFRolloutConfig` (a plain ``RolloutConfig`` takes its HF defaults); ``model``
-        is the HF directory (with ``trust_remote_code``) or the trainer's :class:`ModelConfig` (its path,
-        ``trust_remote_code`` and ``override_config``);
-        ``deterministic`` (the trainer passes ``actor.engine.full_determinism``) turns on torch's deterministic
-        kernels (:func:`~posttrain.core.determinism.enable_deterministic_kernels`). ``load_format=dummy`` builds
-        the model from its config with random weights and refuses to generate before the first full sync."""
+        """``config`` is an :class:`HFRolloutConfig` (a plain ``RolloutConfig`` takes its HF defaults);
+        ``model`` is the HF directory (with ``trust_remote_code``) or the trainer's :class:`ModelConfig` (its
+        path, ``trust_remote_code`` and ``override_config``);
+        ``deterministic`` (the trainer passes ``actor.engine.full_determinism``) turns on torch's
+        deterministic kernels (:func:`~posttrain.core.determinism.enable_deterministic_kernels`).
+        ``load_format=dummy`` builds the model from its config with random weights and refuses to generate
+        before the first full sync."""
         self.config = config = HFRolloutConfig.of(config)
         if deterministic:
             enable_deterministic_kernels()
@@ -147,9 +149,9 @@ class HFRollout(BaseRollout):
         """One prompt's ``sampling.n`` samples, awaitable from any event loop (``agent.loop=async``,
         ``trainer.mode=stream``): :meth:`generate` over ``[prompt_ids]`` on the rollout's request thread, with
         ``prompt_index`` set. Requests are serialized: one decodes at a time, in the order they came, with no
-        batching across episodes (one HF model decodes one batch at a time), so a request's samples equal those
-        of ``generate`` for the same prompt, seed and sampling. The request thread takes the torch intra-op
-        thread count of the thread that made the first request."""
+        batching across episodes (one HF model decodes one batch at a time), so a request's samples equal
+        those of ``generate`` for the same prompt, seed and sampling. The request thread takes the torch
+        intra-op thread count of the thread that made the first request."""
         if self._requests is None:
             threads = torch.get_num_threads()
             self._requests = ThreadPoolExecutor(
@@ -177,9 +179,9 @@ class HFRollout(BaseRollout):
         longest = max(len(p) for p in prompts)
         if longest + sampling.max_new_tokens > limit:
             raise ValueError(
-                f"a prompt of {longest} tokens plus max_new_tokens={sampling.max_new_tokens} exceeds the rollout's "
-                f"context of {limit} tokens: raise rollout.max_model_len (or prompt_length/response_length) or "
-                "filter long prompts"
+                f"a prompt of {longest} tokens plus max_new_tokens={sampling.max_new_tokens} exceeds the "
+                f"rollout's context of {limit} tokens: raise rollout.max_model_len (or "
+                "prompt_length/response_length) or filter long prompts"
             )
         generator = self.generator
         if sampling.seed is not None:
@@ -243,8 +245,9 @@ class HFRollout(BaseRollout):
         missing = [name for name, p in self.model.named_parameters() if id(p) not in self._synced]
         if missing:
             raise WeightSyncError(
-                f"weight sync left {len(missing)} parameter(s) of the HF rollout untouched, e.g. {missing[:3]}: "
-                "stream every weight (a full sync), or the rollout would generate from stale weights"
+                f"weight sync left {len(missing)} parameter(s) of the HF rollout untouched, e.g. "
+                f"{missing[:3]}: stream every weight (a full sync), or the rollout would generate from stale "
+                "weights"
             )
 
     def _make_transport(self, receiver: BucketReceiver) -> BucketTransport:
@@ -314,8 +317,8 @@ class HFRollout(BaseRollout):
     # ------------------------------------------------------------------ memory and state
     def sleep(self, level: int = 1) -> None:
         """Offload the weights to CPU memory (on CPU there is nothing to free); the KV cache lives only inside
-        ``generate``. Level 2 does the same (the weights are kept, not discarded). Until :meth:`wake_up` brings the
-        weights back, ``generate`` and ``update_weights`` refuse to run, on CPU too."""
+        ``generate``. Level 2 does the same (the weights are kept, not discarded). Until :meth:`wake_up`
+        brings the weights back, ``generate`` and ``update_weights`` refuse to run, on CPU too."""
         self._decoder.reset()
         if self.device.type != "cpu":
             self.model.to("cpu")

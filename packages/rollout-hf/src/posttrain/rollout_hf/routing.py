@@ -1,16 +1,18 @@
-"""Record the experts an HF MoE model's routers choose while the rollout generates (rollout router replay, R3).
+"""Record the experts an HF MoE model's routers choose while the rollout generates (rollout router replay,
+R3).
 
 In transformers 5 every sparse MoE block (Qwen3-MoE's ``mlp.gate``, likewise Qwen2-MoE, Mixtral, OLMoE,
 DeepSeek-V3) calls a top-k router module that returns ``(router_logits, routing_weights, expert_indices)``
 (Qwen3-MoE: ``topk(softmax(logits), num_experts_per_tok)``) and dispatches each token to exactly
-``expert_indices``. A forward hook on each router keeps those indices, so the record is what the block used, not
-a recomputation of it. The routers are found by class name (``*TopKRouter``), in module order, which is layer
-order: the layout Megatron-Core's router replay expects.
+``expert_indices``. A forward hook on each router keeps those indices, so the record is what the block used,
+not a recomputation of it. The routers are found by class name (``*TopKRouter``), in module order, which is
+layer order: the layout Megatron-Core's router replay expects.
 
 One :class:`RoutingRecorder` covers one batched generation: the prefill forward over the left-padded prompts,
 then one forward per decode step over every row (each feeding the token sampled at the step before; a finished
-row's record past its end is never read). A sample's record is its prompt's rows of the prefill, then one row per fed response token, then a row
-of -1 for the last response token, which was sampled but never fed to the model.
+row's record past its end is never read). A sample's record is its prompt's rows of the prefill, then one row
+per fed response token, then a row of -1 for the last response token, which was sampled but never fed to the
+model.
 """
 
 from __future__ import annotations

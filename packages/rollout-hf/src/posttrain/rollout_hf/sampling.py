@@ -2,12 +2,14 @@
 
 Processing follows the order of HF's logits warpers and vLLM's sampler: divide the logits by the temperature,
 keep the ``top_k`` largest, then keep the smallest set of tokens whose probability mass (renormalised over
-what top-k left) reaches ``top_p``; removed tokens get ``-inf``. A token is drawn from the softmax ``p`` of the
-processed logits with a ``torch.Generator`` as ``argmax(p / q)``, ``q ~ Exp(1)``: the draw ``torch.multinomial``
-makes for one sample (the same generator use, so the same tokens), without its two host syncs that check ``p``.
+what top-k left) reaches ``top_p``; removed tokens get ``-inf``. A token is drawn from the softmax ``p`` of
+the processed logits with a ``torch.Generator`` as ``argmax(p / q)``, ``q ~ Exp(1)``: the draw
+``torch.multinomial`` makes for one sample (the same generator use, so the same tokens), without its two host
+syncs that check ``p``.
 
 The log-prob reported for a sampled token is ``log_softmax(processed logits)[token]`` in float32: its
-log-probability under the distribution it was actually drawn from (vLLM's ``logprobs_mode=processed_logprobs``).
+log-probability under the distribution it was actually drawn from (vLLM's
+``logprobs_mode=processed_logprobs``).
 With top-k and top-p off this is ``log_softmax(logits / temperature)``, the quantity an engine computes from
 ``fields["temperature"]``. Greedy decoding (temperature 0) takes the argmax and reports
 ``log_softmax(logits)[token]``, the log-prob at temperature 1 with no filtering.

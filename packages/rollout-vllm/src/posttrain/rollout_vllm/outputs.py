@@ -1,5 +1,5 @@
-"""vLLM's request outputs -> posttrain's :class:`~posttrain.core.rollout.RolloutSample`: token ids, the sampled
-tokens' log-probs and, for MoE models, the experts each token was routed to."""
+"""vLLM's request outputs -> posttrain's :class:`~posttrain.core.rollout.RolloutSample`: token ids, the
+sampled tokens' log-probs and, for MoE models, the experts each token was routed to."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from posttrain.core.rollout import RolloutSample
 
 
 def align_routing(routed: Any, length: int) -> torch.Tensor:
-    """vLLM's (tokens fed, layers, k) expert ids -> (prompt + response, layers, k) int32 aligned with the tokens;
-    the rows of tokens never fed to the model (the last sampled one) are -1."""
+    """vLLM's (tokens fed, layers, k) expert ids -> (prompt + response, layers, k) int32 aligned with the
+    tokens; the rows of tokens never fed to the model (the last sampled one) are -1."""
     routed = torch.as_tensor(routed, dtype=torch.int32)
     out = torch.full((length, *routed.shape[1:]), -1, dtype=torch.int32)
     fed = min(routed.shape[0], length - 1)
@@ -21,7 +21,8 @@ def align_routing(routed: Any, length: int) -> torch.Tensor:
 
 
 def samples_of(index: int, out: Any) -> list[RolloutSample]:
-    """A :class:`RolloutSample` per sample of one vLLM ``RequestOutput`` (prompt ``index``), in sample order."""
+    """A :class:`RolloutSample` per sample of one vLLM ``RequestOutput`` (prompt ``index``), in sample
+    order."""
     samples = []
     prompt = list(out.prompt_token_ids)
     for comp in sorted(out.outputs, key=lambda c: c.index):

@@ -2,26 +2,28 @@
 
 Executors (``rollout.executor``, :class:`~posttrain.rollout_vllm.config.VLLMRolloutConfig`):
 
-- ``external_launcher``: colocated SPMD under torchrun. Every trainer rank builds its own ``LLM`` whose worker runs
-  in the rank's process; vLLM's tensor-parallel size is ``rollout.tensor_model_parallel_size`` and its data-parallel
-  size ``world_size / tp``, independent of the training layout. Weights reach the local worker by reference.
+- ``external_launcher``: colocated SPMD under torchrun. Every trainer rank builds its own ``LLM`` whose worker
+  runs in the rank's process; vLLM's tensor-parallel size is ``rollout.tensor_model_parallel_size`` and its
+  data-parallel size ``world_size / tp``, independent of the training layout. Weights reach the local worker
+  by reference.
 - ``inprocess``: one process, the worker in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); weights by reference.
 - ``multiprocess``: one process drives an ``LLM`` whose engine core and workers run in child processes.
-- ``server`` (``rollout.executor=server``): an ``AsyncLLM`` whose engine runs in other processes, used for async rollout
-  (:meth:`VLLMRollout.agenerate`).
+- ``server`` (``rollout.executor=server``): an ``AsyncLLM`` whose engine runs in other processes, used for
+  async rollout (:meth:`VLLMRollout.agenerate`).
 
 ``auto`` picks ``server`` for async mode, ``external_launcher`` under an initialised torch.distributed and
 ``inprocess`` otherwise. In the last two modes the weight sync passes tensors by reference; otherwise it goes
 through POSIX shared memory (CPU) or a CUDA IPC buffer (GPU), see :mod:`posttrain.rollout_vllm.transport`.
 
-A sync (:meth:`VLLMRollout.update_weights`) packs the stream into checksummed buckets; each worker verifies and
-loads every bucket in place (:mod:`posttrain.rollout_vllm.extension`), checks that every parameter was written,
-and only then is the prefix cache reset (when a request may have filled it since the last reset, see
-:meth:`VLLMRollout.prefix_cache_filled`) and generation allowed again. A failed sync leaves the rollout refusing
-to generate until a sync succeeds. LoRA: the first sync carries the base weights, later syncs with
+A sync (:meth:`VLLMRollout.update_weights`) packs the stream into checksummed buckets; each worker verifies
+and loads every bucket in place (:mod:`posttrain.rollout_vllm.extension`), checks that every parameter was
+written, and only then is the prefix cache reset (when a request may have filled it since the last reset, see
+:meth:`VLLMRollout.prefix_cache_filled`) and generation allowed again. A failed sync leaves the rollout
+refusing to generate until a sync succeeds. LoRA: the first sync carries the base weights, later syncs with
 ``base_sync_done=True`` and a ``peft_config`` carry only the adapter, served as a LoRA request.
 
-Sleep levels follow vLLM: level 1 offloads weights and drops the KV cache, level 2 drops both (a sync must follow).
+Sleep levels follow vLLM: level 1 offloads weights and drops the KV cache, level 2 drops both (a sync must
+follow).
 :meth:`wake_up` takes ``["weights"]`` and ``["kv_cache"]`` separately, so the weights can be woken and synced
 before the KV cache is allocated again. On CPU vLLM has no sleep mode and both are no-ops for memory.
 """
@@ -75,16 +77,16 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 
 
 def routed_experts_supported() -> bool:
-    """True when the installed vLLM can return the experts its MoE layers chose (``enable_return_routed_experts``,
-    seen in vLLM 0.26 and 0.33); a ValueError naming the fix otherwise."""
+    """True when the installed vLLM can return the experts its MoE layers chose
+    (``enable_return_routed_experts``, seen in vLLM 0.26 and 0.33); a ValueError naming the fix otherwise."""
     import vllm
     from vllm.engine.arg_utils import EngineArgs
 
     if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(EngineArgs)}:
         raise ValueError(
             f"rollout.return_routed_experts=true needs a vLLM that returns routed experts "
-            f"(EngineArgs.enable_return_routed_experts, vLLM 0.26 or newer); vLLM {vllm.__version__} is installed: "
-            "upgrade vLLM, use rollout.name=hf, or use actor.engine.router_replay.mode=R2"
+            f"(EngineArgs.enable_return_routed_experts, vLLM 0.26 or newer); vLLM {vllm.__version__} is "
+            "installed: upgrade vLLM, use rollout.name=hf, or use actor.engine.router_replay.mode=R2"
         )
     return True
 
@@ -103,8 +105,8 @@ def eos_token_ids(model_path: str) -> list[int]:
 
 def with_user_kwargs(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
     """``rollout.engine_kwargs`` over posttrain's engine arguments: theirs win, key by key, and a
-    ``compilation_config`` dict is merged into posttrain's (so ``{"cudagraph_mode": "FULL"}`` keeps the decode-graph
-    capture size posttrain sets above 512 sequences, unless it names one itself)."""
+    ``compilation_config`` dict is merged into posttrain's (so ``{"cudagraph_mode": "FULL"}`` keeps the
+    decode-graph capture size posttrain sets above 512 sequences, unless it names one itself)."""
     merged = {**ours, **theirs}
     mine, given = ours.get("compilation_config"), theirs.get("compilation_config")
     if isinstance(mine, dict) and isinstance(given, dict):
@@ -130,9 +132,9 @@ class VLLMRollout(BaseRollout):
         ``model`` is the HF directory or its :class:`ModelConfig` (the trainer passes ``model``: its
         ``override_config`` reaches vLLM as ``hf_overrides``); a ``lora_rank`` > 0 (there or as keyword)
         starts vLLM with LoRA enabled so adapters sync as adapters. ``dtype`` overrides ``config.dtype``.
-        ``deterministic`` (the trainer passes ``actor.engine.full_determinism``) turns on vLLM's batch-invariant
-        mode before the engine is built, on a GPU (:func:`~posttrain.rollout_vllm.engines.enable_batch_invariance`;
-        on a CPU it warns and stays off)."""
+        ``deterministic`` (the trainer passes ``actor.engine.full_determinism``) turns on vLLM's
+        batch-invariant mode before the engine is built, on a GPU
+        (:func:`~posttrain.rollout_vllm.engines.enable_batch_invariance`; on a CPU it warns and stays off)."""
         if not isinstance(model, ModelConfig):
             model = ModelConfig(path=model, trust_remote_code=trust_remote_code)
         if lora_rank is not None:
@@ -146,7 +148,8 @@ class VLLMRollout(BaseRollout):
         check_platform(self.device)
         self.executor = self._resolve_executor()
         self.serves_requests = config.serves_requests
-        """:meth:`agenerate` works (``posttrain.core.rollout.serves_requests``): with the server executor only."""
+        """:meth:`agenerate` works (``posttrain.core.rollout.serves_requests``): with the server executor
+        only."""
         self.transport_kind = self._resolve_transport()
         self.sleep_enabled = self.device.type == "cuda" and config.free_cache_engine
         self.eos_ids = eos_token_ids(model.path)
@@ -269,9 +272,9 @@ class VLLMRollout(BaseRollout):
         from vllm.sampling_params import RequestOutputKind
 
         # FINAL_ONLY: one output per request holding all n samples (the async engine otherwise streams them).
-        # The trainer reads token ids and the sampled tokens' log-probs only: no detokenizing (vLLM would decode
-        # every token of every sample on the host), and the log-probs as one flat list per sample instead of a
-        # {token: Logprob} dict per token.
+        # The trainer reads token ids and the sampled tokens' log-probs only: no detokenizing (vLLM would
+        # decode every token of every sample on the host), and the log-probs as one flat list per sample
+        # instead of a {token: Logprob} dict per token.
         return SamplingParams(
             detokenize=False,
             flat_logprobs=True,
@@ -321,7 +324,8 @@ class VLLMRollout(BaseRollout):
     @contextlib.contextmanager
     def _filling_prefix_cache(self):
         """Marks the prefix cache filled when requests go in and again when they are done: a request held back
-        while a server-executor sync ran (:meth:`AsyncFront.paused`) fills the cache after that sync's reset."""
+        while a server-executor sync ran (:meth:`AsyncFront.paused`) fills the cache after that sync's
+        reset."""
         self._prefix_filled = True
         try:
             yield
@@ -337,8 +341,8 @@ class VLLMRollout(BaseRollout):
         base_sync_done: bool = False,
         version: int | None = None,
     ) -> SyncReport:
-        """Sync the base weights, or (``peft_config`` and ``base_sync_done``) the LoRA adapter only; the workers
-        serve ``version`` once the sync is complete (:meth:`weight_version`)."""
+        """Sync the base weights, or (``peft_config`` and ``base_sync_done``) the LoRA adapter only; the
+        workers serve ``version`` once the sync is complete (:meth:`weight_version`)."""
         kind = "lora" if peft_config is not None and base_sync_done else "base"
         if kind == "lora" and not self._base_synced:
             raise ValueError(
@@ -409,8 +413,8 @@ class VLLMRollout(BaseRollout):
 
     @property
     def prefix_cache_filled(self) -> bool:
-        """True when vLLM's prefix cache may hold blocks computed since its last reset: a request was submitted
-        since a sync's reset or a sleep. Only then does a sync reset the cache."""
+        """True when vLLM's prefix cache may hold blocks computed since its last reset: a request was
+        submitted since a sync's reset or a sleep. Only then does a sync reset the cache."""
         return self.config.enable_prefix_caching and self._prefix_filled
 
     def _reset_after_sync(self) -> None:
@@ -422,13 +426,14 @@ class VLLMRollout(BaseRollout):
             )
 
     def reset_prefix_cache(self) -> bool:
-        """Drop vLLM's prefix-cache entries now; False if vLLM refuses (requests running). A sync calls it after
-        new weights are in, only when entries can exist (:attr:`prefix_cache_filled`): vLLM's reset walks every KV block in Python (22 ms of a profiled 1.5B sync: 83,688 blocks in 0.3 of an H200).
+        """Drop vLLM's prefix-cache entries now; False if vLLM refuses (requests running). A sync calls it
+        after new weights are in, only when entries can exist (:attr:`prefix_cache_filled`): vLLM's reset
+        walks every KV block in Python (22 ms of a profiled 1.5B sync: 83,688 blocks in 0.3 of an H200).
         Entries come only from scheduled requests, so with the cache off, or when nothing was submitted since
         the last reset, no block carries a hash that could serve keys and values of the old weights. vLLM's
         ``sleep`` (levels 1 and 2) resets the cache itself (``EngineCore.sleep`` ->
-        ``pause_scheduler(clear_cache=True)`` in vLLM 0.26 and 0.33), so in the trainer's cycle (generate, sleep,
-        train, wake the weights, sync) the sync has nothing to reset."""
+        ``pause_scheduler(clear_cache=True)`` in vLLM 0.26 and 0.33), so in the trainer's cycle (generate,
+        sleep, train, wake the weights, sync) the sync has nothing to reset."""
         if not self.engine.reset_prefix_cache():
             return False
         self._prefix_filled = False
@@ -450,8 +455,8 @@ class VLLMRollout(BaseRollout):
 
     @property
     def sender(self) -> BucketSender:
-        """The bucket sender over :attr:`transport`, kept with it: a sync packs the layout of the last one into the
-        buffer views it already holds."""
+        """The bucket sender over :attr:`transport`, kept with it: a sync packs the layout of the last one
+        into the buffer views it already holds."""
         if self._sender is None:
             transport = self.transport
             self._sender = BucketSender(

@@ -1,21 +1,23 @@
 """Bucket transports from the trainer's process to vLLM's workers, and the worker side that opens them.
 
 engine-core's :class:`~posttrain.core.weight_sync.BucketSender` packs the weight stream into one reusable byte
-buffer. The transports here decide where that buffer lives and what goes through ``collective_rpc`` per bucket:
+buffer. The transports here decide where that buffer lives and what goes through ``collective_rpc`` per
+bucket:
 
 - ``inprocess``: the worker runs in this process (``external_launcher`` under torchrun, or
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The payload is the :class:`Bucket` itself: its tensors travel by
   reference, zero copy, on CPU or GPU.
-- ``shm`` (CPU, worker in another process): the buffer is one POSIX shared-memory segment created once; the payload
-  is pickled bytes holding the segment name and the tensor metadata. Tensors cannot be ``collective_rpc``
-  arguments there: vLLM encodes them with msgpack and the worker receives ``[dtype, shape, index]`` lists.
-- ``cuda_ipc`` (GPU, worker in another process): the buffer lives on the trainer's GPU and its CUDA IPC handle is
-  exported once; the payload is pickled bytes holding the handle and the metadata. The receiver maps the same
-  device memory, so the only copy is the receiver's own read.
+- ``shm`` (CPU, worker in another process): the buffer is one POSIX shared-memory segment created once; the
+  payload is pickled bytes holding the segment name and the tensor metadata. Tensors cannot be
+  ``collective_rpc`` arguments there: vLLM encodes them with msgpack and the worker receives
+  ``[dtype, shape, index]`` lists.
+- ``cuda_ipc`` (GPU, worker in another process): the buffer lives on the trainer's GPU and its CUDA IPC handle
+  is exported once; the payload is pickled bytes holding the handle and the metadata. The receiver maps the
+  same device memory, so the only copy is the receiver's own read.
 
-The sender returns from ``send`` only after the worker has consumed the bucket (``collective_rpc`` is blocking),
-so the next bucket can overwrite the buffer. :class:`BucketOpener` is the receiving half: it maps a payload's
-buffer (once per segment or handle) and returns the :class:`Bucket`; checksums are verified by the
+The sender returns from ``send`` only after the worker has consumed the bucket (``collective_rpc`` is
+blocking), so the next bucket can overwrite the buffer. :class:`BucketOpener` is the receiving half: it maps a
+payload's buffer (once per segment or handle) and returns the :class:`Bucket`; checksums are verified by the
 :class:`~posttrain.core.weight_sync.BucketReceiver` that consumes it.
 """
 
@@ -35,7 +37,8 @@ Send = Callable[[Any], None]
 
 
 class LocalBuffer:
-    """``inprocess``: a plain tensor on the trainer's device; the payload is the bucket itself (by reference)."""
+    """``inprocess``: a plain tensor on the trainer's device; the payload is the bucket itself (by
+    reference)."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -50,8 +53,9 @@ class LocalBuffer:
 
 
 def _payload(buffer: SharedMemoryBuffer | CudaIpcBuffer, bucket: Bucket) -> bytes:
-    """What goes through ``collective_rpc`` for a bucket in a shared buffer: pickled bytes holding the buffer's
-    kind and handle and the tensor metadata (the packed bytes made visible to the other process first)."""
+    """What goes through ``collective_rpc`` for a bucket in a shared buffer: pickled bytes holding the
+    buffer's kind and handle and the tensor metadata (the packed bytes made visible to the other process
+    first)."""
     buffer.before_send()
     meta = {"kind": buffer.kind, "handle": buffer.handle, "metas": bucket.metas}
     return pickle.dumps({**meta, "index": bucket.index, "is_last": bucket.is_last})

@@ -1,5 +1,5 @@
-"""What every ``posttrain`` command shares: a bad config exits 2 with one line, and a config dataclass's fields
-with their docstrings make its help."""
+"""What every ``posttrain`` command shares: a bad config exits 2 with one line, and a config dataclass's
+fields with their docstrings make its help."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from posttrain.core.config.loader import ConfigError
 
 
 def exit_code(prog: str, command: Callable[[], Any]) -> int:
-    """Run ``command``: its result when that is an int, else 0; or 2 after printing ``prog: <message>`` to stderr
-    when it raises a :class:`~posttrain.core.config.loader.ConfigError`."""
+    """Run ``command``: its result when that is an int, else 0; or 2 after printing ``prog: <message>`` to
+    stderr when it raises a :class:`~posttrain.core.config.loader.ConfigError`."""
     try:
         result = command()
     except ConfigError as exc:
@@ -42,7 +42,9 @@ def fields_help(cls: type) -> str:
     docs = field_docs(cls)
     lines = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = (
+            f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        )
         lines.append(f"  {f.name}={default}")
         doc = " ".join(docs.get(f.name, "").split())
         lines += [f"      {line}" for line in textwrap.wrap(doc, 100)]

@@ -1,19 +1,21 @@
 """The run's config: one dataclass tree per command, YAML presets and ``key=value`` overrides.
 
 :class:`SFTConfig` (``posttrain sft``) holds model, data, actor (engine + optimizer), trainer and checkpoint;
-:class:`PostTrainConfig` (``posttrain ppo`` / ``grpo``) adds ref, critic, rollout, algorithm, reward and the RL
-trainer keys (``trainer.mode``...). Both take ``model_engine`` (fsdp | fsdp2 | megatron | any installed backend):
+:class:`PostTrainConfig` (``posttrain ppo`` / ``grpo``) adds ref, critic, rollout, algorithm, reward and the
+RL trainer keys (``trainer.mode``...). Both take ``model_engine`` (fsdp | fsdp2 | megatron | any installed
+backend):
 the backend of every role whose ``<role>.engine.strategy`` is null.
 
-Backend names are resolved once, here, when a config is loaded: :func:`schema_for` reads ``model_engine``, each
-role's ``engine.strategy`` and ``rollout.name`` from the merged presets and overrides and puts, through the one
-registry (:mod:`posttrain.core.registry`), the named config class at each node of the schema (declared defaults,
-no ``__post_init__`` run); the merge then builds every dataclass once. After that the tree holds typed configs
-whose ``build(...)`` returns the engine or rollout: nothing downstream reads a backend name. Built in Python,
-``PostTrainConfig(model_engine="megatron")`` turns each plain ``EngineConfig`` into its backend's class the same
-way (:func:`resolve_engine`). The loader refuses, before merging, a ``rollout.<key>`` that the named rollout does
-not declare (a vLLM key under ``rollout.name=hf``), naming the rollout that does. Each component validates its own
-fields; the roots add the rules that span components (checkpoint x engine, parallel layout x world size).
+Backend names are resolved once, here, when a config is loaded: :func:`schema_for` reads ``model_engine``,
+each role's ``engine.strategy`` and ``rollout.name`` from the merged presets and overrides and puts, through
+the one registry (:mod:`posttrain.core.registry`), the named config class at each node of the schema (declared
+defaults, no ``__post_init__`` run); the merge then builds every dataclass once. After that the tree holds
+typed configs whose ``build(...)`` returns the engine or rollout: nothing downstream reads a backend name.
+Built in Python, ``PostTrainConfig(model_engine="megatron")`` turns each plain ``EngineConfig`` into its
+backend's class the same way (:func:`resolve_engine`). The loader refuses, before merging, a ``rollout.<key>``
+that the named rollout does not declare (a vLLM key under ``rollout.name=hf``), naming the rollout that does.
+Each component validates its own fields; the roots add the rules that span components (checkpoint x engine,
+parallel layout x world size).
 """
 
 from __future__ import annotations
@@ -89,8 +91,8 @@ class PostTrainConfig(SFTConfig):
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Generation backend: the fields every rollout shares, plus the named rollout's own (its registered config
-    class, chosen by ``rollout.name``)."""
+    """Generation backend: the fields every rollout shares, plus the named rollout's own (its registered
+    config class, chosen by ``rollout.name``)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage estimator and KL-in-reward (PPO / GRPO)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -114,7 +116,8 @@ ENGINE_HINT = (
 
 
 def backend_config_class(backend: str, key: str) -> type[EngineConfig]:
-    """The installed config class of ``backend``; a ValueError naming ``key`` and what to install otherwise."""
+    """The installed config class of ``backend``; a ValueError naming ``key`` and what to install
+    otherwise."""
     try:
         return engine_config_class(backend)
     except ValueError as exc:
@@ -122,8 +125,8 @@ def backend_config_class(backend: str, key: str) -> type[EngineConfig]:
 
 
 def resolve_engine(engine: EngineConfig, model_engine: str, role: str) -> EngineConfig:
-    """``engine`` as its backend's config class. A plain ``EngineConfig`` (the role default) becomes the class of
-    its ``strategy``, or of ``model_engine`` when that is null, keeping the shared fields it was given; a
+    """``engine`` as its backend's config class. A plain ``EngineConfig`` (the role default) becomes the class
+    of its ``strategy``, or of ``model_engine`` when that is null, keeping the shared fields it was given; a
     backend's own config class is kept as it is."""
     if type(engine) is not EngineConfig:
         return engine
@@ -135,14 +138,15 @@ def resolve_engine(engine: EngineConfig, model_engine: str, role: str) -> Engine
 
 
 def installed_rollout_config(name: str) -> type[RolloutConfig] | None:
-    """The config class rollout ``name`` registered, or None when no installed package registers one (an SFT run
-    needs no rollout; an RL trainer names the package to install when it builds the rollout)."""
+    """The config class rollout ``name`` registered, or None when no installed package registers one (an SFT
+    run needs no rollout; an RL trainer names the package to install when it builds the rollout)."""
     return rollout_config_class(name) if name in rollout_config_names() else None
 
 
 def resolve_rollout(rollout: RolloutConfig) -> RolloutConfig:
-    """``rollout`` as the config class its ``name`` registered: a plain ``RolloutConfig`` keeps its shared fields
-    and takes that class's defaults; a rollout's own config class must be the one its name registered."""
+    """``rollout`` as the config class its ``name`` registered: a plain ``RolloutConfig`` keeps its shared
+    fields and takes that class's defaults; a rollout's own config class must be the one its name
+    registered."""
     cls = installed_rollout_config(rollout.name)
     if cls is None:
         if type(rollout) is not RolloutConfig:
@@ -176,14 +180,14 @@ def check_rollout_keys(raw: DictConfig, cls: type[RolloutConfig], name: str) -> 
         owners = [n for n in rollout_config_names() if key in _field_names(rollout_config_class(n))]
         if owners:
             raise ValueError(
-                f"rollout.{key} is a key of the {' and '.join(owners)} rollout, and rollout.name={name!r} does not "
-                f"read it: set rollout.name={owners[0]}, or drop rollout.{key}"
+                f"rollout.{key} is a key of the {' and '.join(owners)} rollout, and rollout.name={name!r} "
+                f"does not read it: set rollout.name={owners[0]}, or drop rollout.{key}"
             )
         if cls is RolloutConfig and name not in rollout_config_names():
             hint = ROLLOUT_PACKAGES.get(name, f"the package that registers rollout {name!r}")
             raise ValueError(
-                f"rollout.{key} is not a key every rollout shares, and rollout.name={name!r} is not installed: "
-                f"install {hint} (it declares its own keys), or drop rollout.{key}"
+                f"rollout.{key} is not a key every rollout shares, and rollout.name={name!r} is not "
+                f"installed: install {hint} (it declares its own keys), or drop rollout.{key}"
             )
 
 
@@ -202,8 +206,8 @@ def resolve_preset(name: str) -> Path:
 def load_config(
     overrides: Sequence[str] = (), presets: Sequence[str] = (), root: type[SFTConfig] = PostTrainConfig
 ) -> SFTConfig:
-    """Defaults <- presets (in order) <- overrides, as a ``root`` tree (the RL one unless told), with each role's
-    engine and the rollout configured by the classes their names registered."""
+    """Defaults <- presets (in order) <- overrides, as a ``root`` tree (the RL one unless told), with each
+    role's engine and the rollout configured by the classes their names registered."""
     preset_paths = [resolve_preset(p) for p in presets]
     dotlist = coerce_file_lists(parse_overrides(overrides))  # data.train_files=/x.parquet -> [/x.parquet]
     raw = OmegaConf.merge(*[OmegaConf.load(p) for p in preset_paths], dotlist)
@@ -216,7 +220,8 @@ def load_config(
 
 
 def _rl_only_hint(message: str, raw: DictConfig, root: type[SFTConfig]) -> str:
-    """``message``, told that its unknown key is an RL key when ``root`` is the SFT tree and the RL tree has it."""
+    """``message``, told that its unknown key is an RL key when ``root`` is the SFT tree and the RL tree has
+    it."""
     key = message.split("'")[1] if message.startswith("unknown config key '") else ""
     if not key or root is PostTrainConfig:
         return message

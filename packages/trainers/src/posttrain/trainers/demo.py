@@ -1,26 +1,27 @@
 """``posttrain demo``: the whole pipeline on a CPU in minutes, with nothing downloaded.
 
 1. ``posttrain model init --size tiny``: a random 0.35 M-parameter Qwen2 and a byte-level BPE chat tokenizer.
-2. ``posttrain data synthetic --task largest``: "Which is the largest of 3, 8, 5?" -> "The largest is 8.\\n#### 8",
-   800 training triples and 100 held-out ones.
+2. ``posttrain data synthetic --task largest``: "Which is the largest of 3, 8, 5?" -> "The largest is
+   8.\\n#### 8", 800 training triples and 100 held-out ones.
 3. SFT with the FSDP2 engine, stopped early on purpose: the model has the format and about half the answers.
-4. GRPO with the FSDP2 engine and the HF rollout: 8 samples per prompt, rule reward 1 for the right number after
-   ``####``, KL loss to the SFT model. Weights are synced into the rollout after every step (checksummed).
+4. GRPO with the FSDP2 engine and the HF rollout: 8 samples per prompt, rule reward 1 for the right number
+   after ``####``, KL loss to the SFT model. Weights are synced into the rollout after every step
+   (checksummed).
 5. The test-set reward (greedy, exact match on the held-out triples) of the SFT model and of the GRPO model, a
    checkpoint, ``metrics.jsonl`` and ``metrics.png`` for both stages.
 
-Why this task: a 0.35 M-parameter model memorises arithmetic facts rather than learning addition, so RL gains on
-training sums do not reach unseen sums; "largest of three" it learns as a rule, so they do.
+Why this task: a 0.35 M-parameter model memorises arithmetic facts rather than learning addition, so RL gains
+on training sums do not reach unseen sums; "largest of three" it learns as a rule, so they do.
 
 ``posttrain demo --task calculator`` (or ``task=calculator``) runs the multi-turn version: "What is 47 * 83?"
-with a ``calculator`` tool (posttrain-envs). SFT on tool-use traces (call, result, ``#### <product>``), then GRPO
-through the agent loop (docs/agents.md): each episode calls the tool, reads its result and answers; the
+with a ``calculator`` tool (posttrain-envs). SFT on tool-use traces (call, result, ``#### <product>``), then
+GRPO through the agent loop (docs/agents.md): each episode calls the tool, reads its result and answers; the
 environment scores the answer. The test-set reward is then the held-out success rate. The tiny model cannot
 multiply; what it must learn is to copy the operands into the call and the tool's result into the answer. Its
-own defaults: SFT until the first checkpoint (one every 10 steps) whose greedy success on 50 validation questions
-reaches ``sft_pick=0.3``, at most 1200 steps (the copying is learned late, after a plateau, and then within 30-40
-steps; :mod:`.demo_pick` says why GRPO needs a checkpoint from that rise), then 20 GRPO steps from that
-checkpoint at lr 1e-4 warmed up over the first 10, with episodes sampled at temperature 0.5 (see
+own defaults: SFT until the first checkpoint (one every 10 steps) whose greedy success on 50 validation
+questions reaches ``sft_pick=0.3``, at most 1200 steps (the copying is learned late, after a plateau, and then
+within 30-40 steps; :mod:`.demo_pick` says why GRPO needs a checkpoint from that rise), then 20 GRPO steps
+from that checkpoint at lr 1e-4 warmed up over the first 10, with episodes sampled at temperature 0.5 (see
 docs/agents.md). The log names the checkpoint and why.
 
 Every knob is a ``key=value`` override of :class:`DemoConfig`, e.g. ``posttrain demo grpo_steps=40``;
@@ -71,16 +72,16 @@ class DemoConfig:
     """GRPO learning rate; None: the task's (largest 2e-4, calculator 1e-4)."""
     sft_pick: float | None = None
     """SFT saves a checkpoint every 10 steps and stops at the first whose greedy success on the ``num_val``
-    validation questions reaches this, a rate in (0, 1]; GRPO starts from it, or from the last SFT step when none
-    does. None: the task's (calculator 0.3; largest none: all ``sft_steps``, no validation questions)."""
+    validation questions reaches this, a rate in (0, 1]; GRPO starts from it, or from the last SFT step when
+    none does. None: the task's (calculator 0.3; largest none: all ``sft_steps``, no validation questions)."""
     num_val: int = 50
     """Validation questions (neither trained on nor in the test set) that score the SFT checkpoints for
     ``sft_pick``."""
     seed: int = 0
     """Seed of the model init and the data."""
     trainer_mode: str = "sync"
-    """GRPO's ``trainer.mode``: sync, one_step_off (the next step's rollout generates while this step trains) or
-    async (see docs/rl.md)."""
+    """GRPO's ``trainer.mode``: sync, one_step_off (the next step's rollout generates while this step trains)
+    or async (see docs/rl.md)."""
 
 
 def _last(metrics_path: Path, key: str) -> tuple[float | None, float | None]:
@@ -221,7 +222,8 @@ def _grpo(cfg: DemoConfig, model: Path, files: dict[str, Path], out: Path) -> No
 
 
 def run(cfg: DemoConfig) -> dict[str, float]:
-    """Model, data, SFT, the SFT checkpoint GRPO starts from, GRPO; the test-set rewards before and after GRPO."""
+    """Model, data, SFT, the SFT checkpoint GRPO starts from, GRPO; the test-set rewards before and after
+    GRPO."""
     cfg = resolved(cfg)
     out = Path(cfg.out_dir)
     start = time.perf_counter()
@@ -250,7 +252,10 @@ def run(cfg: DemoConfig) -> dict[str, float]:
 
 def usage() -> str:
     """``posttrain demo --help``: what the demo does and every knob with its default and meaning."""
-    return f"usage: posttrain demo [key=value ...]\n\n{__doc__.strip()}\n\nknobs (key=default):\n{fields_help(DemoConfig)}"
+    return (
+        f"usage: posttrain demo [key=value ...]\n\n{__doc__.strip()}\n\nknobs (key=default):\n"
+        f"{fields_help(DemoConfig)}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

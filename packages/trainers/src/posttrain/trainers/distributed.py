@@ -1,13 +1,13 @@
 """Process-group set-up for trainers started by torchrun (or as one plain process) and small collectives.
 
-Under torchrun (``WORLD_SIZE`` set) the default group is created with NCCL when CUDA is visible, else gloo, and
-each process takes GPU ``LOCAL_RANK``. A plain ``python`` run stays single-process with no group. The helpers
-reduce Python floats over the whole world and are no-ops without a group.
+Under torchrun (``WORLD_SIZE`` set) the default group is created with NCCL when CUDA is visible, else gloo,
+and each process takes GPU ``LOCAL_RANK``. A plain ``python`` run stays single-process with no group. The
+helpers reduce Python floats over the whole world and are no-ops without a group.
 
-:class:`Replicas` is what a trainer needs to drive a model-parallel engine (Megatron TP/PP/CP > 1): the ranks of
-one model-parallel group share a data-parallel rank, so they must consume the same batch, and only one of them
-(``is_mp_src_rank_with_outputs()``) gets the engine's outputs and loss metrics back. The trainer makes the data
-on that source rank and broadcasts it, then broadcasts outputs and metrics the same way.
+:class:`Replicas` is what a trainer needs to drive a model-parallel engine (Megatron TP/PP/CP > 1): the ranks
+of one model-parallel group share a data-parallel rank, so they must consume the same batch, and only one of
+them (``is_mp_src_rank_with_outputs()``) gets the engine's outputs and loss metrics back. The trainer makes
+the data on that source rank and broadcasts it, then broadcasts outputs and metrics the same way.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def check_world_size(expected: int) -> None:
     if world_size() != expected:
         raise ValueError(
             f"this run has {world_size()} processes but trainer.nnodes x trainer.n_gpus_per_node = "
-            f"{expected}: set trainer.nnodes and trainer.n_gpus_per_node so that their product is {world_size()}"
+            f"{expected}: set trainer.nnodes and trainer.n_gpus_per_node so that their product is "
+            f"{world_size()}"
         )
 
 

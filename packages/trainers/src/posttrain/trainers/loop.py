@@ -1,8 +1,9 @@
 """The step loop the SFT and RL trainers share: validation and checkpoint cadence, logging, teardown.
 
 At the start of ``fit()`` rank 0 writes the resolved config and the installed versions to
-``<trainer.default_local_dir>/config.yaml`` (:mod:`.run_record`). A trainer provides ``train_step()``, ``validate()`` and ``save_checkpoint(step)`` and the attributes set in its
-constructor (``cfg``, ``tracker``, ``ckpt``, ``global_step``, ``total_steps``, ``val_set``, ``owns_group``).
+``<trainer.default_local_dir>/config.yaml`` (:mod:`.run_record`). A trainer provides ``train_step()``,
+``validate()`` and ``save_checkpoint(step)`` and the attributes set in its constructor (``cfg``, ``tracker``,
+``ckpt``, ``global_step``, ``total_steps``, ``val_set``, ``owns_group``).
 Validation runs every ``trainer.test_freq`` steps and after the last one (and before the first with
 ``trainer.val_before_train``); checkpoints every ``trainer.save_freq`` steps and after the last one.
 """
@@ -93,7 +94,8 @@ class StepLoop:
         self.ckpt.close()
         self.release()
         png = self.tracker.finish()
-        # vLLM's external_launcher tears the default group down itself when its engine shuts down (release above).
+        # vLLM's external_launcher tears the default group down itself when its engine shuts down (release
+        # above).
         if self.owns_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return png

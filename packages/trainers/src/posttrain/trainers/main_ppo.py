@@ -30,8 +30,8 @@ def parser(prog: str) -> argparse.ArgumentParser:
 
 
 def resolve(argv: Sequence[str], algorithm: str = "ppo") -> PostTrainConfig:
-    """The config ``posttrain <algorithm> argv`` trains with: the command's presets, then ``--config`` presets in
-    order, then ``key=value`` overrides."""
+    """The config ``posttrain <algorithm> argv`` trains with: the command's presets, then ``--config`` presets
+    in order, then ``key=value`` overrides."""
     args = parser(f"posttrain {algorithm}").parse_args(list(argv))
     return load_config(args.overrides, [*COMMAND_PRESETS[algorithm], *args.config])
 

@@ -11,8 +11,8 @@ def require_model_weights(
     model: ModelConfig, engine: EngineConfig, rollout_loads_weights: bool = False
 ) -> None:
     """Refuse a ``model.path`` without weights before anything is built
-    (:meth:`~posttrain.core.config.ModelConfig.require_weights`); an actor ``engine`` that starts from a Megatron
-    dist_ckpt (``use_dist_checkpointing``) needs none, unless a rollout loads them too."""
+    (:meth:`~posttrain.core.config.ModelConfig.require_weights`); an actor ``engine`` that starts from a
+    Megatron dist_ckpt (``use_dist_checkpointing``) needs none, unless a rollout loads them too."""
     from_dist_ckpt = getattr(engine, "use_dist_checkpointing", False)
     if rollout_loads_weights or not from_dist_ckpt:
         model.require_weights("model.path")

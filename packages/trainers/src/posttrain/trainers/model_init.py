@@ -5,18 +5,18 @@ The tokenizer is a byte-level BPE trained with the ``tokenizers`` library on a s
 learnable), the 256 byte symbols are always in the vocabulary (any text encodes), and ChatML special tokens
 ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos) are added. It is wrapped as a
 ``PreTrainedTokenizerFast`` with a ChatML chat template. The corpus only supports about 440 tokens; a larger
-vocabulary (``0.5b`` and ``1.5b`` take Qwen2.5's 151,936) is filled with synthetic byte-pair merges of the byte
-alphabet (pairs first, then pair + byte), ranked after the trained ones; every id decodes to bytes and digits
-stay one token each. The model is built with ``AutoModelForCausalLM.from_config``
+vocabulary (``0.5b`` and ``1.5b`` take Qwen2.5's 151,936) is filled with synthetic byte-pair merges of the
+byte alphabet (pairs first, then pair + byte), ranked after the trained ones; every id decodes to bytes and
+digits stay one token each. The model is built with ``AutoModelForCausalLM.from_config``
 under a fixed seed, its vocabulary rounded up to a multiple of 64.
-Sizes: ``tiny`` (hidden 128, 2 heads of head_dim 64, 1 KV head, 2 layers: about 0.35 M parameters, so SFT and GRPO
-run in minutes on two CPU cores; head_dim 64 is what vLLM's CPU attention accepts), ``small``, and the shapes of
-Qwen2.5-0.5B (``0.5b``: hidden 896, 24 layers, 14 heads, 2 KV heads, 494 M parameters) and Qwen2.5-1.5B
-(``1.5b``: hidden 1536, 28 layers, 12 heads, 2 KV heads, 1.54 B parameters) with random weights, for benchmarks;
-``0.6b`` is the shape of Qwen3-0.6B (hidden 1024, 28 layers, 16 heads of head_dim 128, 8 KV heads). ``--arch``
-is ``qwen2``, ``qwen3`` (Qwen3 adds per-head q/k norms; the torchtitan engine builds Qwen3) or ``qwen3_moe``
-(Qwen3 with every MLP a mixture of :data:`MOE_EXPERTS` experts, top-:data:`MOE_TOP_K` routing with normalised
-weights, each expert a quarter of the size's ``intermediate_size``).
+Sizes: ``tiny`` (hidden 128, 2 heads of head_dim 64, 1 KV head, 2 layers: about 0.35 M parameters, so SFT and
+GRPO run in minutes on two CPU cores; head_dim 64 is what vLLM's CPU attention accepts), ``small``, and the
+shapes of Qwen2.5-0.5B (``0.5b``: hidden 896, 24 layers, 14 heads, 2 KV heads, 494 M parameters) and
+Qwen2.5-1.5B (``1.5b``: hidden 1536, 28 layers, 12 heads, 2 KV heads, 1.54 B parameters) with random weights,
+for benchmarks; ``0.6b`` is the shape of Qwen3-0.6B (hidden 1024, 28 layers, 16 heads of head_dim 128, 8 KV
+heads). ``--arch`` is ``qwen2``, ``qwen3`` (Qwen3 adds per-head q/k norms; the torchtitan engine builds Qwen3)
+or ``qwen3_moe`` (Qwen3 with every MLP a mixture of :data:`MOE_EXPERTS` experts, top-:data:`MOE_TOP_K` routing
+with normalised weights, each expert a quarter of the size's ``intermediate_size``).
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
 
 
 def extend_vocab(tokenizer: Any, size: int):
-    """A copy of the byte-level BPE ``tokenizer`` with synthetic merges appended until it has ``size`` tokens."""
+    """A copy of the byte-level BPE ``tokenizer`` with synthetic merges appended until it has ``size``
+    tokens."""
     from tokenizers import Tokenizer, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

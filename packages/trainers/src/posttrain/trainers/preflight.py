@@ -3,9 +3,10 @@ command exits 2) naming the key and the fix, so no work is lost to a mistake fou
 
 * ``trainer.default_local_dir`` can be created and written (a probe file) and its file system has room for one
   checkpoint, estimated from the parameter count: fp32 weights (4 bytes a parameter) plus AdamW's two fp32
-  moments (8) when ``optimizer`` is saved, plus the model's own dtype when ``hf_model`` is, for every trained role;
-* lengths fit: SFT's ``data.max_length`` and RL's ``rollout.prompt_length + rollout.response_length`` within the
-  model's ``max_position_embeddings`` and within ``rollout.max_model_len`` when that is set;
+  moments (8) when ``optimizer`` is saved, plus the model's own dtype when ``hf_model`` is, for every trained
+  role;
+* lengths fit: SFT's ``data.max_length`` and RL's ``rollout.prompt_length + rollout.response_length`` within
+  the model's ``max_position_embeddings`` and within ``rollout.max_model_len`` when that is set;
 * the data has the columns the config names (SFT: ``data.messages_key``; RL: ``data.prompt_key``,
   ``data.reward_fn_key`` and ``reward_model``), checked from the parquet schemas;
 * RL: every ``data_source`` of the training and validation files has a rule-based scorer, unless
@@ -99,8 +100,8 @@ def _check_lengths(model: dict[str, Any], lengths: dict[str, int], max_model_len
             )
         if max_model_len is not None and n > max_model_len:
             raise ConfigError(
-                f"{key} = {n} tokens exceeds rollout.max_model_len={max_model_len}: raise rollout.max_model_len "
-                f"to {n} or leave it null (then it is prompt_length + response_length)"
+                f"{key} = {n} tokens exceeds rollout.max_model_len={max_model_len}: raise "
+                f"rollout.max_model_len to {n} or leave it null (then it is prompt_length + response_length)"
             )
 
 
@@ -126,8 +127,8 @@ def _check_columns(path: str, key: str, columns: dict[str, tuple[str, str | None
     for column, (config_key, expected) in columns.items():
         if column not in schema.names:
             raise ConfigError(
-                f"{key}: {path}: column {column!r} is missing (its columns: {schema.names}); {config_key} names "
-                f"it: set {config_key} to the column that holds it, or fix the file"
+                f"{key}: {path}: column {column!r} is missing (its columns: {schema.names}); {config_key} "
+                f"names it: set {config_key} to the column that holds it, or fix the file"
             )
         if expected is not None:
             try:
@@ -168,8 +169,8 @@ def check_output_dir(cfg: Any, roles: int) -> None:
         need, free = _room(cfg, out, roles)
     except OSError as exc:
         raise ConfigError(
-            f"{key}={str(out)!r} cannot be written ({type(exc).__name__}: {exc.strerror or exc}): checkpoints and "
-            f"logs go there; point {key} at a folder you can write"
+            f"{key}={str(out)!r} cannot be written ({type(exc).__name__}: {exc.strerror or exc}): "
+            f"checkpoints and logs go there; point {key} at a folder you can write"
         ) from None
     finally:
         for path in created:  # leave no trace: the trainer creates the folder when it writes
@@ -177,7 +178,7 @@ def check_output_dir(cfg: Any, roles: int) -> None:
                 path.rmdir()
     if need > free:
         raise ConfigError(
-            f"{key}={str(out)!r} has {free / 1e9:.2f} GB free, and one checkpoint needs about {need / 1e9:.2f} GB "
-            f"(checkpoint.save_contents={list(cfg.checkpoint.save_contents)}): free space or point {key} at a "
-            "larger file system"
+            f"{key}={str(out)!r} has {free / 1e9:.2f} GB free, and one checkpoint needs about "
+            f"{need / 1e9:.2f} GB (checkpoint.save_contents={list(cfg.checkpoint.save_contents)}): free "
+            f"space or point {key} at a larger file system"
         )

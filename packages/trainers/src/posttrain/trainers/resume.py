@@ -1,10 +1,11 @@
 """Where a trainer resumes from: ``trainer.resume_mode`` = auto | disable | resume_path.
 
-``auto`` takes the newest checkpoint under ``trainer.default_local_dir`` whose files all match the checksums its
-save recorded (:func:`posttrain.ckpt.find_intact`; a newer damaged or incomplete step is named in a warning and
-skipped; none: start fresh); ``resume_path`` takes ``trainer.resume_from_path``, which must be an intact
-``global_step_<N>`` directory (the step comes from that directory's own name, never from a parent's): a damaged
-one is refused with what is wrong and the newest intact step to use instead; ``disable`` always starts fresh.
+``auto`` takes the newest checkpoint under ``trainer.default_local_dir`` whose files all match the checksums
+its save recorded (:func:`posttrain.ckpt.find_intact`; a newer damaged or incomplete step is named in a
+warning and skipped; none: start fresh); ``resume_path`` takes ``trainer.resume_from_path``, which must be an
+intact ``global_step_<N>`` directory (the step comes from that directory's own name, never from a parent's): a
+damaged one is refused with what is wrong and the newest intact step to use instead; ``disable`` always starts
+fresh.
 Both verify on every rank (collective), each rank reading its share of the files.
 """
 

@@ -23,7 +23,8 @@ DEFAULT_MAX_TOKEN_LEN_PER_GPU = 16384
 
 def fill_token_budget(engine: EngineConfig, longest: int) -> None:
     """Give ``engine`` a micro-batch token budget when ``use_dynamic_bsz`` has none:
-    ``max(DEFAULT_MAX_TOKEN_LEN_PER_GPU, longest)``, so the run's longest sequence (``longest`` tokens) fits."""
+    ``max(DEFAULT_MAX_TOKEN_LEN_PER_GPU, longest)``, so the run's longest sequence (``longest`` tokens)
+    fits."""
     if engine.use_dynamic_bsz and engine.max_token_len_per_gpu is None:
         engine.max_token_len_per_gpu = max(DEFAULT_MAX_TOKEN_LEN_PER_GPU, longest)
 

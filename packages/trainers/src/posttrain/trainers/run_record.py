@@ -37,8 +37,8 @@ def installed_versions() -> dict[str, str]:
 
 
 def write_run_record(cfg: Any, directory: str | Path, command: str) -> Path:
-    """Write ``cfg`` (a dataclass config tree) to ``directory/config.yaml`` with the versions header; ``command``
-    is the ``posttrain`` subcommand that reruns it. Returns the file's path."""
+    """Write ``cfg`` (a dataclass config tree) to ``directory/config.yaml`` with the versions header;
+    ``command`` is the ``posttrain`` subcommand that reruns it. Returns the file's path."""
     path = Path(directory) / CONFIG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -7,13 +7,13 @@ each data-parallel rank a contiguous share as one packed batch, and runs ``engin
 ``sum(-log p * mask) / global_num_tokens * dp_size`` per micro-batch: after the engine averages gradients over
 data-parallel ranks this is the mean over every assistant token of the global batch, whatever the layout, so
 one process and N processes see the same loss and gradient. Token accuracy (``train/token_acc``,
-``val/token_acc``) is the fraction of those tokens that are the argmax of the logits predicting them, computed by
-the engine inside its forward (``batch.meta['calculate_accuracy']``); an engine that does not compute it is named
-in a warning at start and the metric is absent. The learning rate follows ``actor.optim``'s schedule
+``val/token_acc``) is the fraction of those tokens that are the argmax of the logits predicting them, computed
+by the engine inside its forward (``batch.meta['calculate_accuracy']``); an engine that does not compute it is
+named in a warning at start and the metric is absent. The learning rate follows ``actor.optim``'s schedule
 over the run's total steps. Validation loss and token accuracy (over the whole validation set) run every
-``trainer.test_freq`` steps and at the end; checkpoints (engine state under ``actor/``, the sampler position in
-``data.pt``) are committed every ``trainer.save_freq`` steps and at the end, and a resumed run continues with
-the next unseen batch.
+``trainer.test_freq`` steps and at the end; checkpoints (engine state under ``actor/``, the sampler position
+in ``data.pt``) are committed every ``trainer.save_freq`` steps and at the end, and a resumed run continues
+with the next unseen batch.
 
     posttrain sft --config sft_tiny model.path=/tmp/tiny data.train_files=[/tmp/data/train.parquet]
     torchrun --nproc_per_node 2 -m posttrain.trainers.sft --config sft_tiny trainer.n_gpus_per_node=2 ...
@@ -187,7 +187,8 @@ class SFTTrainer(StepLoop):
         ) * self.sampler.batch_size
 
     def validate(self) -> dict[str, float]:
-        """Token-mean NLL and token accuracy over the whole validation set (empty without ``data.val_files``)."""
+        """Token-mean NLL and token accuracy over the whole validation set (empty without
+        ``data.val_files``)."""
         if self.val_set is None:
             return {}
         mine = list(range(len(self.val_set)))[self.dp_rank :: self.dp_size]

@@ -2,16 +2,16 @@
 
 torch starts one intra-op thread per core. On a machine whose cores other processes are using (a shared
 developer box, a CI runner), those threads spin-wait on each other and a step takes several times longer than
-with fewer threads (BENCHMARKS.md, ``bench/cpu_threads.py``). :func:`configure` therefore sets the count, for a
-single process without CUDA, to the cores this process may run on (``os.sched_getaffinity``) that the 1-minute
-load average leaves free, at least one, and says so on stderr. It leaves torch as it is when ``OMP_NUM_THREADS``
-is set (the user chose), under torchrun (``WORLD_SIZE`` > 1: the launcher sets ``OMP_NUM_THREADS``) and when
-CUDA is available (the CPU threads do not run the model).
+with fewer threads (BENCHMARKS.md, ``bench/cpu_threads.py``). :func:`configure` therefore sets the count, for
+a single process without CUDA, to the cores this process may run on (``os.sched_getaffinity``) that the
+1-minute load average leaves free, at least one, and says so on stderr. It leaves torch as it is when
+``OMP_NUM_THREADS`` is set (the user chose), under torchrun (``WORLD_SIZE`` > 1: the launcher sets
+``OMP_NUM_THREADS``) and when CUDA is available (the CPU threads do not run the model).
 
 A checkpoint records the count its run trained with, and :func:`keep` sets it again on resume (under the same
 three exceptions), so a resumed CPU run repeats the uninterrupted one bitwise even when the load has changed
-since: a different count changes the order of float sums (a run on 2 threads and its resume on 1 differed in the
-last bit of a gradient norm).
+since: a different count changes the order of float sums (a run on 2 threads and its resume on 1 differed in
+the last bit of a gradient norm).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def cpu_threads(cores: int, load: float) -> int:
 
 
 def _ours() -> bool:
-    """Whether posttrain picks the count: not when ``OMP_NUM_THREADS`` is set, under torchrun, or with CUDA."""
+    """Whether posttrain picks the count: not when ``OMP_NUM_THREADS`` is set, under torchrun, or with
+    CUDA."""
     if os.environ.get("OMP_NUM_THREADS") or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return False
     return not torch.cuda.is_available()
@@ -59,8 +60,8 @@ def keep(saved: int | None) -> int | None:
         return None
     torch.set_num_threads(saved)
     print(
-        f"torch CPU threads: {saved}, as the checkpoint's run trained with (a resumed run repeats it bitwise only "
-        "on the same count; set OMP_NUM_THREADS=N to choose)",
+        f"torch CPU threads: {saved}, as the checkpoint's run trained with (a resumed run repeats it bitwise "
+        "only on the same count; set OMP_NUM_THREADS=N to choose)",
         file=sys.stderr,
     )
     return saved

@@ -1,5 +1,6 @@
-"""Trainer loop config: length, evaluation, logging, checkpoint cadence and resume (:class:`TrainerConfig`, what
-SFT reads); :class:`RLTrainerConfig` adds the RL keys (``trainer.mode``...) under the same ``trainer`` node."""
+"""Trainer loop config: length, evaluation, logging, checkpoint cadence and resume (:class:`TrainerConfig`,
+what SFT reads); :class:`RLTrainerConfig` adds the RL keys (``trainer.mode``...) under the same ``trainer``
+node."""
 
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ class CheckpointConfig:
     async_save: bool = False
     """Block training only for the device-to-host snapshot and write in the background."""
     max_ckpt_to_keep: int | None = None
-    """Keep at most this many checkpoints (older ones are deleted after a new save succeeds); None keeps all."""
+    """Keep at most this many checkpoints (older ones are deleted after a new save succeeds); None keeps
+    all."""
 
     def __post_init__(self) -> None:
         check_contents(self.save_contents, "checkpoint.save_contents")

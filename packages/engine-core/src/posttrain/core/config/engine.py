@@ -1,12 +1,13 @@
 """The engine config every training backend shares; each backend's own dataclass subclasses it in its package.
 
 Field names and defaults follow verl's ``verl/workers/config/engine.py`` so a verl user's overrides carry over
-after the ``<role>.engine.`` prefix (see docs/migrating-from-verl.md). A backend registers its config class under
-its name in the ``posttrain.engines`` entry-point group (:mod:`posttrain.core.registry`); the class names the
-engine it builds for each model type (:attr:`EngineConfig.engines`) and :meth:`EngineConfig.build` returns it,
-initialised. engine-core names no backend. Each class validates its own fields in ``__post_init__``;
-:meth:`EngineConfig.check_world_size` and :meth:`EngineConfig.check_checkpoint` are the hooks for rules that need
-the world size or the checkpoint config.
+after the ``<role>.engine.`` prefix (see docs/migrating-from-verl.md). A backend registers its config class
+under its name in the ``posttrain.engines`` entry-point group (:mod:`posttrain.core.registry`); the class
+names the engine it builds for each model type (:attr:`EngineConfig.engines`) and :meth:`EngineConfig.build`
+returns it, initialised. engine-core names no backend. Each class validates its own fields in
+``__post_init__``;
+:meth:`EngineConfig.check_world_size` and :meth:`EngineConfig.check_checkpoint` are the hooks for rules that
+need the world size or the checkpoint config.
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ if TYPE_CHECKING:
 
 
 def normalize_dtype(value: str, key: str) -> str:
-    """The canonical torch name of a config dtype (:func:`posttrain.core.dtypes.dtype_name`, the one table)."""
+    """The canonical torch name of a config dtype (:func:`posttrain.core.dtypes.dtype_name`, the one
+    table)."""
     from ..dtypes import dtype_name
 
     return dtype_name(value, key)
 
 
 def resolve_compute_dtype(config: EngineConfig) -> str:
-    """Turn ``config.dtype=auto`` into bfloat16 when CUDA is available and float32 otherwise (a CPU has no fast
-    bf16 matmuls and its tests compare against fp32 references), log the choice, and return the dtype."""
+    """Turn ``config.dtype=auto`` into bfloat16 when CUDA is available and float32 otherwise (a CPU has no
+    fast bf16 matmuls and its tests compare against fp32 references), log the choice, and return the dtype."""
     if config.dtype == "auto":
         import torch
 
@@ -59,18 +61,19 @@ class RouterReplayConfig:
 
 @dataclass(kw_only=True)
 class EngineConfig:
-    """What every backend understands. A backend's subclass fills :attr:`engines` and fixes ``strategy`` to the
-    name it is registered under."""
+    """What every backend understands. A backend's subclass fills :attr:`engines` and fixes ``strategy`` to
+    the name it is registered under."""
 
     engines: ClassVar[dict[str, str]] = {}
-    """model type (``language_model``, ``value_model``) -> ``module:Class`` of the engine this config builds."""
+    """model type (``language_model``, ``value_model``) -> ``module:Class`` of the engine this config
+    builds."""
 
     strategy: str | None = None
-    """Backend name (``fsdp``, ``fsdp2``, ``megatron`` or a third-party one), read once by the config loader to
-    choose this config's class. null: the run's ``model_engine``."""
+    """Backend name (``fsdp``, ``fsdp2``, ``megatron`` or a third-party one), read once by the config loader
+    to choose this config's class. null: the run's ``model_engine``."""
     param_offload: bool | None = False
-    """Keep parameters on the CPU outside train/eval contexts. null (the reference only): the RL trainer chooses
-    from the model's size, the free device memory and the rollout's needs
+    """Keep parameters on the CPU outside train/eval contexts. null (the reference only): the RL trainer
+    chooses from the model's size, the free device memory and the rollout's needs
     (:func:`posttrain.core.memory_policy.choose_ref_offload`) and logs the choice."""
     optimizer_offload: bool = False
     """Keep optimizer state on the CPU outside the train context."""

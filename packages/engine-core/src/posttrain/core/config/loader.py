@@ -72,8 +72,9 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
 def merge_config(
     root: T | DictConfig, presets: Iterable[str | Path] = (), overrides: Sequence[str] | DictConfig = ()
 ) -> T:
-    """Return a new ``root`` (a dataclass instance or class, or a structured schema built from one) with presets
-    then overrides applied and validated: each dataclass is built, and its ``__post_init__`` run, once."""
+    """Return a new ``root`` (a dataclass instance or class, or a structured schema built from one) with
+    presets then overrides applied and validated: each dataclass is built, and its ``__post_init__`` run,
+    once."""
     schema = root if isinstance(root, DictConfig) else OmegaConf.structured(root)
     layers: list[Any] = []
     for preset in presets:

@@ -1,9 +1,9 @@
 """Keys a user may bring that posttrain does not declare: verl's, and posttrain's own renamed or removed ones.
 
-The loader consults :func:`migration_hint` for every key of the presets and overrides before it merges, so such
-a key exits with a message naming the posttrain key it maps to (or saying there is none), instead of "unknown
-config key". The table is data: an entry is a key pattern (``*`` matches one key segment, a trailing ``.**``
-any remaining ones) and the message.
+The loader consults :func:`migration_hint` for every key of the presets and overrides before it merges, so
+such a key exits with a message naming the posttrain key it maps to (or saying there is none), instead of
+"unknown config key". The table is data: an entry is a key pattern (``*`` matches one key segment, a trailing
+``.**`` any remaining ones) and the message.
 """
 
 from __future__ import annotations
@@ -39,21 +39,28 @@ _HF_SAVE = (
 
 MOVED: dict[str, str] = {
     "data.max_response_length": "verl's key; posttrain's is rollout.response_length",
-    "custom_reward_function.*": "verl's key; posttrain's is reward.custom_reward_function=path/to/file.py:name",
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "verl's key; posttrain's is actor.engine.max_token_len_per_gpu",
+    "custom_reward_function.*": (
+        "verl's key; posttrain's is reward.custom_reward_function=path/to/file.py:name"
+    ),
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": (
+        "verl's key; posttrain's is actor.engine.max_token_len_per_gpu"
+    ),
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": (
         "verl's key; posttrain's is actor.engine.micro_batch_size_per_gpu"
     ),
-    "actor_rollout_ref.actor.strategy": "verl's key; posttrain's is model_engine (all roles) or actor.engine.strategy",
+    "actor_rollout_ref.actor.strategy": (
+        "verl's key; posttrain's is model_engine (all roles) or actor.engine.strategy"
+    ),
     "critic.strategy": "verl's key; posttrain's is critic.engine.strategy",
     "trainer.max_actor_ckpt_to_keep": "verl's key; posttrain's is checkpoint.max_ckpt_to_keep",
     _ENGINE + "qat.**": f"removed: {_NO_QAT}; there is no posttrain key",
     _ENGINE + "use_fused_kernels": (
-        "removed: there are no fused log-prob kernels; the engines already compute log-probs and entropy from "
-        "the hidden states in chunks (tune <role>.engine.entropy_from_logits_chunk_size)"
+        "removed: there are no fused log-prob kernels; the engines already compute log-probs and entropy "
+        "from the hidden states in chunks (tune <role>.engine.entropy_from_logits_chunk_size)"
     ),
     _ENGINE + "router_replay.record_file": (
-        "removed: recorded routing stays in memory (batch.fields['routed_experts']); there is no posttrain key"
+        "removed: recorded routing stays in memory (batch.fields['routed_experts']); there is no posttrain "
+        "key"
     ),
     _ENGINE + "router_replay.replay_file": (
         "removed: R3 replays the rollout's routing; set rollout.return_routed_experts=true (no file key)"
@@ -73,8 +80,12 @@ MOVED: dict[str, str] = {
     _ENGINE
     + "use_mbridge": "removed: megatron models are always built through a bridge (see vanilla_mbridge)",
     "*.optim.optimizer": "removed: the optimizer is always torch.optim.AdamW; there is no posttrain key",
-    "data.pad_mode": "removed: batches are always packed without padding (PackedBatch); there is no posttrain key",
-    "rollout.mode": "removed: the vLLM rollout's rollout.executor says where it runs (executor=server is async)",
+    "data.pad_mode": (
+        "removed: batches are always packed without padding (PackedBatch); there is no posttrain key"
+    ),
+    "rollout.mode": (
+        "removed: the vLLM rollout's rollout.executor says where it runs (executor=server is async)"
+    ),
     "checkpoint.portable": f"moved to the megatron engine's config: {_PORTABLE}",
     "checkpoint.mbridge_config": f"moved to the megatron engine's config: write {_HF_SAVE}",
     "checkpoint.mbridge_config.**": f"moved to the megatron engine's config: write {_HF_SAVE}",
@@ -94,8 +105,8 @@ def migration_hint(key: str) -> str | None:
             return f"{key} is verl's key; posttrain's is {ours}{key[len(verl) :]} (see {DOC})"
     if key.startswith("+") or key.startswith("~"):
         return (
-            f"{key}: Hydra's {key[0]}key syntax; posttrain declares every key, so write {key[1:]}=... (`posttrain "
-            f"config show` lists them; see {DOC})"
+            f"{key}: Hydra's {key[0]}key syntax; posttrain declares every key, so write {key[1:]}=... "
+            f"(`posttrain config show` lists them; see {DOC})"
         )
     return None
 

@@ -36,8 +36,8 @@ class ModelConfig:
     """Fields set on the HF config before the model is built."""
     enable_gradient_checkpointing: bool | None = True
     """Recompute decoder-layer activations in backward (the megatron engine: full recompute of each layer;
-    torchtitan: ``engine.activation_checkpointing`` full unless set). null: the engine chooses from the model's size,
-    its micro-batch token budget and the free device memory
+    torchtitan: ``engine.activation_checkpointing`` full unless set). null: the engine chooses from the
+    model's size, its micro-batch token budget and the free device memory
     (:func:`posttrain.core.memory_policy.resolve_gradient_checkpointing`) and logs the choice."""
     lora_rank: int = 0
     """LoRA rank; 0 trains all parameters."""

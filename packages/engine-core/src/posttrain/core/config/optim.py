@@ -38,8 +38,8 @@ class OptimizerConfig:
     min_lr: float = 0.0
     """Final learning rate of the cosine/linear decay."""
     max_skipped_steps_in_a_row: int = 3
-    """An optimizer step whose gradient norm is NaN or inf is skipped (and counted); this many skipped in a row
-    stop the run with an error naming the first non-finite gradient or weight. 0: never stop."""
+    """An optimizer step whose gradient norm is NaN or inf is skipped (and counted); this many skipped in a
+    row stop the run with an error naming the first non-finite gradient or weight. 0: never stop."""
 
     def __post_init__(self) -> None:
         if self.lr_decay_style not in DECAY_STYLES:
@@ -53,7 +53,8 @@ class OptimizerConfig:
             raise ValueError(f"optim.lr_warmup_steps_ratio={self.lr_warmup_steps_ratio} must be in [0, 1]")
         if self.max_skipped_steps_in_a_row < 0:
             raise ValueError(
-                f"optim.max_skipped_steps_in_a_row={self.max_skipped_steps_in_a_row} must be >= 0 (0: never stop)"
+                f"optim.max_skipped_steps_in_a_row={self.max_skipped_steps_in_a_row} must be >= 0 (0: never "
+                "stop)"
             )
         if self.lr < 0 or self.min_lr < 0:
             raise ValueError(f"optim.lr={self.lr} and optim.min_lr={self.min_lr} must be >= 0")

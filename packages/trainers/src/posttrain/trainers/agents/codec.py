@@ -1,14 +1,15 @@
-"""Encode and decode with the tokenizer's Rust backend directly, when that gives the tokenizer's own ids and text.
+"""Encode and decode with the tokenizer's Rust backend directly, when that gives the tokenizer's own ids and
+text.
 
-A Hugging Face fast tokenizer's ``encode(text, add_special_tokens=False)`` sets the backend's truncation, padding
-and ``encode_special_tokens`` for the call, then runs ``backend.encode_batch([text])`` (which hands the one text
-to its thread pool) and wraps the result. The agent loop encodes and decodes on every turn in the process that
-also runs vLLM's front end, so :class:`Codec` calls ``backend.encode(text).ids`` itself when the tokenizer's own
-call would do exactly that: a tokenizer class that does not override the encode or decode path (:data:`PATH`),
-and, checked on every call, a backend with no truncation, no padding and the tokenizer's
+A Hugging Face fast tokenizer's ``encode(text, add_special_tokens=False)`` sets the backend's truncation,
+padding and ``encode_special_tokens`` for the call, then runs ``backend.encode_batch([text])`` (which hands
+the one text to its thread pool) and wraps the result. The agent loop encodes and decodes on every turn in the
+process that also runs vLLM's front end, so :class:`Codec` calls ``backend.encode(text).ids`` itself when the
+tokenizer's own call would do exactly that: a tokenizer class that does not override the encode or decode path
+(:data:`PATH`), and, checked on every call, a backend with no truncation, no padding and the tokenizer's
 ``split_special_tokens``. Otherwise, and for slow tokenizers, it calls the tokenizer. ``decode`` goes to
-``backend.decode`` when the tokenizer does not clean up tokenization spaces (the only thing its ``decode`` adds
-for a list of ids). What the agent loop's turn costs with it and without: BENCHMARKS.md, agent host CPU.
+``backend.decode`` when the tokenizer does not clean up tokenization spaces (the only thing its ``decode``
+adds for a list of ids). What the agent loop's turn costs with it and without: BENCHMARKS.md, agent host CPU.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ BASES = (
 
 
 def plain(tokenizer: Any) -> bool:
-    """Whether ``tokenizer`` is a fast tokenizer whose class keeps transformers' own encode and decode path."""
+    """Whether ``tokenizer`` is a fast tokenizer whose class keeps transformers' own encode and decode
+    path."""
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         return False
     cls = type(tokenizer)
@@ -35,8 +37,8 @@ def plain(tokenizer: Any) -> bool:
 
 
 class Codec:
-    """``tokenizer.encode(text, add_special_tokens=False)`` and ``tokenizer.decode(ids)``, the same ids and text
-    with less Python in between."""
+    """``tokenizer.encode(text, add_special_tokens=False)`` and ``tokenizer.decode(ids)``, the same ids and
+    text with less Python in between."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

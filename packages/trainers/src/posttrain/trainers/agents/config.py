@@ -11,18 +11,21 @@ class AgentConfig:
     """Multi-turn rollouts with an environment and tools (see docs/agents.md)."""
 
     env: str | None = None
-    """Environment name in the ``posttrain.environments`` entry-point group (e.g. ``calculator``), or an importable
-    ``module:Class``; None: single-turn rollouts. A data row's ``extra_info.env`` names another one for that row."""
+    """Environment name in the ``posttrain.environments`` entry-point group (e.g. ``calculator``), or an
+    importable ``module:Class``; None: single-turn rollouts. A data row's ``extra_info.env`` names another one
+    for that row."""
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor; a row's ``extra_info.env_kwargs`` replaces them."""
     parser: str = "hermes"
     """Tool-call format: ``hermes`` (``<tool_call>{json}</tool_call>``, Qwen2.5), ``llama3_json``, or
-    ``qwen3_coder`` (``<tool_call><function=NAME><parameter=KEY>value</parameter>...``, Qwen3-Coder and Qwen3.5;
-    values typed by the tools' schemas)."""
+    ``qwen3_coder`` (``<tool_call><function=NAME><parameter=KEY>value</parameter>...``, Qwen3-Coder and
+    Qwen3.5; values typed by the tools' schemas)."""
     loop: str = "batched"
-    """``batched``: one generate call per turn over every live episode (any rollout; the CPU default). ``async``:
-    each episode advances on its own through ``rollout.agenerate`` (the vLLM rollout with ``rollout.executor=server``;
-    the HF rollout serves one request at a time), no barrier between turns; ``trainer.mode=stream`` needs it."""
+    """``batched``: one generate call per turn over every live episode (any rollout; the CPU default).
+    ``async``:
+    each episode advances on its own through ``rollout.agenerate`` (the vLLM rollout with
+    ``rollout.executor=server``; the HF rollout serves one request at a time), no barrier between turns;
+    ``trainer.mode=stream`` needs it."""
     max_turns: int = 4
     """Assistant turns per episode; an episode still calling tools after the last one is truncated."""
     max_tokens_per_turn: int | None = None
@@ -36,8 +39,8 @@ class AgentConfig:
     """A tool call that has not returned this long after its submission is a ``timeout`` error."""
     tool_workers: int = 256
     """Tool calls that run at once (threads, started as needed); with ``loop=async`` also the episodes whose
-    tools and ``env.step`` run at once. Calls beyond it wait for a thread, so keep it at least the episodes of a
-    step (prompts x ``rollout.n``) when tools mostly wait (network, sleep)."""
+    tools and ``env.step`` run at once. Calls beyond it wait for a thread, so keep it at least the episodes of
+    a step (prompts x ``rollout.n``) when tools mostly wait (network, sleep)."""
     truncated_reward: float | None = 0.0
     """The score of a truncated episode; None scores it like a finished one (the reward function over its
     text)."""
@@ -65,8 +68,8 @@ class AgentConfig:
         if self.env is not None and self.loop == "async" and rollout_config.serves_requests is False:
             raise ValueError(
                 f"agent.loop=async needs a rollout that generates one request at a time (agenerate): "
-                f"rollout.name={rollout_config.name} with these settings does not; use rollout.name=vllm with "
-                "rollout.executor=server, or agent.loop=batched"
+                f"rollout.name={rollout_config.name} with these settings does not; use rollout.name=vllm "
+                "with rollout.executor=server, or agent.loop=batched"
             )
 
     def build(self, tokenizer: Any, rollout_config: Any):

@@ -3,21 +3,22 @@
 Each prompt starts ``sampling.n`` episodes (its GRPO group), each with its own environment (``reset(row)``). A
 turn: one ``rollout.generate`` call over the context ids of every live episode (the trajectory's exact ids,
 :mod:`.tito`), one sample each; the sampled ids and log-probs are appended as they are; the decoded text is
-parsed for tool calls (:mod:`.parsers`), every live episode's calls run at once on the tool pool (:mod:`.tools`),
-and ``env.step`` answers. Its tool results and observation are rendered incrementally and appended with mask 0.
+parsed for tool calls (:mod:`.parsers`), every live episode's calls run at once on the tool pool
+(:mod:`.tools`), and ``env.step`` answers. Its tool results and observation are rendered incrementally and
+appended with mask 0.
 With ``agent.loop=batched`` there is a barrier at every turn (one batched generate over the live episodes; any
 rollout). With ``agent.loop=async`` every episode advances on its own: it awaits ``rollout.agenerate`` for its
 turn (the vLLM rollout with ``rollout.executor=server``: vLLM's ``AsyncLLM`` batches whatever requests are in
-flight; the HF rollout decodes them one at a time), runs its tools and ``env.step`` on a worker thread, and asks
-for its next turn at once, so a slow episode or tool holds back no other. Each request then samples with its own
-seed (the step's seed mixed with the episode and the turn). ``trainer.mode=stream`` plays the same episodes
-(:meth:`AgentLoop.play`) in a pool that runs across batches (:mod:`.stream`).
+flight; the HF rollout decodes them one at a time), runs its tools and ``env.step`` on a worker thread, and
+asks for its next turn at once, so a slow episode or tool holds back no other. Each request then samples with
+its own seed (the step's seed mixed with the episode and the turn). ``trainer.mode=stream`` plays the same
+episodes (:meth:`AgentLoop.play`) in a pool that runs across batches (:mod:`.stream`).
 
 An episode ends when the environment says done, or is *truncated*: its turn hit ``rollout`` length limits or
 ``agent.max_episode_tokens``, the environment's answer would not fit, or it still calls tools after
-``agent.max_turns`` turns. A trajectory always ends on the model's last sampled token (an answer that would not
-fit is not appended), so the score sits on a trained token. The score is the environment's reward when it gave
-one, else the trainer's reward function over the decoded trajectory; a truncated episode scores
+``agent.max_turns`` turns. A trajectory always ends on the model's last sampled token (an answer that would
+not fit is not appended), so the score sits on a trained token. The score is the environment's reward when it
+gave one, else the trainer's reward function over the decoded trajectory; a truncated episode scores
 ``agent.truncated_reward`` when set.
 """
 
@@ -44,7 +45,8 @@ from .tito import KEPT, ChatRenderer, Trajectory
 from .tools import ERROR_KINDS, ToolRunner
 
 Generate = Callable[[list[int], SamplingConfig, int], Awaitable[list[RolloutSample]]]
-"""``(context ids, sampling, prompt index) -> [sample]``: one request of one episode's turn (``rollout.agenerate``)."""
+"""``(context ids, sampling, prompt index) -> [sample]``: one request of one episode's turn
+(``rollout.agenerate``)."""
 
 
 @dataclasses.dataclass
@@ -92,7 +94,8 @@ class AgentLoop:
         if self.prompt_limit + self.episode_tokens > self.context_limit:
             raise ValueError(
                 f"agent.max_episode_tokens={self.episode_tokens} + rollout.prompt_length={self.prompt_limit} "
-                f"exceed the rollout's context of {self.context_limit} tokens: lower it or raise rollout.max_model_len"
+                f"exceed the rollout's context of {self.context_limit} tokens: lower it or raise "
+                "rollout.max_model_len"
             )
         self.runner = ToolRunner(
             tokenizer,
@@ -104,7 +107,8 @@ class AgentLoop:
             max_workers=config.tool_workers, thread_name_prefix="posttrain-step"
         )
         """Where the async loop runs an episode's tools and ``env.step`` (asyncio's default executor would cap
-        the episodes in their tools at once at its own size, 6 to 32 threads, whatever ``agent.tool_workers`` says)."""
+        the episodes in their tools at once at its own size, 6 to 32 threads, whatever ``agent.tool_workers``
+        says)."""
         self.environments = EnvironmentRegistry.from_entry_points()
         """Where ``agent.env`` and a row's ``extra_info.env`` are looked up (installed entry points)."""
         self.environments.get_environment_cls(config.env)  # an unknown name fails before any work
@@ -129,8 +133,8 @@ class AgentLoop:
         ids = renderer.initial(env.reset(row))
         if len(ids) > self.prompt_limit:
             raise ValueError(
-                f"environment {name!r}'s first observation is {len(ids)} tokens with its tools' schemas, more than "
-                f"rollout.prompt_length={self.prompt_limit}: raise rollout.prompt_length"
+                f"environment {name!r}'s first observation is {len(ids)} tokens with its tools' schemas, "
+                f"more than rollout.prompt_length={self.prompt_limit}: raise rollout.prompt_length"
             )
         tools = {fn.__name__: fn for fn in env.tools}
         return Episode(index, prompt, env, tools, renderer, Trajectory(ids))
@@ -247,9 +251,9 @@ class AgentLoop:
         return sum(t[0] for t in totals), sum(t[1] for t in totals)
 
     async def play(self, k: int, e: Episode, generate: Generate, sampling: SamplingConfig):
-        """Episode ``k`` of its call (seeds: ``sampling.prompt_seed(k)`` plus the turn): generate, then its tools
-        on a worker thread, with no wait for other episodes; (seconds generating, seconds in tools and the
-        environment). ``generate`` is ``rollout.agenerate``, or what the episode stream
+        """Episode ``k`` of its call (seeds: ``sampling.prompt_seed(k)`` plus the turn): generate, then its
+        tools on a worker thread, with no wait for other episodes; (seconds generating, seconds in tools and
+        the environment). ``generate`` is ``rollout.agenerate``, or what the episode stream
         (:mod:`.stream`) puts in front of it."""
         gen_s = tool_s = 0.0
         for turn_index in range(self.config.max_turns):
@@ -336,9 +340,9 @@ class AgentLoop:
 
 
 def episode_metrics(episodes: Sequence[Episode], gen_s: float, tool_s: float) -> dict[str, list[float]]:
-    """Per-episode values (the trainer logs their means as ``reward/extra/agent/<key>/mean``): turns, tool calls,
-    tool errors by kind, tool results cut, truncations by reason, and the step's share of loop time spent in
-    tools and the environment rather than generating."""
+    """Per-episode values (the trainer logs their means as ``reward/extra/agent/<key>/mean``): turns, tool
+    calls, tool errors by kind, tool results cut, truncations by reason, and the step's share of loop time
+    spent in tools and the environment rather than generating."""
     share = tool_s / max(gen_s + tool_s, 1e-9)
     out: dict[str, list[float]] = {
         "agent/turns": [float(e.turns) for e in episodes],

@@ -1,11 +1,13 @@
 """Tool-call parsers: the calls in an assistant message, and the calls that could not be read.
 
-``hermes`` (Hermes, Qwen2.5, Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks anywhere
-in the message. ``llama3_json`` (Llama 3.1/3.2 JSON tool calling): the whole message is one JSON object
-``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``, several separated by ``;``.
-``qwen3_coder`` (Qwen3-Coder, Qwen3.5): ``<tool_call><function=NAME><parameter=KEY>value</parameter>...</function>
-</tool_call>`` blocks whose values are raw text, typed by the tools' JSON schemas (:class:`Qwen3CoderParser`). A
-block that cannot be read as a call is a malformed call: the model is shown the error and the episode goes on.
+``hermes`` (Hermes, Qwen2.5, Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks
+anywhere in the message. ``llama3_json`` (Llama 3.1/3.2 JSON tool calling): the whole message is one JSON
+object ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``, several separated by
+``;``.
+``qwen3_coder`` (Qwen3-Coder, Qwen3.5):
+``<tool_call><function=NAME><parameter=KEY>value</parameter>...</function> </tool_call>`` blocks whose values
+are raw text, typed by the tools' JSON schemas (:class:`Qwen3CoderParser`). A block that cannot be read as a
+call is a malformed call: the model is shown the error and the episode goes on.
 """
 
 from __future__ import annotations
@@ -113,8 +115,8 @@ _NOT = object()
 
 
 def _properties(tools: Schemas) -> dict[str, dict[str, Any]]:
-    """Tool name -> its parameters' schemas, from ``{"type": "function", "function": {...}}`` schemas (or the bare
-    function objects, which the chat templates take too)."""
+    """Tool name -> its parameters' schemas, from ``{"type": "function", "function": {...}}`` schemas (or the
+    bare function objects, which the chat templates take too)."""
     out = {}
     for tool in tools or ():
         fn = tool.get("function", tool)
@@ -139,7 +141,8 @@ def _kinds(schema: Any) -> list[str]:
 
 
 def _literal(text: str) -> Any:
-    """``text`` as JSON, else as a Python literal (older Qwen3-Coder templates wrote values with Python's ``str``:
+    """``text`` as JSON, else as a Python literal (older Qwen3-Coder templates wrote values with Python's
+    ``str``:
     ``True``, ``{'a': 1}``); :data:`_NOT` when it is neither."""
     try:
         return json.loads(text)
@@ -166,8 +169,9 @@ def _as_kind(text: str, kind: str) -> Any:
 
 
 def _typed(text: str, schema: Any) -> Any:
-    """``text`` as the first of its schema's types that decodes it (string last); ``null`` is None whatever the
-    type. A ValueError, worded to follow the parameter's name, when none does or a type is not JSON schema's."""
+    """``text`` as the first of its schema's types that decodes it (string last); ``null`` is None whatever
+    the type. A ValueError, worded to follow the parameter's name, when none does or a type is not JSON
+    schema's."""
     kinds = _kinds(schema)
     unknown = [k for k in kinds if k not in _KNOWN]
     if unknown:
@@ -190,7 +194,8 @@ _OPEN_PARAMETER = re.compile(r"<parameter=([^>]*)>")
 
 
 def _raw(value: str) -> str:
-    """A parameter's text without the newline the format writes after ``<parameter=KEY>`` and before its close."""
+    """A parameter's text without the newline the format writes after ``<parameter=KEY>`` and before its
+    close."""
     value = value[1:] if value.startswith("\n") else value
     return value[:-1] if value.endswith("\n") else value
 
@@ -244,11 +249,11 @@ class Qwen3CoderParser:
 
     A value is the raw text between its tags less one newline after the opening tag and one before the closing
     one; it is typed by the parameter's schema in ``tools``: ``string`` stays text, ``integer``, ``number``,
-    ``object`` and ``array`` are decoded as JSON (or a Python literal), ``boolean`` is ``true``/``false`` in any
-    case, and ``null`` is None whatever the type; a union (a list of types, ``anyOf``) takes its first type that
-    decodes, string last. A value for a tool or parameter the schemas do not list stays a string. vLLM keeps a
-    value that does not decode as a string and reads unclosed blocks, unclosed parameters and a bare
-    ``<function=...>`` anyway; here each of those is a malformed call, as are a block without
+    ``object`` and ``array`` are decoded as JSON (or a Python literal), ``boolean`` is ``true``/``false`` in
+    any case, and ``null`` is None whatever the type; a union (a list of types, ``anyOf``) takes its first
+    type that decodes, string last. A value for a tool or parameter the schemas do not list stays a string.
+    vLLM keeps a value that does not decode as a string and reads unclosed blocks, unclosed parameters and a
+    bare ``<function=...>`` anyway; here each of those is a malformed call, as are a block without
     ``<function=NAME>`` and a parameter whose schema type is not JSON schema's."""
 
     name = "qwen3_coder"

@@ -1,21 +1,22 @@
 """Token-in-token-out trajectories: the ids the rollout sampled, and each environment message's ids, appended.
 
-Nothing the model generated is ever decoded and tokenized again. The first observation is rendered once with the
-chat template and its generation prompt. After a model turn that ended on its stop token, the environment's
-messages (tool results, feedback) are rendered *incrementally*: the template renders a fixed two-message context
-``[user, assistant]`` with and without the new messages (and the generation prompt; the render without them is
-kept from the first call); the text the new messages add is the suffix, and the separator the template writes
-after the assistant's stop token (``"\\n"`` after ChatML's ``<|im_end|>``, nothing after Llama 3's ``<|eot_id|>``)
-is put in front of it. Only that text is tokenized (:mod:`.codec`), so the ids at each assistant/environment
-boundary are exactly what the full render would hold there (verl's lost-separator bug cannot happen), and the
-model's own ids are the sampled ones.
+Nothing the model generated is ever decoded and tokenized again. The first observation is rendered once with
+the chat template and its generation prompt. After a model turn that ended on its stop token, the
+environment's messages (tool results, feedback) are rendered *incrementally*: the template renders a fixed
+two-message context ``[user, assistant]`` with and without the new messages (and the generation prompt; the
+render without them is kept from the first call); the text the new messages add is the suffix, and the
+separator the template writes after the assistant's stop token (``"\\n"`` after ChatML's ``<|im_end|>``,
+nothing after Llama 3's ``<|eot_id|>``) is put in front of it. Only that text is tokenized (:mod:`.codec`), so
+the ids at each assistant/environment boundary are exactly what the full render would hold there (verl's
+lost-separator bug cannot happen), and the model's own ids are the sampled ones.
 
-The prefix property (each turn's ids = the full render of the conversation so far) then holds whenever the model
-sampled the canonical tokenization of its text and the template writes past assistant messages as they were. A
-template that rewrites history breaks the equality but not the trajectory: Llama 3's template ``trim``s message
-content, Qwen3's drops past ``<think>`` blocks. posttrain keeps the sampled ids (what the policy really
-conditioned on) and does not re-render; a template whose rendering with the new messages does not start with its
-rendering without them (the incremental suffix is then undefined) is a ValueError naming it.
+The prefix property (each turn's ids = the full render of the conversation so far) then holds whenever the
+model sampled the canonical tokenization of its text and the template writes past assistant messages as they
+were. A template that rewrites history breaks the equality but not the trajectory: Llama 3's template
+``trim``s message content, Qwen3's drops past ``<think>`` blocks. posttrain keeps the sampled ids (what the
+policy really conditioned on) and does not re-render; a template whose rendering with the new messages does
+not start with its rendering without them (the incremental suffix is then undefined) is a ValueError naming
+it.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ class ChatRenderer:
     """Renders observations to ids with ``tokenizer``'s chat template and the tools' schemas.
 
     One renderer serves every episode with the same tools (:meth:`~.loop.AgentLoop.renderer`), on whichever
-    threads they run (the async loop's step pool, the episode stream's thread). What it keeps is immutable (the
-    renders are strings, the ids tuples), replaced whole, and each call reads a kept value once into a local, so a
-    call never mixes two threads' values; the lock only serializes the fills (check, clear, insert)."""
+    threads they run (the async loop's step pool, the episode stream's thread). What it keeps is immutable
+    (the renders are strings, the ids tuples), replaced whole, and each call reads a kept value once into a
+    local, so a call never mixes two threads' values; the lock only serializes the fills (check, clear,
+    insert)."""
 
     def __init__(self, tokenizer: Any, tools: Sequence[dict[str, Any]] = ()) -> None:
         self.tokenizer = tokenizer
@@ -51,7 +53,8 @@ class ChatRenderer:
         self._lock = threading.Lock()
         self._separators: dict[int, str] = {}
         self._base: str | None = None
-        """The render of the fixed context ``[user, assistant]`` (re-rendered when a render stops starting with it)."""
+        """The render of the fixed context ``[user, assistant]`` (re-rendered when a render stops starting
+        with it)."""
         self._initial: dict[str, tuple[int, ...]] = {}
 
     def render(self, messages: Sequence[Message], generation_prompt: bool) -> str:
@@ -63,8 +66,8 @@ class ChatRenderer:
         return self.codec.encode(text)
 
     def initial(self, messages: Sequence[Message]) -> list[int]:
-        """The ids of the first observation with the generation prompt (those of the last :data:`KEPT` rendered
-        texts are kept: the episodes of a GRPO group start from the same one)."""
+        """The ids of the first observation with the generation prompt (those of the last :data:`KEPT`
+        rendered texts are kept: the episodes of a GRPO group start from the same one)."""
         text = self.render(messages, True)
         ids = self._initial.get(text)
         if ids is None:
@@ -86,7 +89,8 @@ class ChatRenderer:
             if at < 0:
                 raise ValueError(
                     f"the chat template never writes the stop token {stop!r} after an assistant message: set "
-                    "the tokenizer's eos token (or agent stop tokens) to the token that ends an assistant turn"
+                    "the tokenizer's eos token (or agent stop tokens) to the token that ends an assistant "
+                    "turn"
                 )
             sep = base[at + len(stop) :]
             with self._lock:
@@ -110,15 +114,17 @@ class ChatRenderer:
             base = self.base(fresh=True)
         if not full.startswith(base):
             raise ValueError(
-                "the chat template renders [user, assistant] differently once more messages follow, so the ids of "
-                f"the new messages are not a suffix (without: ...{base[-60:]!r}, with: ...{full[: len(base)][-60:]!r}); "
-                "use a template that renders past messages the same way whatever follows"
+                "the chat template renders [user, assistant] differently once more messages follow, so the "
+                f"ids of the new messages are not a suffix (without: ...{base[-60:]!r}, with: "
+                f"...{full[: len(base)][-60:]!r}); use a template that renders past messages the same way "
+                "whatever follows"
             )
         return self.encode(self.separator(stop_id, base) + full[len(base) :])
 
 
 def _values(values: torch.Tensor | Sequence[Any], kind: type) -> list[Any]:
-    """``values`` as Python ``kind``s; a tensor through one ``tolist`` (iterating it makes a tensor per element)."""
+    """``values`` as Python ``kind``s; a tensor through one ``tolist`` (iterating it makes a tensor per
+    element)."""
     return list(map(kind, values.tolist() if isinstance(values, torch.Tensor) else values))
 
 

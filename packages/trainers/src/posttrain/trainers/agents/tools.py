@@ -2,9 +2,9 @@
 
 A call to a name the environment does not list (``unknown_tool``), a call whose function raises (``raised``,
 wrong arguments included) and one that does not return within ``timeout_s`` of its submission (``timeout``)
-each become a tool message the model reads (``error: ...``) and a counted failure kind; malformed calls come from
-the parser (``malformed``). A timed-out call keeps its worker thread until it returns (Python cannot stop a
-thread); its result is discarded. A result longer than ``max_tokens`` tokens is cut to that many and marked
+each become a tool message the model reads (``error: ...``) and a counted failure kind; malformed calls come
+from the parser (``malformed``). A timed-out call keeps its worker thread until it returns (Python cannot stop
+a thread); its result is discarded. A result longer than ``max_tokens`` tokens is cut to that many and marked
 ``[truncated]``.
 """
 
@@ -61,7 +61,8 @@ class ToolRunner:
         return ToolResult(call.name, value if isinstance(value, str) else str(value))
 
     def run(self, batches: Sequence[tuple[Sequence[ToolCall], dict[str, Callable[..., Any]]]]) -> list[list]:
-        """The results of several episodes' calls (``(calls, tools)`` each), all submitted before any is awaited."""
+        """The results of several episodes' calls (``(calls, tools)`` each), all submitted before any is
+        awaited."""
         deadline = time.monotonic() + self.timeout_s
         jobs = [[(c, self.submit(c, tools)) for c in calls] for calls, tools in batches]
         return [[self.collect(c, job, deadline) for c, job in row] for row in jobs]

@@ -1,7 +1,7 @@
 """RL algorithms on the packed layout: advantage estimators, policy losses, KL estimators and controllers,
 loss aggregation, and the actor/critic loss functions engines run. Each is a small registered function whose
-docstring gives its formula and source; see docs/algorithms.md. The configs and registries import without torch;
-the functions' modules are imported when one of their names is first read."""
+docstring gives its formula and source; see docs/algorithms.md. The configs and registries import without
+torch; the functions' modules are imported when one of their names is first read."""
 
 from typing import Any
 
@@ -23,7 +23,8 @@ from .names import (
     adv_estimator_traits,
 )
 
-# The torch functions, imported from their module on first access, so that the configs above load without torch.
+# The torch functions, imported from their module on first access, so that the configs above load without
+# torch.
 _TORCH_NAMES = {
     "advantages": (
         "AdvantageInputs",

@@ -2,7 +2,8 @@
 
 Inputs (:class:`AdvantageInputs`): per-token ``token_level_rewards`` (T,), ``response_mask`` (T,), the batch's
 ``cu_seqlens`` (B+1,), per-sequence group ids ``index`` (B,) (the ``uid`` shared by the n samples of one
-prompt), and where an estimator needs them per-token ``values`` (T,) or per-sequence ``reward_baselines`` (B,).
+prompt), and where an estimator needs them per-token ``values`` (T,) or per-sequence ``reward_baselines``
+(B,).
 A sequence is ``prompt + response``; only response tokens (mask 1) carry rewards and get advantages. For
 outcome rewards the score sits on the last response token (:func:`scores_to_token_rewards`) and an outcome
 estimator's score is the sum of a sequence's response rewards, so KL-in-reward penalties are included.
@@ -145,7 +146,8 @@ def grpo(
     """GRPO outcome advantage (Shao et al. 2024, arXiv:2402.03300; verl ``compute_grpo_outcome_advantage``):
     ``A_i = (s_i - mean_g) / (std_g + 1e-6)`` over the group g of sequence i (unbiased std), or
     ``A_i = s_i - mean_g`` when ``norm_adv_by_std_in_grpo`` is false (Dr.GRPO, arXiv:2503.20783). A group of
-    one sample gets mean 0 and std 1 (verl's convention: its raw score). Same value on every response token."""
+    one sample gets mean 0 and std 1 (verl's convention: its raw score). Same value on every response
+    token."""
     index = inputs.require("index", "grpo")
     scores = inputs.scores()
     mean, std, count = group_stats(scores, index)
@@ -158,7 +160,8 @@ def grpo(
 
 @register_adv_estimator("rloo")
 def rloo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv:2402.14740; verl ``compute_rloo_outcome_advantage``):
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv:2402.14740; verl
+    ``compute_rloo_outcome_advantage``):
     ``A_i = s_i - mean_{j != i} s_j = n/(n-1) (s_i - mean_g)`` for a group of n > 1; a group of one keeps its
     raw score (verl's loop version; its vectorised variant gives 0 there)."""
     index = inputs.require("index", "rloo")

@@ -1,4 +1,5 @@
-"""The algorithm configs (verl's ``algorithm`` section and the actor's and critic's loss knobs), without torch:
+"""The algorithm configs (verl's ``algorithm`` section and the actor's and critic's loss knobs), without
+torch:
 names are checked against the registries of :mod:`.names`; the functions they select live in the torch modules
 (advantages, policy, kl, rollout_correction, losses)."""
 
@@ -71,7 +72,8 @@ class RolloutCorrectionConfig:
     """mis only: weights below it are masked too (0: no lower bound)."""
     old_log_prob: str = "recompute"
     """recompute (the old-log-prob pass: the proximal policy is the trainer's weights before the update) or
-    behaviour (skip the pass; the old log-probs are the rollout's, so the clip is taken around the sampler)."""
+    behaviour (skip the pass; the old log-probs are the rollout's, so the clip is taken around the
+    sampler)."""
 
     def __post_init__(self) -> None:
         key = "algorithm.rollout_correction"
@@ -103,7 +105,8 @@ class RolloutCorrectionConfig:
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    """RL algorithm knobs shared by actor and critic (verl's ``algorithm`` section, same names and defaults)."""
+    """RL algorithm knobs shared by actor and critic (verl's ``algorithm`` section, same names and
+    defaults)."""
 
     gamma: float = 1.0
     """Discount factor (gae, reinforce_plus_plus)."""
@@ -116,7 +119,8 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     """Subtract ``beta * kl(actor_old || ref)`` from each token's reward."""
     kl_penalty: str = "kl"
-    """KL estimator for the in-reward penalty: k1/kl, k2/mse, k3/low_var_kl, abs (``+`` = straight-through)."""
+    """KL estimator for the in-reward penalty: k1/kl, k2/mse, k3/low_var_kl, abs
+    (``+`` = straight-through)."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """How beta evolves."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
@@ -202,8 +206,8 @@ class ActorLossConfig:
                 raise ValueError(f"actor.{key}={value} must be >= 0")
 
     def build_loss(self, loss_scale_factor: float | None = None) -> ActorLoss:
-        """The actor's ``loss_fn(model_output, micro, ctx)`` for the engine; ``loss_scale_factor`` fills a None
-        ``self.loss_scale_factor``."""
+        """The actor's ``loss_fn(model_output, micro, ctx)`` for the engine; ``loss_scale_factor`` fills a
+        None ``self.loss_scale_factor``."""
         from .losses import ActorLoss
 
         return ActorLoss(self, loss_scale_factor)

@@ -1,18 +1,19 @@
 """KL estimators between the actor and the reference policy, and the KL-in-reward controllers.
 
-Every estimator works on the log-probs of the sampled tokens only, ``d = logp - ref_logp`` per token (Schulman,
-"Approximating KL divergence", 2020, http://joschu.net/blog/kl-approx.html; verl ``core_algos.kl_penalty``):
+Every estimator works on the log-probs of the sampled tokens only, ``d = logp - ref_logp`` per token
+(Schulman, "Approximating KL divergence", 2020, http://joschu.net/blog/kl-approx.html; verl
+``core_algos.kl_penalty``):
 
 - ``k1`` (alias ``kl``): ``d``; unbiased for KL(actor || ref) but high variance and can be negative.
 - ``abs``: ``|d|``.
 - ``k2`` (alias ``mse``): ``0.5 d^2``; its gradient is the unbiased gradient of the KL.
 - ``k3`` (alias ``low_var_kl``): ``exp(-d) - 1 + d``, non-negative and low variance; like verl, ``-d`` is
   clamped to [-20, 20] before the exponential and the result to [-10, 10].
-- a ``+`` suffix (``k1+``, ``k3+``, ``low_var_kl+``...) is verl's straight-through variant: the forward value of
-  the named estimator with the gradient of ``k2``.
+- a ``+`` suffix (``k1+``, ``k3+``, ``low_var_kl+``...) is verl's straight-through variant: the forward value
+  of the named estimator with the gradient of ``k2``.
 
-With ``algorithm.use_kl_in_reward`` the per-token rewards become ``score - beta * kl`` where ``beta`` comes from
-a controller: fixed, or adaptive (Ziegler et al. 2019, arXiv:1909.08593): after each step
+With ``algorithm.use_kl_in_reward`` the per-token rewards become ``score - beta * kl`` where ``beta`` comes
+from a controller: fixed, or adaptive (Ziegler et al. 2019, arXiv:1909.08593): after each step
 ``beta *= 1 + clip(kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon``.
 """
 

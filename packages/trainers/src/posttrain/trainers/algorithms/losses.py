@@ -6,10 +6,11 @@ every term aggregated with ``actor.loss_agg_mode`` and the step's global counts.
 and the micro-batch fields ``old_log_probs``, ``advantages``, ``is_weights`` when the rollout correction made
 them, and, with ``use_kl_loss``, ``ref_log_probs``.
 
-Critic (verl ``compute_value_loss``): ``0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2))`` with
-``c = cliprange_value``; it reads ``model_output["values"]`` (value-head outputs, aligned onto the next token with
-:func:`~.packed.align_values` unless ``align_model_values=False``) and the fields ``values`` (the aligned values
-the advantages were computed with) and ``returns``.
+Critic (verl ``compute_value_loss``): ``0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2))``
+with ``c = cliprange_value``; it reads ``model_output["values"]`` (value-head outputs, aligned onto the next
+token with
+:func:`~.packed.align_values` unless ``align_model_values=False``) and the fields ``values`` (the aligned
+values the advantages were computed with) and ``returns``.
 """
 
 from __future__ import annotations

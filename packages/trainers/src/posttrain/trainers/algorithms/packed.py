@@ -1,8 +1,8 @@
 """Helpers for per-token values in the packed layout of ``PackedBatch``.
 
-Shapes: T = tokens of all sequences end to end, B = sequences. ``cu_seqlens`` (B+1,) delimits sequence ``i`` as
-tokens ``cu_seqlens[i]:cu_seqlens[i+1]``; ``seq_index`` (T,) says which sequence each token belongs to. A mask
-(T,) is 1 on response (training-target) tokens. Moving to a right-padded (B, L) matrix and back lets the
+Shapes: T = tokens of all sequences end to end, B = sequences. ``cu_seqlens`` (B+1,) delimits sequence ``i``
+as tokens ``cu_seqlens[i]:cu_seqlens[i+1]``; ``seq_index`` (T,) says which sequence each token belongs to. A
+mask (T,) is 1 on response (training-target) tokens. Moving to a right-padded (B, L) matrix and back lets the
 time-recursive estimators (GAE, REINFORCE++) run one vectorised loop over positions, as verl does.
 """
 

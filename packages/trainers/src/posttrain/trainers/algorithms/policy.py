@@ -1,13 +1,13 @@
 """Policy-gradient losses on packed micro-batches, registered by ``actor.policy_loss.loss_mode``.
 
 Every loss is ``fn(inputs, cfg)``: :class:`PolicyLossInputs` holds per-token (T,) ``old_log_prob`` (the policy
-that sampled, recomputed by the actor before the update), ``log_prob`` (the policy being trained, with grad) and
-``advantages``, optional ``is_weights`` (the rollout correction, multiplying each token's loss), plus the
+that sampled, recomputed by the actor before the update), ``log_prob`` (the policy being trained, with grad)
+and ``advantages``, optional ``is_weights`` (the rollout correction, multiplying each token's loss), plus the
 micro-batch's loss tokens (:class:`~.agg.LossTokens`: mask, ``cu_seqlens``, the step's
-:class:`~posttrain.core.batch.LossContext`, the scale factor); ``cfg`` is the :class:`ActorLossConfig`. It returns this micro-batch's
-share of the globally aggregated loss (see :mod:`.agg`) and local metrics (floats, means over this
-micro-batch's loss tokens): ``actor/pg_clipfrac``, ``actor/ppo_kl`` (mean of ``old - new`` log-probs),
-``actor/pg_clipfrac_lower``.
+:class:`~posttrain.core.batch.LossContext`, the scale factor); ``cfg`` is the :class:`ActorLossConfig`. It
+returns this micro-batch's share of the globally aggregated loss (see :mod:`.agg`) and local metrics (floats,
+means over this micro-batch's loss tokens): ``actor/pg_clipfrac``, ``actor/ppo_kl`` (mean of ``old - new``
+log-probs), ``actor/pg_clipfrac_lower``.
 """
 
 from __future__ import annotations

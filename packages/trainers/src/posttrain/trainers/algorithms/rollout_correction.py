@@ -1,5 +1,5 @@
-"""Off-policy rollout correction: an importance weight from the behaviour policy to the proximal policy, registered
-by ``algorithm.rollout_correction.mode``.
+"""Off-policy rollout correction: an importance weight from the behaviour policy to the proximal policy,
+registered by ``algorithm.rollout_correction.mode``.
 
 Three policies take part (AReaL's decoupled PPO, Fu et al. 2025, arXiv:2505.24298; verl's rollout correction):
 
@@ -14,25 +14,27 @@ The policy loss clips its ratio ``pi_theta / pi_old`` around the proximal policy
 
 - ``tis`` (truncated IS; Ionides 2008, and Yao et al. 2025, "Your efficient RL framework secretly brings you
   off-policy RL training"): ``w = min(rho, cap)``;
-- ``mis`` (masked IS, slime's and AReaL's form): ``w = rho`` where ``cap_low <= rho <= cap``, else 0, so a token
-  (or sequence) the behaviour policy was too unlikely to sample drops out of the loss.
+- ``mis`` (masked IS, slime's and AReaL's form): ``w = rho`` where ``cap_low <= rho <= cap``, else 0, so a
+  token (or sequence) the behaviour policy was too unlikely to sample drops out of the loss.
 
-``level=token`` takes ``rho_t = exp(pi_old_t - mu_t)`` per token; ``level=sequence`` takes the geometric mean over
-the sequence's response tokens, ``rho_i = exp(mean_{t in i} (pi_old_t - mu_t))``, and gives it to every token of
-``i`` (verl's ``geometric`` level; verl's ``sequence`` level is the product, which explodes with length). The log
-ratio is clamped to [-20, 20] before ``exp``, as the PPO ratio is.
+``level=token`` takes ``rho_t = exp(pi_old_t - mu_t)`` per token; ``level=sequence`` takes the geometric mean
+over the sequence's response tokens, ``rho_i = exp(mean_{t in i} (pi_old_t - mu_t))``, and gives it to every
+token of ``i`` (verl's ``geometric`` level; verl's ``sequence`` level is the product, which explodes with
+length). The log ratio is clamped to [-20, 20] before ``exp``, as the PPO ratio is.
 
 Decoupled PPO (AReaL) is ``mode=mis level=token cap=<behav_imp_weight_cap> cap_low=0`` with
-``old_log_prob=recompute``: AReaL's loss is exactly ``w * max(-A r, -A clip(r))`` with ``r = pi_theta / pi_prox``
-and ``w`` masked above the cap. ``mode=tis`` is its truncated variant (verl's default "decoupled" correction).
+``old_log_prob=recompute``: AReaL's loss is exactly ``w * max(-A r, -A clip(r))`` with
+``r = pi_theta / pi_prox`` and ``w`` masked above the cap. ``mode=tis`` is its truncated variant (verl's
+default "decoupled" correction).
 Masked tokens stay in the loss denominator (the aggregation's global counts are fixed before the update, see
 :mod:`.agg`); ``cap_low`` is an addition (AReaL masks above the cap only).
 
 ``old_log_prob=behaviour`` skips the old-log-prob pass (one forward over the batch, about a third of a
-one-epoch update) and clips around the behaviour policy: standard PPO, whose old policy is the one that sampled.
-Then ``rho = 1``, so it is refused with tis/mis; the trainer also refuses it where the rollout's log-probs are of
-another distribution than the trainer's (``top_p < 1`` or ``top_k``) or where the pass is needed (router replay
-R2, which records its experts).
+one-epoch update) and clips around the behaviour policy: standard PPO, whose old policy is the one that
+sampled.
+Then ``rho = 1``, so it is refused with tis/mis; the trainer also refuses it where the rollout's log-probs are
+of another distribution than the trainer's (``top_p < 1`` or ``top_k``) or where the pass is needed (router
+replay R2, which records its experts).
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def rollout_is_weights(
     cfg: RolloutCorrectionConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """(T,) weights (0 off the response) and their statistics over the response tokens:
-    ``rollout/is_ratio/{mean,max}`` (``rho``), ``rollout/is_weight/mean`` and the share of tokens the cap acted
-    on, ``rollout/is_weight/clipped_frac`` (tis) or ``masked_frac`` (mis)."""
+    ``rollout/is_ratio/{mean,max}`` (``rho``), ``rollout/is_weight/mean`` and the share of tokens the cap
+    acted on, ``rollout/is_weight/clipped_frac`` (tis) or ``masked_frac`` (mis)."""
     with torch.no_grad():
         rho = torch.exp(log_ratio(old_log_prob, behaviour_log_prob, mask, cu_seqlens, cfg.level))
         weights, hit = CORRECTIONS.get(cfg.mode)(rho, cfg)

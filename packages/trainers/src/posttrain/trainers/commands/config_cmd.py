@@ -2,8 +2,8 @@
 will use, as YAML, each node named by its config class and each field by the package that owns it.
 
 ``sft`` is the tree of ``posttrain sft``; ``rl`` (the default, also ``ppo`` / ``grpo``) the tree of the RL
-trainers; ``grpo`` adds the preset ``posttrain grpo`` puts under yours. The output loads back with ``--config``: the
-annotations are YAML comments.
+trainers; ``grpo`` adds the preset ``posttrain grpo`` puts under yours. The output loads back with
+``--config``: the annotations are YAML comments.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""``posttrain model init --arch qwen2|qwen3|qwen3_moe --size tiny|small|0.5b|1.5b|0.6b --out DIR``: a random-init
-model and tokenizer, offline."""
+"""``posttrain model init --arch qwen2|qwen3|qwen3_moe --size tiny|small|0.5b|1.5b|0.6b --out DIR``: a
+random-init model and tokenizer, offline."""
 
 from __future__ import annotations
 

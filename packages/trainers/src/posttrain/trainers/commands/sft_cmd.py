@@ -1,4 +1,5 @@
-"""``posttrain sft [--config PRESET] [key=value ...]``: supervised fine-tuning (see posttrain.trainers.sft)."""
+"""``posttrain sft [--config PRESET] [key=value ...]``: supervised fine-tuning (see
+posttrain.trainers.sft)."""
 
 from __future__ import annotations
 

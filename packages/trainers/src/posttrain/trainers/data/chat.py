@@ -1,10 +1,11 @@
 """Render a chat with the tokenizer's chat template and mark the assistant tokens as training targets.
 
-A conversation of ``n`` messages is rendered ``n`` times as growing prefixes: the text each message adds is the
-difference between consecutive renderings, and for an assistant message the prefix is rendered with
-``add_generation_prompt=True`` so the role header (``<|im_start|>assistant\\n``) belongs to the prompt and only
-the reply and its end-of-turn marker are targets. Segments are tokenised one at a time, exactly as a rollout sees
-a prompt and then the generated reply. A template whose renderings are not prefixes of each other is rejected.
+A conversation of ``n`` messages is rendered ``n`` times as growing prefixes: the text each message adds is
+the difference between consecutive renderings, and for an assistant message the prefix is rendered with
+``add_generation_prompt=True`` so the role header (``<|im_start|>assistant\\n``) belongs to the prompt and
+only the reply and its end-of-turn marker are targets. Segments are tokenised one at a time, exactly as a
+rollout sees a prompt and then the generated reply. A template whose renderings are not prefixes of each other
+is rejected.
 """
 
 from __future__ import annotations

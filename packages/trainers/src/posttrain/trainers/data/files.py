@@ -1,8 +1,8 @@
 """File-list config values given as one plain string.
 
-verl's configs and command lines write ``data.train_files=/path/train.parquet``; the config schema holds a list,
-so :func:`coerce_file_lists` turns a plain string under any key ending in ``_files`` into a one-element list
-before the overrides are merged.
+verl's configs and command lines write ``data.train_files=/path/train.parquet``; the config schema holds a
+list, so :func:`coerce_file_lists` turns a plain string under any key ending in ``_files`` into a one-element
+list before the overrides are merged.
 """
 
 from __future__ import annotations

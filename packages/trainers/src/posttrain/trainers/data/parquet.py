@@ -1,8 +1,8 @@
 """Reading parquet datasets with their columns checked before any training starts.
 
 Every file is opened with pyarrow and its schema compared with what the trainer needs: a missing column, a
-column of the wrong type or a file with no rows fails with a ``ValueError`` that names the file, the column and
-what was expected. Chat columns must be ``list<struct<role: string, content: string>>``.
+column of the wrong type or a file with no rows fails with a ``ValueError`` that names the file, the column
+and what was expected. Chat columns must be ``list<struct<role: string, content: string>>``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The SFT dataset: chat conversations from parquet, tokenised once with loss on assistant replies.
 
-All files are read and checked first (a missing or mistyped ``data.messages_key`` column or an empty file fails
-before tokenisation), then every conversation is rendered with the tokenizer's chat template
+All files are read and checked first (a missing or mistyped ``data.messages_key`` column or an empty file
+fails before tokenisation), then every conversation is rendered with the tokenizer's chat template
 (:func:`~posttrain.trainers.data.chat.tokenize_chat`), truncated per ``data.truncation`` (``error`` names the
 file, row and length) and kept in memory. The first token of a sample is never a target (it has no context).
 Batches come out as :class:`~posttrain.core.PackedBatch` with no padding.

@@ -7,10 +7,11 @@ training ones: the demo's task, where RL gains on the training prompts show up o
 ``arithmetic``: "What is a + b?" with ``digits``-digit operands; the answer restates the sum and ends with
 ``#### <sum>`` (the GSM8K convention the rule reward reads). Each row carries both layouts: ``messages`` (a
 user/assistant chat for SFT) and verl's RL columns ``data_source``, ``prompt`` (the user turn as a chat list),
-``ability``, ``reward_model`` ({style, ground_truth}) and ``extra_info``. ``calculator``: "What is a * b?" over 2-digit numbers, beyond what a tiny model can multiply; the SFT
-``messages`` are tool-use traces (a ``calculator`` call, the tool's result, ``#### <product>``) and the RL rows
-are played in the ``calculator`` environment (posttrain-envs). Rows come from a seeded
-``random.Random``, so the same seed gives the same files; test rows never repeat a training question.
+``ability``, ``reward_model`` ({style, ground_truth}) and ``extra_info``. ``calculator``: "What is a * b?"
+over 2-digit numbers, beyond what a tiny model can multiply; the SFT ``messages`` are tool-use traces (a
+``calculator`` call, the tool's result, ``#### <product>``) and the RL rows are played in the ``calculator``
+environment (posttrain-envs). Rows come from a seeded ``random.Random``, so the same seed gives the same
+files; test rows never repeat a training question.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def arithmetic_rows(
 
 
 def largest_rows(num_train: int, num_test: int, *, seed: int = 0) -> dict[str, list[dict]]:
-    """``{"train": rows, "test": rows}`` of distinct digit triples (the test triples never appear in training)."""
+    """``{"train": rows, "test": rows}`` of distinct digit triples (the test triples never appear in
+    training)."""
     if num_train + num_test > 1000:
         raise ValueError(
             f"num_train + num_test = {num_train + num_test} exceeds the 1000 digit triples: lower them"
@@ -133,9 +135,10 @@ def calculator_call(expression: str) -> str:
 def calculator_rows(
     num_train: int, num_test: int, *, seed: int = 0, products: int = 1
 ) -> dict[str, list[dict]]:
-    """``{"train": rows, "test": rows}`` of distinct sums of ``products`` products of two 2-digit numbers, whose
-    ``messages`` are tool-use traces: the user's question, one ``calculator`` call per product (and one for the
-    sum when there are several), each with the tool's result, then the answer after ``####``. ``products=1``:
+    """``{"train": rows, "test": rows}`` of distinct sums of ``products`` products of two 2-digit numbers,
+    whose ``messages`` are tool-use traces: the user's question, one ``calculator`` call per product (and one
+    for the sum when there are several), each with the tool's result, then the answer after ``####``.
+    ``products=1``:
     "What is 47 * 83?" in 2 assistant turns; ``products=2``: "What is 47 * 83 + 12 * 34?" in 4."""
     if products < 1:
         raise ValueError(f"products={products} must be >= 1")

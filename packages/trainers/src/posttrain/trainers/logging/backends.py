@@ -1,8 +1,8 @@
 """One class per metrics backend, each with ``log(metrics, step)`` and ``close()``.
 
 The heavy ones (TensorBoard, wandb, MLflow) import their library only when selected and say how to install it
-when it is missing. ``file`` appends one JSON object per step to ``metrics.jsonl``; on resume it first drops the
-lines of steps after the checkpoint, so the file reads as one uninterrupted run.
+when it is missing. ``file`` appends one JSON object per step to ``metrics.jsonl``; on resume it first drops
+the lines of steps after the checkpoint, so the file reads as one uninterrupted run.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A PNG of the training curves from ``metrics.jsonl``: one panel per metric family, drawn with Agg.
 
-Panels: reward (training ``reward/mean`` and ``val/reward/mean``, RL runs only), losses (every ``*/loss`` key in one
-panel), gradient norm, learning rate, throughput, and any other
-``train/``, ``val/`` or ``critic/`` / ``actor/`` keys asked for. It uses ``matplotlib.figure.Figure`` with the Agg
-canvas directly, so it never touches pyplot's global backend or needs a display.
+Panels: reward (training ``reward/mean`` and ``val/reward/mean``, RL runs only), losses (every ``*/loss`` key
+in one panel), gradient norm, learning rate, throughput, and any other
+``train/``, ``val/`` or ``critic/`` / ``actor/`` keys asked for. It uses ``matplotlib.figure.Figure`` with the
+Agg canvas directly, so it never touches pyplot's global backend or needs a display.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def plot_metrics(
     png_path: str | Path | None = None,
     panels: tuple[tuple[str, tuple[str, ...]], ...] = DEFAULT_PANELS,
 ) -> Path | None:
-    """Draw the curves of ``metrics_path`` into ``png_path`` (default: next to it); None if nothing to plot."""
+    """Draw the curves of ``metrics_path`` into ``png_path`` (default: next to it); None if nothing to
+    plot."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

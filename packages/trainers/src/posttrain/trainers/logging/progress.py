@@ -3,10 +3,10 @@
 The bar's postfix shows, when the step logged them: RL: the mean reward and its change from the previous step
 (``reward=0.41(+0.03)``), policy loss, KL (the KL loss, else the PPO KL), entropy, mean response length, the
 clip fraction, the critic's value loss; SFT: loss and token accuracy; both: the last validation score
-(``val/reward/mean`` or ``val/loss``, kept until the next validation), the skipped optimizer steps so far (only
-once there is one), tokens/s and the learning rate. tqdm computes the ETA from the rate of the steps done in this
-process (a resumed run starts the bar at the resumed step). Validation results are also printed above the bar
-with ``tqdm.write``.
+(``val/reward/mean`` or ``val/loss``, kept until the next validation), the skipped optimizer steps so far
+(only once there is one), tokens/s and the learning rate. tqdm computes the ETA from the rate of the steps
+done in this process (a resumed run starts the bar at the resumed step). Validation results are also printed
+above the bar with ``tqdm.write``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class ConsoleLogger:
         self.skipped = 0
 
     def postfix(self, metrics: dict[str, Any]) -> dict[str, str]:
-        """The postfix of one step's ``metrics`` (updates the kept reward, validation score and skip count)."""
+        """The postfix of one step's ``metrics`` (updates the kept reward, validation score and skip
+        count)."""
         shown: dict[str, str] = {}
         for label, keys in SHOWN:
             key = next((k for k in keys if k in metrics), None)

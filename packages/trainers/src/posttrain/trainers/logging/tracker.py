@@ -1,8 +1,8 @@
 """Tracker: one object the trainers log through, fanning out to the backends in ``trainer.logger``.
 
-Only the rank that owns outputs (rank 0) creates backends; on other ranks every call is a no-op, so trainer code
-logs unconditionally. ``finish()`` closes the backends and, when ``file`` is selected, draws ``metrics.png`` next
-to ``metrics.jsonl``.
+Only the rank that owns outputs (rank 0) creates backends; on other ranks every call is a no-op, so trainer
+code logs unconditionally. ``finish()`` closes the backends and, when ``file`` is selected, draws
+``metrics.png`` next to ``metrics.jsonl``.
 """
 
 from __future__ import annotations

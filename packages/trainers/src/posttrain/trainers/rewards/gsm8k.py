@@ -2,7 +2,8 @@
 
 ``strict``: the last ``#### <number>`` in the last 300 characters of the response, with ``,`` and ``$``
 removed, must equal the ground truth string exactly. ``flexible``: the last number anywhere in the response.
-A response with no answer scores 0; a wrong answer scores ``format_score`` (0 by default); a right one ``score``.
+A response with no answer scores 0; a wrong answer scores ``format_score`` (0 by default); a right one
+``score``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def compute_score(
     format_score: float = 0.0,
     score: float = 1.0,
 ) -> float:
-    """``score`` when the extracted answer equals ``ground_truth``, ``format_score`` when an answer is there but
-    wrong, 0 when there is none."""
+    """``score`` when the extracted answer equals ``ground_truth``, ``format_score`` when an answer is there
+    but wrong, 0 when there is none."""
     answer = extract_solution(solution_str, method)
     if answer is None:
         return 0.0

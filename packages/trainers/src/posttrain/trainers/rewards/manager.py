@@ -22,7 +22,8 @@ class RewardConfig:
     """Where rewards come from."""
 
     custom_reward_function: str | None = None
-    """``module:function`` or ``path/to/file.py:function``; None = the rule-based scorer chosen by data_source."""
+    """``module:function`` or ``path/to/file.py:function``; None = the rule-based scorer chosen by
+    data_source."""
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the custom function."""
 
@@ -96,9 +97,9 @@ def reward_metrics(
     prefix: str = "reward",
 ) -> dict[str, float]:
     """``{prefix}/mean, std, min, max, positive_frac``; per data source ``{prefix}/<source>/mean`` when there
-    are several; with group ids, ``{prefix}/group_any_positive`` (share of prompts with a positive sample, pass@n
-    for 0/1 rewards) and ``{prefix}/group_all_same`` (share of prompts whose samples all scored the same: they
-    carry no GRPO signal)."""
+    are several; with group ids, ``{prefix}/group_any_positive`` (share of prompts with a positive sample,
+    pass@n for 0/1 rewards) and ``{prefix}/group_all_same`` (share of prompts whose samples all scored the
+    same: they carry no GRPO signal)."""
     if not scores:
         return {}
     n = len(scores)

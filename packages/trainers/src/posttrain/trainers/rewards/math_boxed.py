@@ -1,11 +1,12 @@
-r"""MATH-style scoring: the last ``\boxed{...}`` (or ``\fbox{...}``) answer, normalised, against the ground truth.
+r"""MATH-style scoring: the last ``\boxed{...}`` (or ``\fbox{...}``) answer, normalised, against the ground
+truth.
 
 Normalisation follows the Hendrycks MATH / lm-eval-harness ``strip_string`` that verl's ``math_reward`` uses:
 drop line breaks, ``\!``, ``\left``/``\right``, degrees, ``\$``/``$``, a trailing ``\text{ unit}``, ``\%``;
 ``tfrac``/``dfrac`` -> ``frac``; a leading ``x =`` (short left side) is dropped; ``\sqrt3`` -> ``\sqrt{3}``;
-``\frac12`` -> ``\frac{1}{2}``; spaces removed; an integer ``a/b`` -> ``\frac{a}{b}``. Beyond verl, two answers
-that both read as plain rational numbers (``-3``, ``2.50``, ``7.0``, ``1,000``, ``3/4``, ``\frac{3}{4}``,
-``0.75``) are compared by value, so trailing ``.0`` and fraction/decimal spellings match.
+``\frac12`` -> ``\frac{1}{2}``; spaces removed; an integer ``a/b`` -> ``\frac{a}{b}``. Beyond verl, two
+answers that both read as plain rational numbers (``-3``, ``2.50``, ``7.0``, ``1,000``, ``3/4``,
+``\frac{3}{4}``, ``0.75``) are compared by value, so trailing ``.0`` and fraction/decimal spellings match.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from fractions import Fraction
 
 
 def last_boxed_only_string(text: str) -> str | None:
-    r"""The last ``\boxed{...}``/``\fbox{...}`` with balanced braces, or ``\boxed x`` up to a ``$``; else None."""
+    r"""The last ``\boxed{...}``/``\fbox{...}`` with balanced braces, or ``\boxed x`` up to a ``$``; else
+    None."""
     idx = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if idx < 0:
         return None
@@ -88,7 +90,8 @@ def strip_string(s: str) -> str:
 
 
 def as_number(s: str) -> Fraction | None:
-    r"""The value of a plain rational answer (``-12``, ``2.50``, ``1,000``, ``3/4``, ``\frac{3}{4}``), else None."""
+    r"""The value of a plain rational answer (``-12``, ``2.50``, ``1,000``, ``3/4``, ``\frac{3}{4}``), else
+    None."""
     s = s.strip()
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
         s = s.replace(",", "")

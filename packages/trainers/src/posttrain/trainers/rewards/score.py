@@ -3,8 +3,8 @@
 ``default_compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float``:
 
 - ``openai/gsm8k``, ``gsm8k``: :func:`.gsm8k.compute_score` (strict ``#### <answer>``, exact match);
-- ``synthetic_arithmetic``, ``synthetic_largest``, ``synthetic_calculator`` (posttrain's synthetic tasks): the same
-  ``####`` rule;
+- ``synthetic_arithmetic``, ``synthetic_largest``, ``synthetic_calculator`` (posttrain's synthetic tasks): the
+  same ``####`` rule;
 - ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``, ``math``,
   ``math_dapo`` and ``aime*``: :func:`.math_boxed.compute_score` (last boxed answer, normalised). verl sends
   ``math``/``math_dapo``/``aime*`` to its DAPO scorer (``Answer:`` lines, rewards +1/-1); here they use the

@@ -13,8 +13,8 @@ from posttrain.core.memory_policy import ModelShape, choose_max_num_seqs, choose
 
 
 def choose_memory_trades(cfg: Any, world: int, rank: int = 0) -> list[str]:
-    """Fill the null trades of ``cfg`` in place and return one ``key=value (chosen: why)`` line per choice (also
-    printed on rank 0)."""
+    """Fill the null trades of ``cfg`` in place and return one ``key=value (chosen: why)`` line per choice
+    (also printed on rank 0)."""
     lines = []
     sequences = max(cfg.data.train_batch_size // max(world, 1), 1) * cfg.rollout.n
     if getattr(cfg.rollout, "max_num_seqs", 0) is None:

@@ -3,10 +3,11 @@
 Each sample becomes one sequence ``prompt + response``; ``loss_mask`` is 1 on response tokens only (on a
 multi-turn episode, on the ids the model sampled: ``RolloutSample.response_mask``). Per-token
 fields: ``temperature`` (the sampling temperature, so training log-probs use the same distribution) and
-``rollout_log_probs``, and ``routed_experts`` (T, MoE layers, k) when the rollout recorded its MoE routing (see
-:mod:`.router_replay`). Per-sequence fields: ``uid`` (the prompt's group: the n samples of one prompt share it),
-``score`` (the reward) and ``response_length``. Mini-batches follow verl's semantics: ``ppo_mini_batch_size``
-counts prompts over all data-parallel ranks, so one mini-batch on one rank holds
+``rollout_log_probs``, and ``routed_experts`` (T, MoE layers, k) when the rollout recorded its MoE routing
+(see
+:mod:`.router_replay`). Per-sequence fields: ``uid`` (the prompt's group: the n samples of one prompt share
+it), ``score`` (the reward) and ``response_length``. Mini-batches follow verl's semantics:
+``ppo_mini_batch_size`` counts prompts over all data-parallel ranks, so one mini-batch on one rank holds
 ``ppo_mini_batch_size * n / dp_size`` sequences, whole prompt groups kept together.
 """
 
@@ -64,7 +65,8 @@ def mini_batches(
     dp_size: int,
     generator: torch.Generator | None = None,
 ) -> list[PackedBatch]:
-    """Split this rank's batch into mini-batches of whole prompt groups (shuffled when a generator is given)."""
+    """Split this rank's batch into mini-batches of whole prompt groups (shuffled when a generator is
+    given)."""
     per_rank = num_prompts_per_mini * n
     if per_rank % dp_size:
         raise ValueError(

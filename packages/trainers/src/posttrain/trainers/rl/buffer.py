@@ -1,11 +1,11 @@
-"""The rollout buffer: prompt groups generated ahead of training, each sample tagged with the policy version that
-generated it.
+"""The rollout buffer: prompt groups generated ahead of training, each sample tagged with the policy version
+that generated it.
 
 A group is the ``rollout.n`` samples of one prompt with their scores, data sources and reward extras. Groups
 leave in the order they were generated. Staleness of a sample trained at step ``k`` is ``k - version`` (the
 version is the number of actor updates behind the weights that sampled it). The buffer's ``state_dict`` holds
-every group as plain lists and tensors, so a checkpoint carries it and a resumed run trains on the same samples
-(peers that lose the buffer on resume: OpenRLHF #1322, TRL #5911).
+every group as plain lists and tensors, so a checkpoint carries it and a resumed run trains on the same
+samples (peers that lose the buffer on resume: OpenRLHF #1322, TRL #5911).
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ class RolloutBuffer:
 
 def staleness_metrics(groups: list[Group], step: int, bound: int, dropped: int) -> dict[str, float]:
     """``rollout/staleness/{mean,max}`` over the step's samples, ``rollout/staleness/count_<s>`` for every
-    staleness ``s`` from 0 to ``bound`` (a histogram, per data-parallel rank), and ``rollout/dropped_groups``."""
+    staleness ``s`` from 0 to ``bound`` (a histogram, per data-parallel rank), and
+    ``rollout/dropped_groups``."""
     ages = [step - v for g in groups for v in g.versions]
     counts = Counter(ages)
     out = {f"rollout/staleness/count_{s}": float(counts.get(s, 0)) for s in range(bound + 1)}
@@ -111,7 +112,8 @@ def staleness_metrics(groups: list[Group], step: int, bound: int, dropped: int) 
 
 def merge_groups(groups: list[Group]) -> dict[str, Any]:
     """One step's groups -> samples (``prompt_index`` renumbered to the group's position), scores, sources,
-    per-sample reward extras (None where a group lacks a key), the first group's epoch and per-sample versions."""
+    per-sample reward extras (None where a group lacks a key), the first group's epoch and per-sample
+    versions."""
     samples = [dataclasses.replace(s, prompt_index=i) for i, g in enumerate(groups) for s in g.samples]
     keys = sorted({k for g in groups for k in g.extras})
     extras = {k: [v for g in groups for v in g.extras.get(k, [None] * len(g.samples))] for k in keys}

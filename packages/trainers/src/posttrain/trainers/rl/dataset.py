@@ -1,11 +1,11 @@
 """RL prompts from parquet files in verl's column layout.
 
 Columns: ``prompt`` (a chat list, rendered with the tokenizer's chat template and the generation prompt),
-``data_source`` (selects the reward function), ``reward_model`` (a struct with ``ground_truth``) and optionally
-``extra_info``. Each file's columns are checked first, and a row whose ``reward_model`` or ``ground_truth``, or
-whose reward-function key (``data.reward_fn_key``), is null, or whose prompt is empty, is rejected with the file
-and row named. Prompts longer than ``data.max_prompt_length`` tokens are dropped with a warning that counts them, as
-verl's ``filter_overlong_prompts`` does.
+``data_source`` (selects the reward function), ``reward_model`` (a struct with ``ground_truth``) and
+optionally ``extra_info``. Each file's columns are checked first, and a row whose ``reward_model`` or
+``ground_truth``, or whose reward-function key (``data.reward_fn_key``), is null, or whose prompt is empty, is
+rejected with the file and row named. Prompts longer than ``data.max_prompt_length`` tokens are dropped with a
+warning that counts them, as verl's ``filter_overlong_prompts`` does.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ class PromptDataset:
                 )
         if not self.items:
             raise ValueError(
-                f"{key}: every prompt is longer than {max_len} tokens: raise rollout.prompt_length (the prompt "
-                "length of both the rollout and this filter)"
+                f"{key}: every prompt is longer than {max_len} tokens: raise rollout.prompt_length (the "
+                "prompt length of both the rollout and this filter)"
             )
         if self.dropped:
             warnings.warn(

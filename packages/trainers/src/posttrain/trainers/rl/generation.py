@@ -21,9 +21,9 @@ from .step_metrics import extra_means
 
 
 def step_seed(trainer_seed: int, rollout_seed: int, step: int, dp_rank: int) -> int:
-    """The sampling seed of one generate call: a fixed mix of ``trainer.seed``, ``rollout.seed``, the step and the
-    data-parallel rank (``rollout.seed=0``, the default, leaves the mix as it was before the rollout seed joined
-    it)."""
+    """The sampling seed of one generate call: a fixed mix of ``trainer.seed``, ``rollout.seed``, the step and
+    the data-parallel rank (``rollout.seed=0``, the default, leaves the mix as it was before the rollout seed
+    joined it)."""
     return (trainer_seed * 1_000_003 + rollout_seed * 104_729 + step * 7919 + dp_rank * 131) % (2**31)
 
 
@@ -135,8 +135,8 @@ class RolloutSampler:
         )
 
     def sampling(self, step: int, *, validate: bool = False, rollout_cfg: Any = None) -> SamplingConfig:
-        """The sampling of ``step``: the knobs of ``rollout_cfg`` (default: the run's ``rollout``), the step's seed,
-        the tokenizer's eos as the stop token."""
+        """The sampling of ``step``: the knobs of ``rollout_cfg`` (default: the run's ``rollout``), the step's
+        seed, the tokenizer's eos as the stop token."""
         rollout_cfg = rollout_cfg or self.rollout_cfg
         sampling = rollout_cfg.sampling(validate=validate)
         sampling.seed = step_seed(self.trainer_seed, rollout_cfg.seed, step, self.dp_rank)
@@ -147,8 +147,8 @@ class RolloutSampler:
     def sample_and_score(
         self, prompts: list, step: int, *, validate: bool = False, rollout_cfg: Any = None
     ) -> tuple[list, list[float], list, dict]:
-        """(samples grouped by prompt, scores, data sources, per-sample reward extras), sampled with the seed of
-        ``step`` and the sampling knobs of ``rollout_cfg`` (default: the run's ``rollout``)."""
+        """(samples grouped by prompt, scores, data sources, per-sample reward extras), sampled with the seed
+        of ``step`` and the sampling knobs of ``rollout_cfg`` (default: the run's ``rollout``)."""
         sampling = self.sampling(step, validate=validate, rollout_cfg=rollout_cfg)
         if self.agent is not None:  # multi-turn episodes with an environment (posttrain.trainers.agents)
             return self.agent.sample_and_score(self.rollout, prompts, sampling, self.rewards)

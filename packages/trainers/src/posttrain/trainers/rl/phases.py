@@ -1,9 +1,9 @@
 """The phases of one PPO / GRPO step, as functions over engines and packed batches.
 
 Each phase reads what the previous ones wrote into the batch: ``old_log_probs`` (the actor before this step's
-update), ``ref_log_probs`` (the reference policy), ``values`` (the critic, shifted so ``values[t]`` is the value
-of the state that predicts token ``t``), ``advantages`` and ``returns``. All are per-token packed fields, 0 off
-the response.
+update), ``ref_log_probs`` (the reference policy), ``values`` (the critic, shifted so ``values[t]`` is the
+value of the state that predicts token ``t``), ``advantages`` and ``returns``. All are per-token packed
+fields, 0 off the response.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def behaviour_old_log_probs(batch: PackedBatch) -> None:
 
 
 def compute_rollout_correction(batch: PackedBatch, cfg: RolloutCorrectionConfig) -> dict[str, float]:
-    """The behaviour -> proximal importance weights -> ``fields['is_weights']`` (the actor loss multiplies each
-    token's policy loss by them); returns their statistics."""
+    """The behaviour -> proximal importance weights -> ``fields['is_weights']`` (the actor loss multiplies
+    each token's policy loss by them); returns their statistics."""
     weights, metrics = rollout_is_weights(
         batch.fields["old_log_probs"],
         batch.fields["rollout_log_probs"],
@@ -109,8 +109,9 @@ def check_behaviour_old_log_probs(cfg: RolloutCorrectionConfig, rollout: Any, re
     key = "algorithm.rollout_correction.old_log_prob=behaviour"
     if rollout.top_p < 1.0 or rollout.top_k != -1:
         raise ValueError(
-            f"{key} with rollout.top_p={rollout.top_p}, rollout.top_k={rollout.top_k}: the rollout's log-probs are "
-            "then of the truncated distribution, not of the policy; use old_log_prob=recompute or top_p=1, top_k=-1"
+            f"{key} with rollout.top_p={rollout.top_p}, rollout.top_k={rollout.top_k}: the rollout's "
+            "log-probs are then of the truncated distribution, not of the policy; use old_log_prob=recompute "
+            "or top_p=1, top_k=-1"
         )
     if replay_mode == "R2":
         raise ValueError(f"{key} skips the pass that records router replay R2's experts: use recompute or R3")
@@ -134,7 +135,8 @@ def logprob_diff_metrics(
 
 
 def compute_ref_log_probs(ref: BaseEngine, batch: PackedBatch, replicas: Replicas, adapter_off: bool) -> None:
-    """Reference log-probs -> ``fields['ref_log_probs']`` (a LoRA actor with its adapter off serves as ref)."""
+    """Reference log-probs -> ``fields['ref_log_probs']`` (a LoRA actor with its adapter off serves as
+    ref)."""
     out = forward_outputs(ref, batch, replicas, ("log_probs",), adapter_off)
     batch.fields["ref_log_probs"] = out["log_probs"] * batch.loss_mask
 

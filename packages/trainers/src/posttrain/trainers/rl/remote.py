@@ -1,20 +1,21 @@
 """``trainer.rollout_placement=process``: the rollout in a child process of each trainer rank.
 
 :class:`RemoteRollout` is the trainer's side: a :class:`~posttrain.core.rollout.BaseRollout` whose every call
-runs in a child process started with ``torch.multiprocessing`` (spawn), which builds the rollout by name through
-the rollout registry, as the colocated trainer does, on its device (``trainer.rollout_devices``; the CPU by
-default). A worker on a GPU sees only that GPU (its ``CUDA_VISIBLE_DEVICES`` is set to it before CUDA starts),
-and the torchrun variables of the trainer's world are removed from its environment: it is not a member. Calls and
-their results travel over a multiprocessing pipe, pickled (prompts and sampling in; samples, with their
-log-probs as CPU tensors, out).
+runs in a child process started with ``torch.multiprocessing`` (spawn), which builds the rollout by name
+through the rollout registry, as the colocated trainer does, on its device (``trainer.rollout_devices``; the
+CPU by default). A worker on a GPU sees only that GPU (its ``CUDA_VISIBLE_DEVICES`` is set to it before CUDA
+starts), and the torchrun variables of the trainer's world are removed from its environment: it is not a
+member. Calls and their results travel over a multiprocessing pipe, pickled (prompts and sampling in; samples,
+with their log-probs as CPU tensors, out).
 
 Weights go over a private pair of groups (:mod:`posttrain.core.dist_transport`: trainer rank 0 of the pair,
 worker rank 1, rendezvous on a ``TCPStore`` on a free port; the trainer's own process group is not touched):
-headers over gloo, and the bytes over NCCL, GPU to GPU, when the worker's GPU is not the trainer's. Otherwise no
-bytes travel: the trainer packs each bucket into one buffer the worker maps (:mod:`posttrain.core.shared_buffer`:
-CUDA IPC on the trainer's GPU when the worker shares it, where NCCL cannot go; a shared-memory segment when the
-worker is on the CPU), and the worker's release of each bucket lets the next one be packed. The push is the
-bucketed, checksummed protocol of :mod:`posttrain.core.weight_sync`: the trainer's
+headers over gloo, and the bytes over NCCL, GPU to GPU, when the worker's GPU is not the trainer's. Otherwise
+no bytes travel: the trainer packs each bucket into one buffer the worker maps
+(:mod:`posttrain.core.shared_buffer`:
+CUDA IPC on the trainer's GPU when the worker shares it, where NCCL cannot go; a shared-memory segment when
+the worker is on the CPU), and the worker's release of each bucket lets the next one be packed. The push is
+the bucketed, checksummed protocol of :mod:`posttrain.core.weight_sync`: the trainer's
 :class:`~posttrain.core.weight_sync.BucketSender` packs the stream into buckets; the worker's
 :class:`~posttrain.core.weight_sync.BucketReceiver` verifies every bucket's checksums and hands the tensors, a
 bucket at a time, to the rollout's own ``update_weights`` (which loads them and, once the sync is complete,
@@ -28,10 +29,10 @@ worker that dies, does not answer within ``timeout_s`` or fails a call raises :c
 naming it (with the worker's error and traceback).
 
 With ``agent.env`` set, the worker also runs the agent loop (episodes, tools, ``env.step``; in stream mode the
-episode pool), and the trainer gets finished episodes (:mod:`.remote_agents`). The worker is not a daemon, so its
-rollout may start processes (vLLM's engine core, ``rollout.executor=server``); it leads its own process group,
-which it kills when its trainer disappears, and the trainer ends it at exit when :meth:`RemoteRollout.release`
-was not called. The worker's code is :mod:`.remote_worker`.
+episode pool), and the trainer gets finished episodes (:mod:`.remote_agents`). The worker is not a daemon, so
+its rollout may start processes (vLLM's engine core, ``rollout.executor=server``); it leads its own process
+group, which it kills when its trainer disappears, and the trainer ends it at exit
+when :meth:`RemoteRollout.release` was not called. The worker's code is :mod:`.remote_worker`.
 """
 
 from __future__ import annotations
@@ -74,17 +75,18 @@ def physical_gpu(device: torch.device | str) -> str:
     ids = [v.strip() for v in visible.split(",") if v.strip()]
     if index >= len(ids):
         raise ValueError(
-            f"rollout device {device} is not among the {len(ids)} GPU(s) of CUDA_VISIBLE_DEVICES={visible!r}: "
-            f"use cuda:0 to cuda:{len(ids) - 1}"
+            f"rollout device {device} is not among the {len(ids)} GPU(s) of "
+            f"CUDA_VISIBLE_DEVICES={visible!r}: use cuda:0 to cuda:{len(ids) - 1}"
         )
     return ids[index]
 
 
 # ---------------------------------------------------------------------- the trainer's side
 def _placement(device: torch.device, trainer_device: torch.device) -> tuple[str | None, bool, torch.device]:
-    """(the worker's physical GPU or None, whether the push goes over NCCL, where the trainer packs buckets) for
-    a worker on ``device`` taking weights from ``trainer_device``: NCCL between two different GPUs; on one GPU a
-    buffer there that the worker maps (CUDA IPC: NCCL refuses two members on one GPU); else host memory."""
+    """(the worker's physical GPU or None, whether the push goes over NCCL, where the trainer packs buckets)
+    for a worker on ``device`` taking weights from ``trainer_device``: NCCL between two different GPUs; on one
+    GPU a buffer there that the worker maps (CUDA IPC: NCCL refuses two members on one GPU); else host
+    memory."""
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(
             f"rollout device {device}: this process sees {torch.cuda.device_count()} CUDA device(s); set "
@@ -98,7 +100,8 @@ def _placement(device: torch.device, trainer_device: torch.device) -> tuple[str 
 
 
 UNTIMED = ("play_episodes", "stream")
-"""Calls without a deadline: a batch's episodes, and the episode pool's (a ``take`` waits for groups to finish)."""
+"""Calls without a deadline: a batch's episodes, and the episode pool's (a ``take`` waits for groups to
+finish)."""
 
 
 def _kill_group(process: Any) -> None:
@@ -130,15 +133,15 @@ class RemoteRollout(BaseRollout):
         """Start the worker and wait until its rollout is built and the gloo pair joined. ``threads``: the
         worker's torch intra-op threads (0: torch's default); ``rank`` names it; ``bucket_bytes``: the push's
         bucket size (default ``rollout.update_weights_bucket_megabytes``); ``deterministic``: passed to the
-        rollout's constructor, with ``model`` (the trainer's model config or an HF directory); ``device``: where
-        the worker builds its rollout (``cuda:N`` as this process numbers GPUs); ``trainer_device``: where the
-        pushed weights live (a GPU other than ``device``'s: the bytes go over NCCL); ``agent``: (the agent config,
-        the trainer's tokenizer) to run the agent loop in the worker (:mod:`.remote_agents`)."""
+        rollout's constructor, with ``model`` (the trainer's model config or an HF directory); ``device``:
+        where the worker builds its rollout (``cuda:N`` as this process numbers GPUs); ``trainer_device``:
+        where the pushed weights live (a GPU other than ``device``'s: the bytes go over NCCL); ``agent``: (the
+        agent config, the trainer's tokenizer) to run the agent loop in the worker (:mod:`.remote_agents`)."""
         gpu, nccl, self.send_device = _placement(torch.device(device), torch.device(trainer_device or "cpu"))
         self.config, self.timeout_s, self.lock = config, timeout_s, threading.Lock()
         self.broken: str | None = None
-        """The call that was cut short (a timeout, an interrupt): the pipe is out of step from then on, and the
-        worker is killed at release."""
+        """The call that was cut short (a timeout, an interrupt): the pipe is out of step from then on, and
+        the worker is killed at release."""
         # the buffer the push packs into and the worker maps, made at the first push
         self.shared: SharedMemoryBuffer | CudaIpcBuffer | None = None
         self.store = pair_store(0, timeout_s=timeout_s)
@@ -147,7 +150,8 @@ class RemoteRollout(BaseRollout):
         )
         self.supports_lora_adapters = ready["supports_lora_adapters"]
         self.serves_requests = ready["serves_requests"]
-        """Whether the worker's rollout generates one request at a time (``agenerate``), as stream mode needs."""
+        """Whether the worker's rollout generates one request at a time (``agenerate``), as stream mode
+        needs."""
         group = pair_group(self.store, 0, timeout_s)
         data = nccl_pair_group(self.store, 0, timeout_s) if nccl else None
         self.transport = PairBucketTransport(group, 1, data, self.send_device, shared=not nccl)
@@ -179,8 +183,8 @@ class RemoteRollout(BaseRollout):
     def _send(self, op: str, *args: Any) -> None:
         if self.broken is not None:
             raise RolloutWorkerError(
-                f"{self.name} cannot {op}: it is out of step with the trainer since its {self.broken} was cut "
-                "short; release it (it is killed) and start another"
+                f"{self.name} cannot {op}: it is out of step with the trainer since its {self.broken} was "
+                "cut short; release it (it is killed) and start another"
             )
         if self.process is None or not self.process.is_alive():
             raise RolloutWorkerError(
@@ -194,8 +198,9 @@ class RemoteRollout(BaseRollout):
             ) from exc
 
     def _reply(self, op: str) -> Any:
-        """The worker's answer to ``op``; raises if it reports an error, dies, or exceeds the timeout (none for
-        the agent calls of :data:`UNTIMED`, which wait as long as the worker lives, as the colocated loop does).
+        """The worker's answer to ``op``; raises if it reports an error, dies, or exceeds the timeout (none
+        for the agent calls of :data:`UNTIMED`, which wait as long as the worker lives, as the colocated loop
+        does).
         Anything that stops the wait early leaves the worker :attr:`broken`."""
         try:
             reply = pickle.loads(self._wait(op, None if op in UNTIMED else self.timeout_s))
@@ -250,8 +255,8 @@ class RemoteRollout(BaseRollout):
         base_sync_done: bool = False,
         version: int | None = None,
     ) -> SyncReport:
-        """Push the stream to the worker in checksummed buckets (each tensor cast to ``rollout.dtype`` as it is
-        packed); returns what was sent. Raises unless the worker's rollout then serves ``version``."""
+        """Push the stream to the worker in checksummed buckets (each tensor cast to ``rollout.dtype`` as it
+        is packed); returns what was sent. Raises unless the worker's rollout then serves ``version``."""
         with self.lock:
             self._send("update_weights", peft_config, base_sync_done, version)
             try:
@@ -327,8 +332,8 @@ class RemoteRollout(BaseRollout):
 
     def release(self) -> None:
         """Ask the worker to release its rollout and exit, and wait for it: raises unless it exited with code
-        0 (a worker that does not exit within ``timeout_s`` is killed; one out of step, :attr:`broken`, is killed
-        without being asked). Its process group goes with it. Does nothing once released."""
+        0 (a worker that does not exit within ``timeout_s`` is killed; one out of step, :attr:`broken`, is
+        killed without being asked). Its process group goes with it. Does nothing once released."""
         process, closed = self.process, False
         if process is None:
             return

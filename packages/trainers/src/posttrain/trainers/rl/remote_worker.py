@@ -1,8 +1,8 @@
 """The rollout worker process of ``trainer.rollout_placement=process`` (:mod:`.remote` is the trainer's side).
 
-It leaves the trainer's torchrun world, builds the rollout (and, for agents, :class:`.remote_agents.AgentHost`),
-then answers the trainer's calls over the pipe; weight pushes arrive over the pair transport and are verified
-bucket by bucket (:class:`ReceivedWeights`).
+It leaves the trainer's torchrun world, builds the rollout (and, for
+agents, :class:`.remote_agents.AgentHost`), then answers the trainer's calls over the pipe; weight pushes
+arrive over the pair transport and are verified bucket by bucket (:class:`ReceivedWeights`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ _TORCHRUN_VARS = (
     "GROUP_WORLD_SIZE",
     "ROLE_NAME",
 )
-"""torchrun's variables of the trainer's world; every ``TORCHELASTIC_*`` variable goes too (:func:`leave_world`)."""
+"""torchrun's variables of the trainer's world; every ``TORCHELASTIC_*`` variable goes too
+(:func:`leave_world`)."""
 
 
 def leave_world(environ: dict[str, str]) -> list[str]:
@@ -107,7 +108,8 @@ def _update_weights(w: _Served, peft_config, base_sync_done, version) -> dict:
 
 
 def _generate(w: _Served, prompts, sampling) -> list[RolloutSample]:
-    """The samples with their tensors in host memory (a GPU worker's would unpickle onto the trainer's GPUs)."""
+    """The samples with their tensors in host memory (a GPU worker's would unpickle onto the trainer's
+    GPUs)."""
     samples = w.rollout.generate(prompts, sampling)
     for s in samples:
         s.log_probs = s.log_probs.cpu()
@@ -161,10 +163,10 @@ def worker_main(
     parent: int | None = None,
 ) -> None:
     """The worker process of trainer ``parent`` (pid): build the rollout (on the physical GPU ``gpu``, or the
-    CPU) and, with ``agent`` (the agent config and the trainer's tokenizer), an agent loop over it; report ready,
-    join the pair (bytes over NCCL with ``nccl``), then serve calls until ``close`` or until the trainer's end of
-    the pipe closes. It leads a process group of its own, so the processes it starts (vLLM's engine core with
-    ``rollout.executor=server``) go with it when its trainer dies."""
+    CPU) and, with ``agent`` (the agent config and the trainer's tokenizer), an agent loop over it; report
+    ready, join the pair (bytes over NCCL with ``nccl``), then serve calls until ``close`` or until the
+    trainer's end of the pipe closes. It leads a process group of its own, so the processes it starts (vLLM's
+    engine core with ``rollout.executor=server``) go with it when its trainer dies."""
     os.setsid()  # its own group: a terminal's Ctrl-C reaches the trainer, which closes the worker
     threading.Thread(target=_watch_parent, args=(parent or os.getppid(),), daemon=True).start()
     leave_world(os.environ)

@@ -1,8 +1,8 @@
 """MoE router replay in the RL loop (``actor.engine.router_replay.mode``).
 
-Without replay the update re-routes every token with the weights it is training, so an MoE policy's experts can
-differ between the pass that made the old log-probs (or the rollout that sampled) and the update, which adds
-noise to the importance ratio. Replay makes the update use recorded experts, carried per token in
+Without replay the update re-routes every token with the weights it is training, so an MoE policy's experts
+can differ between the pass that made the old log-probs (or the rollout that sampled) and the update, which
+adds noise to the importance ratio. Replay makes the update use recorded experts, carried per token in
 ``batch.fields["routed_experts"]`` (T, MoE layers, k), which follows its tokens into every mini- and
 micro-batch.
 
@@ -30,16 +30,17 @@ FIELD = "routed_experts"
 
 
 def replay_mode(mode: str, engine_cls: type[BaseEngine], return_routed_experts: bool) -> str:
-    """The actor's ``router_replay.mode`` (``disabled``, ``R2`` or ``R3``) once the run is known to support it:
+    """The actor's ``router_replay.mode`` (``disabled``, ``R2`` or ``R3``) once the run is known to support
+    it:
     ``engine_cls`` (the actor's engine class) declares ``supports_router_replay``, and R3 has a rollout that
     records the experts (``rollout.return_routed_experts``); a ValueError naming the fix otherwise."""
     if mode == "disabled":
         return mode
     if not engine_cls.supports_router_replay:
         raise ValueError(
-            f"actor.engine.router_replay.mode={mode}: the actor's engine {engine_cls.__name__} does not replay "
-            "routing (supports_router_replay is False); use an engine that does (model_engine=megatron) or set "
-            "router_replay.mode=disabled"
+            f"actor.engine.router_replay.mode={mode}: the actor's engine {engine_cls.__name__} does not "
+            "replay routing (supports_router_replay is False); use an engine that does "
+            "(model_engine=megatron) or set router_replay.mode=disabled"
         )
     if mode == "R3" and not return_routed_experts:
         raise ValueError(
@@ -59,15 +60,15 @@ def store_old_routing(batch: PackedBatch, outputs: dict[str, torch.Tensor]) -> N
 
 
 def rollout_routing(samples: Any) -> torch.Tensor | None:
-    """(T, layers, k) int32: the samples' ``routed_experts`` packed like their tokens, or None when the rollout
-    recorded none; a ValueError when only some samples carry them."""
+    """(T, layers, k) int32: the samples' ``routed_experts`` packed like their tokens, or None when the
+    rollout recorded none; a ValueError when only some samples carry them."""
     routed = [s.routed_experts for s in samples]
     if all(r is None for r in routed):
         return None
     if any(r is None for r in routed):
         raise ValueError(
-            "some rollout samples carry routed_experts and some do not: the rollout backend must record every "
-            "sample's routing (rollout.return_routed_experts=true with rollout.name=hf)"
+            "some rollout samples carry routed_experts and some do not: the rollout backend must record "
+            "every sample's routing (rollout.return_routed_experts=true with rollout.name=hf)"
         )
     return torch.cat([torch.as_tensor(r, dtype=torch.int32) for r in routed])
 

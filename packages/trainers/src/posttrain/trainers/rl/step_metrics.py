@@ -7,8 +7,8 @@ import time
 
 def extra_means(extras: dict[str, list]) -> dict[str, float]:
     """``reward/extra/<key>/mean`` of every numeric value a reward function returned beside its score (a dict
-    ``{"score": ..., "acc": ...}``); samples without the key, and non-numeric values, are left out. Computed on
-    each data-parallel rank for its own samples and logged unreduced (ranks may see different keys)."""
+    ``{"score": ..., "acc": ...}``); samples without the key, and non-numeric values, are left out. Computed
+    on each data-parallel rank for its own samples and logged unreduced (ranks may see different keys)."""
     out = {}
     for key, values in extras.items():
         numbers = [float(v) for v in values if isinstance(v, (int, float))]

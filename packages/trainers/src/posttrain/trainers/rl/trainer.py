@@ -2,27 +2,27 @@
 
 One step: the next ``data.train_batch_size`` prompts (global; each data-parallel rank takes its share) ->
 generate ``rollout.n`` responses each -> reward -> old log-probs (actor) -> reference log-probs (when
-``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``; a LoRA actor with its adapter off is the reference) ->
-values (critic) -> advantages -> critic update -> actor update (after ``trainer.critic_warmup`` steps)
-over ``actor.ppo_mini_batch_size``-prompt mini-batches -> weight sync into the rollout. Whether a critic is built
-and trained (gae) or a greedy response per prompt is generated for the baseline (remax) is what the estimator
-declared when it was registered (:class:`~posttrain.trainers.algorithms.EstimatorTraits`). Sampling is seeded
-from ``(trainer.seed, rollout.seed, step, data-parallel rank)``, so a resumed run replays exactly what an uninterrupted one
-would have done.
+``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``; a LoRA actor with its adapter off is the reference)
+-> values (critic) -> advantages -> critic update -> actor update (after ``trainer.critic_warmup`` steps)
+over ``actor.ppo_mini_batch_size``-prompt mini-batches -> weight sync into the rollout. Whether a critic is
+built and trained (gae) or a greedy response per prompt is generated for the baseline (remax) is what the
+estimator declared when it was registered (:class:`~posttrain.trainers.algorithms.EstimatorTraits`). Sampling
+is seeded from ``(trainer.seed, rollout.seed, step, data-parallel rank)``, so a resumed run replays exactly
+what an uninterrupted one would have done.
 
 Where this departs from verl: there is no Ray and no separate rollout server; the rollout lives in the trainer
-process (verl's HYBRID mode), and advantages are computed on each rank for its own prompt groups (all n samples
-of a prompt are generated on one rank, so group statistics need no communication).
+process (verl's HYBRID mode), and advantages are computed on each rank for its own prompt groups (all n
+samples of a prompt are generated on one rank, so group statistics need no communication).
 
 MoE router replay (``actor.engine.router_replay.mode`` R2 or R3, megatron engine) makes the updates use the
 experts recorded by the old-log-prob pass (R2) or by the rollout (R3); see :mod:`.router_replay`.
 
 Model-parallel engine layouts (Megatron TP/PP/CP > 1) put several ranks on one data-parallel rank (a replica
-group, :class:`~posttrain.trainers.distributed.Replicas`); the engine returns outputs and loss metrics on one of
-them. That source rank generates and scores the group's rollouts and broadcasts them, so every rank of the group
-packs the same batch; forward outputs (old / reference log-probs, entropy, values) and update metrics are
-broadcast from it too, so the advantages and the logged metrics are the same on every rank. Every role must use
-the actor's layout.
+group, :class:`~posttrain.trainers.distributed.Replicas`); the engine returns outputs and loss metrics on one
+of them. That source rank generates and scores the group's rollouts and broadcasts them, so every rank of the
+group packs the same batch; forward outputs (old / reference log-probs, entropy, values) and update metrics
+are broadcast from it too, so the advantages and the logged metrics are the same on every rank. Every role
+must use the actor's layout.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``ThinEngineConfig``: the FSDP engine's knobs plus ``record_to``; registered as ``thin`` in ``posttrain.engines``.
+"""``ThinEngineConfig``: the FSDP engine's knobs plus ``record_to``; registered as ``thin`` in
+``posttrain.engines``.
 
 Imports only the FSDP config (no torch model code), as a config module must.
 """
@@ -24,4 +25,5 @@ class ThinEngineConfig(FSDPEngineConfig):
     strategy: str | None = "thin"
     """``thin``."""
     record_to: str = ""
-    """A file each engine appends ``<engine class> <model type> step`` to after each optimizer step ('' = none)."""
+    """A file each engine appends ``<engine class> <model type> step`` to after each optimizer step
+    ('' = none)."""
