@@ -8,6 +8,7 @@ resolving ``model_engine=megatron`` needs no megatron-core. Rules that need the 
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -133,6 +134,17 @@ class McoreEngineConfig(EngineConfig):
         return (
             self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
         )
+
+    @property
+    def token_multiple(self) -> int:
+        """Each packed micro-batch is padded to a multiple of this many tokens: the TP size under sequence
+        parallelism (the stream is split over the TP ranks), times 16 with TE's FP8 (32 for MXFP8; its GEMMs
+        need token counts in those multiples, as Megatron-Core's ``get_fp8_align_size`` says), and a multiple
+        of ``pad_to_length_bucket`` with ``pad_to_length``."""
+        fp8 = self.override_transformer_config
+        align = (32 if fp8.get("fp8_recipe") == "mxfp8" else 16) if fp8.get("fp8") else 1
+        multiple = (self.tensor_model_parallel_size if self.sequence_parallel else 1) * align
+        return math.lcm(multiple, self.pad_to_length_bucket) if self.pad_to_length else multiple
 
     def check_world_size(self, world_size: int) -> int:
         """Check the layout fits ``world_size`` ranks and return the data-parallel size."""

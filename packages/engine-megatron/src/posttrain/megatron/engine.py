@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from functools import partial
 from typing import Any
 
@@ -241,7 +240,7 @@ class MegatronEngine(BaseEngine):
         calc_entropy: bool,
     ) -> tuple[torch.Tensor, Any]:
         mb = next(data_iterator)
-        packed = pack_micro_batch(mb, self._pad_multiple(), self._device, self._cp_group())
+        packed = pack_micro_batch(mb, self.engine_config.token_multiple, self._device, self._cp_group())
         self.router_replay.before_micro(mb, packed.input_ids.shape[1])
         output = model(
             input_ids=packed.input_ids,
@@ -298,11 +297,6 @@ class MegatronEngine(BaseEngine):
         chunk = self.engine_config.logits_chunk_size(logits.shape[0])
         accuracy = bool(mb.meta.get("calculate_accuracy", False))
         return token_outputs(logits, mb, vocab_start, group, calc_entropy, cp, chunk, accuracy)
-
-    def _pad_multiple(self) -> int:
-        cfg = self.engine_config
-        multiple = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
-        return math.lcm(multiple, cfg.pad_to_length_bucket) if cfg.pad_to_length else multiple
 
     def _cp_group(self) -> Any:
         """Megatron's context-parallel group when CP > 1, else None."""
