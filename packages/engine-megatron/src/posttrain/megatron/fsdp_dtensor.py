@@ -16,6 +16,7 @@ The preprocessing is done here with Megatron-Core's helpers rather than Megatron
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -82,16 +83,33 @@ def _raw_state(engine: Any, contents: list[str], is_loading: bool) -> dict[str, 
     return state
 
 
-def model_key_root(chunk: torch.nn.Module) -> torch.nn.Module:
+def model_key_root(chunk: torch.nn.Module, keys: Iterable[str]) -> torch.nn.Module:
     """The module Megatron-Core's fsdp_dtensor helpers resolve model keys against (``get_parameter("module." +
-    key)``): a bare module whose ``module`` is the GPTModel. Model keys are the GPTModel's own names, while a
-    bf16 model sits in a Float16Module inside the DDP or Megatron-FSDP wrapper, so the wrapper itself is not
-    it."""
+    key)``). A model key is a GPTModel parameter name under ``d`` prefixes ``module.``: none through the DDP
+    wrapper's ``state_dict_for_save_checkpoint``, one through Megatron-FSDP's (its own ``state_dict``), where
+    a bf16 model's Float16Module hands up its child's names without a level of its own, so no module of the
+    wrapper chain is named as the keys are. The root is ``d + 1`` bare modules nested over the GPTModel; a key
+    set in which no key names a GPTModel parameter is a ValueError."""
     from .build import unwrap
 
-    root = torch.nn.Module()
-    root.module = unwrap(chunk)
-    return root
+    gpt = unwrap(chunk)
+    names = {name for name, _ in gpt.named_parameters()}
+    keys = list(keys)
+    for key in keys:
+        name, depth = key, 0
+        while name not in names and name.startswith("module."):
+            name, depth = name[len("module.") :], depth + 1
+        if name in names:
+            root = gpt
+            for _ in range(depth + 1):
+                outer = torch.nn.Module()
+                outer.module = root
+                root = outer
+            return root
+    raise ValueError(
+        f"no model key names a parameter of the {type(gpt).__name__} inside {type(chunk).__name__} (first "
+        f"key: {keys[0] if keys else None!r}): the fsdp_dtensor layout cannot be written"
+    )
 
 
 def _preprocess(state: dict[str, Any], chunk: torch.nn.Module) -> dict[str, Any]:
@@ -110,7 +128,7 @@ def _preprocess(state: dict[str, Any], chunk: torch.nn.Module) -> dict[str, Any]
         split_fns.insert(0, fdc.handle_swiglu_in_state_dict)
     # Optimizer keys are the wrapper's parameter names; the helper strips one "module." and resolves the rest
     # against the module inside the wrapper.
-    root = model_key_root(chunk)
+    root = model_key_root(chunk, state["model"])
     for split in split_fns:
         state["model"], _ = split(root, state["model"], None)
         if state.get("optimizer") is not None:
