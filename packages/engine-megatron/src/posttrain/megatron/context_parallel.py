@@ -150,7 +150,8 @@ def _attention_plan(padded: torch.Tensor, gathered_row: torch.Tensor, cp: int, r
 
 def plan_split(cu_seqlens: torch.Tensor, sp_multiple: int, cp: int, rank: int) -> CpSplit:
     """Rank ``rank``'s share of the sequences ``cu_seqlens`` under ``cp``-way CP; the padded stream is a
-    multiple of ``2 * cp * sp_multiple`` (``sp_multiple``: the TP size under sequence parallelism, else 1)."""
+    multiple of ``2 * cp * sp_multiple`` (``sp_multiple``: the TP size under sequence parallelism, else 1,
+    times 16 with FP8: ``McoreEngineConfig.token_multiple``)."""
     cu = cu_seqlens.long().cpu()
     lens = cu[1:] - cu[:-1]
     padded = (lens + 2 * cp - 1) // (2 * cp) * (2 * cp)

@@ -48,7 +48,7 @@ def pack_micro_batch(
     mb: PackedBatch, pad_multiple: int, device: torch.device, cp_group: object = None
 ) -> PackedInput:
     """``mb`` as one THD stream padded to a multiple of ``pad_multiple`` tokens; with a ``cp_group`` of more
-    than one rank, this CP rank's part of it (``pad_multiple`` is then the sequence-parallel TP size or 1)."""
+    than one rank, this CP rank's part of it (``pad_multiple``: ``McoreEngineConfig.token_multiple``)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     if cp_group is not None and cp_group.size() > 1:
