@@ -99,8 +99,9 @@ case "${1:-tests}" in
   train)
     timeout 560 python3 bench/train_throughput.py --gpus 1,2 --compile-layers --out "$out/train.json" 2>&1 | tee "$out/train.log" | tail -40 ;;
   megathru)
-    # the megatron engine (TP=1, with TE installed also FP8 and TP=1 with TE hidden; TP=2 + SP, Megatron-FSDP DP=2)
-    # next to the FSDP engine, on 1 and (where there are 2) 2 GPUs, same data
+    # the megatron engine (TP=1 and Megatron-FSDP DP=1, with TE installed also FP8 and TP=1 with TE hidden; TP=2 +
+    # SP, Megatron-FSDP DP=2) next to the FSDP engine, on 1 and (where there are 2) 2 GPUs, same data, each run
+    # in a process of its own
     # an 80 GB card (H100) takes 8,192 tokens per GPU and step: the local spec's TP=1 run peaks at ~100 GiB at 16,384
     gpus=1; [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && gpus=1,2
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1); tokens=16384

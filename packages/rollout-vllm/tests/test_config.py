@@ -133,7 +133,7 @@ def test_config_transports_are_the_transport_modules_and_import_without_torch():
 def test_engine_kwargs_merge_a_compilation_config_into_posttrains():
     """``rollout.engine_kwargs`` wins key by key; its ``compilation_config`` keeps posttrain's capture
     size."""
-    from posttrain.rollout_vllm.rollout import with_user_kwargs
+    from posttrain.rollout_vllm.engine_args import with_user_kwargs
 
     ours = {"max_num_seqs": 640, "compilation_config": {"max_cudagraph_capture_size": 640}}
     merged = with_user_kwargs(ours, {"block_size": 32, "compilation_config": {"cudagraph_mode": "FULL"}})

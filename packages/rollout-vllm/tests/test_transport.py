@@ -118,7 +118,7 @@ def test_entry_points_resolve_to_the_rollout_and_its_config():
 
 
 def test_dtype_names():
-    from posttrain.rollout_vllm.rollout import dtype_name
+    from posttrain.rollout_vllm.engine_args import dtype_name
 
     assert dtype_name("bf16") == dtype_name(torch.bfloat16) == "bfloat16"
     assert dtype_name("fp32") == "float32"
@@ -162,7 +162,7 @@ def test_routed_experts_are_aligned_with_the_tokens():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_the_installed_vllm_can_return_routed_experts():
-    from posttrain.rollout_vllm.rollout import routed_experts_supported
+    from posttrain.rollout_vllm.engine_args import routed_experts_supported
 
     assert routed_experts_supported()
 

@@ -141,8 +141,8 @@ class McoreEngineConfig(EngineConfig):
         parallelism (the stream is split over the TP ranks), times 16 with TE's FP8 (32 for MXFP8; its GEMMs
         need token counts in those multiples, as Megatron-Core's ``get_fp8_align_size`` says), and a multiple
         of ``pad_to_length_bucket`` with ``pad_to_length``."""
-        fp8 = self.override_transformer_config
-        align = (32 if fp8.get("fp8_recipe") == "mxfp8" else 16) if fp8.get("fp8") else 1
+        tf = self.override_transformer_config
+        align = (32 if tf.get("fp8_recipe") == "mxfp8" else 16) if tf.get("fp8") else 1
         multiple = (self.tensor_model_parallel_size if self.sequence_parallel else 1) * align
         return math.lcm(multiple, self.pad_to_length_bucket) if self.pad_to_length else multiple
 

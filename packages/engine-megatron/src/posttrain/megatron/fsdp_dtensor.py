@@ -126,11 +126,11 @@ def _preprocess(state: dict[str, Any], chunk: torch.nn.Module) -> dict[str, Any]
     split_fns = [fdc.handle_gdn_in_state_dict] if hasattr(fdc, "handle_gdn_in_state_dict") else []
     if getattr(config, "gated_linear_unit", False):
         split_fns.insert(0, fdc.handle_swiglu_in_state_dict)
-    # Optimizer keys are the wrapper's parameter names; the helper strips one "module." and resolves the rest
-    # against the module inside the wrapper.
     root = model_key_root(chunk, state["model"])
     for split in split_fns:
         state["model"], _ = split(root, state["model"], None)
+        # optimizer keys are the wrapper's parameter names: the helper strips one "module." and resolves the
+        # rest against the module inside the wrapper
         if state.get("optimizer") is not None:
             _, state["optimizer"] = split(chunk.module, {}, state["optimizer"])
     experts = getattr(config, "num_moe_experts", None)
