@@ -13,6 +13,9 @@ specs=(
   "megatron-fsdp==0.6.1"
   "omegaconf==2.4.0"
   "mbridge==0.15.1"  # engine.vanilla_mbridge=true (deprecated); pure python
+  # Megatron-Bridge's save_hf_weights (the hf_model checkpoint content) imports modelopt, which imports pulp and
+  # pynvml; Bridge gets them through megatron-core[dev]; the GPU image lacks modelopt, so all three travel
+  "nvidia-modelopt==0.47.0" "pulp==3.3.2" "nvidia-ml-py==13.615.71"
   "$@"
 )
 "$python" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
