@@ -432,6 +432,8 @@ class VLLMRollout(BaseRollout):
             raise ValueError(f"wake_up tags {sorted(unknown)} are unknown: use weights and/or kv_cache")
         todo = [t for t in tags if t in self._asleep]
         if todo and self.sleep_enabled:
+            # the trainer's allocator still caches the update's activations; vLLM maps its pools outside it
+            torch.cuda.empty_cache()
             self.engine.wake_up(todo)
         self._asleep -= set(todo)
 
