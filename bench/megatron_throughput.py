@@ -26,6 +26,8 @@ Reported per run, over timed steps after warm-up: real-token tokens/s, TFLOP/s p
 time / (ceiling x GPUs; the bf16 ceiling for the FP8 run too) with FLOPs = 6 N tokens + 12 layers hidden
 sum(len^2) (``train_throughput.model_flops``), peak memory, and each Megatron run's MFU over the FSDP engine's
 at the same GPU count (``vs_fsdp``). A run that fails is recorded with its error and the others still run.
+``--profile``: each run profiles one step more (not timed) and reports its kernel time by kind
+(``train_throughput.kernel_kind``: GEMM, attention, optimizer...), printed side by side at the end.
 ``--tiny``: the 2-layer model, short sequences, fp32, gloo on CPU when no GPU is present, no torch.compile;
 Megatron-FSDP needs CUDA and is skipped there.
 
@@ -82,7 +84,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="Megatron runs: print the top CPU and GPU ops of one extra step",
+        help="every run: print the top CPU and GPU ops of one extra step; its kernel time by kind in the results",
     )
     p.add_argument(
         "--hide-te",
@@ -189,8 +191,9 @@ def run_megatron(
     batches = [PackedBatch.from_sequences([s for d in draws for s in d[i]]) for i in range(len(draws[0]))]
     with eng.train_mode():
         sec, timed = tt.timed_loop(lambda b: eng.train_batch(b, loss_fn), batches, args.warmup, device)
+        profiled = {}
         if args.profile:
-            tt.print_profile(lambda: eng.train_batch(batches[-1], loss_fn), device)
+            profiled = tt.print_profile(lambda: eng.train_batch(batches[-1], loss_fn), device)
     # one rank per data-parallel rank counts its tokens (the others of its model-parallel group hold copies)
     timed_lengths = [b.seqlens if eng.is_mp_src_rank_with_outputs() else [] for b in timed]
     result = tt.summarize(
@@ -202,7 +205,11 @@ def run_megatron(
         for m in c.modules()
         for k in type(m).__mro__
     )
-    return result | {"dp": eng.get_data_parallel_size(), "te_layers": te}
+    return (
+        result
+        | {"dp": eng.get_data_parallel_size(), "te_layers": te}
+        | ({"profile": profiled} if profiled else {})
+    )
 
 
 def run_fsdp(
@@ -211,6 +218,7 @@ def run_fsdp(
     """``train_throughput.run_engine`` with ``--compile-layers`` (no torch.compile with ``--tiny``)."""
     argv = ["--tokens", str(args.tokens), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     argv += ["--tiny", "--no-compile"] if args.tiny else ["--compile-layers"]
+    argv += ["--profile"] if args.profile else []
     return tt.run_engine(tt.parse_args(argv), model_dir, cfg, device, ceiling) | {"run": "fsdp_engine"}
 
 
@@ -313,6 +321,25 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def kernel_table(results: list[dict[str, Any]]) -> str:
+    """Markdown table of the profiled step's kernel time (ms) by kind, one column per run (``--profile``)."""
+    runs = [r for r in results if r.get("profile", {}).get("kernel_ms")]
+    if not runs:
+        return ""
+    kinds = list(dict.fromkeys(k for r in runs for k in r["profile"]["kernel_ms"]))
+    head = "| kernel ms | " + " | ".join(f"{r['run']} ({r['gpus']})" for r in runs) + " |"
+    lines = [head, "|---" * (len(runs) + 1) + "|"]
+    for kind in [*kinds, "total"]:
+        cells = [
+            r["profile"]["kernel_ms"].get(kind, 0.0)
+            if kind != "total"
+            else round(sum(r["profile"]["kernel_ms"].values()), 2)
+            for r in runs
+        ]
+        lines.append(f"| {kind} | " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
 def launches(args: argparse.Namespace, counts: list[int]) -> list[tuple[int, list[str]]]:
     """(processes, extra arguments) of each launch: one per run and GPU count, and where Transformer Engine
     is installed and the 1-GPU Megatron run is asked for, one more that runs it with TE hidden
@@ -360,6 +387,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
         if args.out:  # after every launch, so a timeout in a later one keeps these
             Path(args.out).write_text(json.dumps(results, indent=1))
     print(table(results))
+    print(kernel_table(results))
     for r in results:
         print(json.dumps(r))
     if args.out:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -164,22 +165,52 @@ def timed_loop(
     return (time.perf_counter() - t0) / max(1, len(batches) - warmup), batches[warmup:]
 
 
-def print_profile(step: Any, device: torch.device, trace: str | None = None) -> None:
+KERNEL_KINDS = (
+    ("nccl", r"nccl"),
+    ("attention", r"flash|fmha|attn|sdpa"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|tensorop"),
+    ("optimizer", r"adam|multi_tensor|l2norm"),
+    ("softmax_reduce", r"softmax|logsumexp|reduce_kernel"),
+    ("copy", r"memcpy|memset|copy|catarray"),
+    ("triton", r"^triton"),
+)
+"""Device-time buckets by kernel name (first match, lower-cased); the rest is ``other`` (elementwise, norms)."""
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, low)), "other")
+
+
+def print_profile(step: Any, device: torch.device, trace: str | None = None) -> dict[str, Any]:
     """Run ``step`` once under the torch profiler; rank 0 prints the ops with the most CPU and device time
-    (and writes the chrome trace to ``trace``)."""
+    (and writes the chrome trace to ``trace``). Returns rank 0's kernel time in ms by :func:`kernel_kind` and
+    its ten longest kernels (empty without CUDA), for side-by-side tables of runs."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
         sync(device)
-    if dist.get_rank() == 0:
-        if trace:
-            prof.export_chrome_trace(trace)
-        keys = ["self_cpu_time_total"] + (["self_cuda_time_total"] if device.type == "cuda" else [])
-        for key in keys:
-            table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
-            print(table, flush=True)
+    if dist.get_rank() != 0:
+        return {}
+    if trace:
+        prof.export_chrome_trace(trace)
+    keys = ["self_cpu_time_total"] + (["self_cuda_time_total"] if device.type == "cuda" else [])
+    for key in keys:
+        table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+        print(table, flush=True)
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]  # CPU ops hold no kernels
+    by_kind: dict[str, float] = {}
+    for e in kernels:
+        kind = kernel_kind(e.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1e3
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]
+    return {
+        "kernel_ms": {k: round(v, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [[e.key[:90], round(e.self_device_time_total / 1e3, 2), e.count] for e in top],
+    }
 
 
 def summarize(
@@ -261,8 +292,9 @@ def run_engine(
     ]
     with eng.train_mode():
         sec, timed = timed_loop(lambda b: eng.train_batch(b, loss_fn), batches, args.warmup, device)
+        profiled = {}
         if args.profile:
-            print_profile(lambda: eng.train_batch(batches[-1], loss_fn), device, args.trace)
+            profiled = print_profile(lambda: eng.train_batch(batches[-1], loss_fn), device, args.trace)
     timed_lengths = [b.seqlens for b in timed]
     result = summarize(
         "engine_packed_varied" + ("_compiled" if args.compile_layers else ""),
@@ -274,7 +306,7 @@ def run_engine(
         ceiling,
         device,
     )
-    return result
+    return result | ({"profile": profiled} if profiled else {})
 
 
 def run_baseline(
