@@ -5,8 +5,9 @@ model directory:
 
 - ``matmul_ceiling``: bf16 (fp32 with ``--tiny``) dense matmul FLOP/s, measured once, in the first launch; the
   later launches reuse it, so every MFU has the same denominator.
-- 1 GPU: ``megatron_tp1`` (TP=1), ``megatron_fsdp`` (Megatron-FSDP, DP=1: the documents' path),
-  ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current scaling, ``tensorwise``;
+- 1 GPU: ``megatron_tp1`` (TP=1), ``megatron_tp1_wgrad`` (TE's layers accumulating weight gradients into the
+  fp32 buffer, an experiment: :func:`fuse_te_wgrad`; skipped without TE), ``megatron_fsdp`` (Megatron-FSDP,
+  DP=1: the documents' path), ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current scaling, ``tensorwise``;
   skipped without TE), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on). Where TE is installed, one more
   1-GPU launch
   runs ``megatron_tp1_no_te``: TP=1 with TE hidden (``--hide-te``), Megatron-Core's local layer spec.
@@ -60,10 +61,11 @@ LAYOUTS = {
     "megatron_tp1_fp8": {"override_transformer_config": {"fp8": "hybrid", "fp8_recipe": "tensorwise"}},
     "megatron_tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "megatron_fsdp": {"use_megatron_fsdp": True},
+    "megatron_tp1_wgrad": {},
 }
 """Megatron engine config per run."""
 RUNS = {
-    1: ["megatron_tp1", "megatron_fsdp", "megatron_tp1_fp8", "fsdp_engine"],
+    1: ["megatron_tp1", "megatron_tp1_wgrad", "megatron_fsdp", "megatron_tp1_fp8", "fsdp_engine"],
     2: ["megatron_tp2_sp", "megatron_fsdp", "fsdp_engine"],
 }
 """Runs of each launch, by GPU (process) count: each is a key of ``LAYOUTS`` or ``fsdp_engine``."""
@@ -185,12 +187,18 @@ def run_megatron(
     )  # as the FSDP run (no --grad-ckpt)
     eng = MegatronLanguageModelEngine(model, engine_cfg, optim, CheckpointConfig())
     eng.initialize()
+    fused = fuse_te_wgrad(eng) if name == "megatron_tp1_wgrad" else None
     per_dp = dist.get_world_size() // eng.get_data_parallel_size()  # GPUs of one data-parallel rank
     gpus = range(eng.get_data_parallel_rank() * per_dp, (eng.get_data_parallel_rank() + 1) * per_dp)
     draws = [gpu_sequences(args, cfg, g) for g in gpus]
     batches = [PackedBatch.from_sequences([s for d in draws for s in d[i]]) for i in range(len(draws[0]))]
+    norms: list[float] = []  # the first steps' grad norms: same data and init in every Megatron run
+
+    def step(b: PackedBatch) -> None:
+        norms.append(round(float(eng.train_batch(b, loss_fn).get("metrics", {}).get("grad_norm", "nan")), 5))
+
     with eng.train_mode():
-        sec, timed = tt.timed_loop(lambda b: eng.train_batch(b, loss_fn), batches, args.warmup, device)
+        sec, timed = tt.timed_loop(step, batches, args.warmup, device)
         profiled = {}
         if args.profile:
             profiled = tt.print_profile(lambda: eng.train_batch(batches[-1], loss_fn), device)
@@ -205,11 +213,29 @@ def run_megatron(
         for m in c.modules()
         for k in type(m).__mro__
     )
-    return (
-        result
-        | {"dp": eng.get_data_parallel_size(), "te_layers": te}
-        | ({"profile": profiled} if profiled else {})
-    )
+    result |= {"dp": eng.get_data_parallel_size(), "te_layers": te, "grad_norms": norms[:2]}
+    result |= {"te_wgrad_fused": fused} if fused is not None else {}
+    return result | ({"profile": profiled} if profiled else {})
+
+
+def fuse_te_wgrad(eng: Any) -> int:
+    """An experiment for ``megatron_tp1_wgrad``: TE's layers accumulate their weight gradients straight into
+    Megatron DDP's fp32 ``main_grad`` (``fuse_wgrad_accumulation``, TE's own kernel), which the engine leaves off
+    without APEX because Megatron-Core's own output layer needs APEX for it. Turns it on for the TE modules
+    only, after the build; returns how many. Its ``grad_norms`` should match ``megatron_tp1``'s."""
+    if eng.engine_config.use_megatron_fsdp:
+        raise ValueError("megatron_tp1_wgrad: Megatron-FSDP keeps its own gradient buffers")
+    count = 0
+    for chunk in eng.chunks:
+        for module in chunk.modules():
+            if type(module).__module__.startswith("megatron.core.extensions.transformer_engine") and hasattr(
+                module, "fuse_wgrad_accumulation"
+            ):
+                module.fuse_wgrad_accumulation = True
+                count += 1
+    if count == 0:
+        raise ValueError("megatron_tp1_wgrad: no Transformer Engine layers (TE not installed?)")
+    return count
 
 
 def run_fsdp(
@@ -228,8 +254,8 @@ def run(
     """One run's result; an error (on every rank: a deterministic one) becomes the result."""
     if name == "megatron_fsdp" and device.type != "cuda":
         return {"run": name, "gpus": dist.get_world_size(), "skipped": "Megatron-FSDP needs CUDA"}
-    if name == "megatron_tp1_fp8" and not has_real_te():
-        return {"run": name, "gpus": dist.get_world_size(), "skipped": "FP8 needs Transformer Engine"}
+    if name in ("megatron_tp1_fp8", "megatron_tp1_wgrad") and not has_real_te():
+        return {"run": name, "gpus": dist.get_world_size(), "skipped": f"{name} needs Transformer Engine"}
     try:
         if name == "fsdp_engine":
             return run_fsdp(args, args.model_dir, cfg, device, ceiling)
