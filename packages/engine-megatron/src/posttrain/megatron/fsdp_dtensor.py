@@ -108,7 +108,9 @@ def model_key_root(chunk: torch.nn.Module, keys: Iterable[str]) -> torch.nn.Modu
             return root
     raise ValueError(
         f"no model key names a parameter of the {type(gpt).__name__} inside {type(chunk).__name__} (first "
-        f"key: {keys[0] if keys else None!r}): the fsdp_dtensor layout cannot be written"
+        f"key: {keys[0] if keys else None!r}): the fsdp_dtensor layout cannot be written. This Megatron-FSDP "
+        f"names its state dict in a way posttrain does not know (tested: megatron-fsdp 0.6.1): pin that "
+        f"version, or train with engine.use_megatron_fsdp=false, which saves Megatron's torch_dist layout"
     )
 
 
