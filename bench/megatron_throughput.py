@@ -7,10 +7,10 @@ model directory:
   later launches reuse it, so every MFU has the same denominator.
 - 1 GPU: ``megatron_tp1`` (TP=1), ``megatron_tp1_wgrad`` (TE's layers accumulating weight gradients into the
   fp32 buffer, an experiment: :func:`fuse_te_wgrad`; skipped without TE), ``megatron_fsdp`` (Megatron-FSDP,
-  DP=1: the documents' path), ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current scaling, ``tensorwise``;
-  skipped without TE), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on). Where TE is installed, one more
-  1-GPU launch
-  runs ``megatron_tp1_no_te``: TP=1 with TE hidden (``--hide-te``), Megatron-Core's local layer spec.
+  DP=1: the documents' path), ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current
+  scaling, ``tensorwise``; skipped without TE), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on). Where TE
+  is installed, one more 1-GPU launch runs ``megatron_tp1_no_te``: TP=1 with TE hidden (``--hide-te``),
+  Megatron-Core's local layer spec.
 - 2 GPUs: ``megatron_tp2_sp`` (TP=2 + sequence parallel), ``megatron_fsdp`` (Megatron-FSDP, DP=2), then
   ``fsdp_engine`` on both GPUs.
 
@@ -86,7 +86,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="every run: print the top CPU and GPU ops of one extra step; its kernel time by kind in the results",
+        help="every run: print the top ops of one extra step; its kernel time by kind goes into the results",
     )
     p.add_argument(
         "--hide-te",
@@ -220,9 +220,9 @@ def run_megatron(
 
 def fuse_te_wgrad(eng: Any) -> int:
     """An experiment for ``megatron_tp1_wgrad``: TE's layers accumulate their weight gradients straight into
-    Megatron DDP's fp32 ``main_grad`` (``fuse_wgrad_accumulation``, TE's own kernel), which the engine leaves off
-    without APEX because Megatron-Core's own output layer needs APEX for it. Turns it on for the TE modules
-    only, after the build; returns how many. Its ``grad_norms`` should match ``megatron_tp1``'s."""
+    Megatron DDP's fp32 ``main_grad`` (``fuse_wgrad_accumulation``, TE's own kernel), which the engine leaves
+    off without APEX because Megatron-Core's own output layer needs APEX for it. Turns it on for the TE
+    modules only, after the build; returns how many. Its ``grad_norms`` should match ``megatron_tp1``'s."""
     if eng.engine_config.use_megatron_fsdp:
         raise ValueError("megatron_tp1_wgrad: Megatron-FSDP keeps its own gradient buffers")
     count = 0

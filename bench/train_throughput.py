@@ -174,7 +174,8 @@ KERNEL_KINDS = (
     ("copy", r"memcpy|memset|copy|catarray"),
     ("triton", r"^triton"),
 )
-"""Device-time buckets by kernel name (first match, lower-cased); the rest is ``other`` (elementwise, norms)."""
+"""Device-time buckets by kernel name (first match, lower-cased); the rest is ``other`` (elementwise,
+norms)."""
 
 
 def kernel_kind(name: str) -> str:

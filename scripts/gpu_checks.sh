@@ -85,8 +85,8 @@ case "${1:-tests}" in
       run=$d/$which-$r; rm -rf "$run"; args=(trainer.total_training_steps=20 trainer.save_freq=10 trainer.test_freq=10
         "checkpoint.save_contents=[model,optimizer,extra,hf_model]" "trainer.logger=[console,file]")
       [ $r = resumed ] && args+=(trainer.resume_mode=resume_path "trainer.resume_from_path=$d/$which-ref/global_step_10")
-      # GRPO at 16 prompts x 8 and 128 tokens: ~100 s of start-up (TE, Megatron, vLLM) a run, then ~3 s a step on an
-      # H100, so both runs fit one call (32 x 8 x 256 took 6.6 s a step: the reference run alone outlasted 215 s)
+      # GRPO at 16 prompts x 8 responses of up to 128 tokens, a quarter of the 32 x 8 x 256 that took 6.6 s a
+      # step on an H100 after ~100 s of start-up (TE, Megatron, vLLM): that reference run alone outlasted 215 s
       [ "$which" = grpo ] && args+=(data.train_batch_size=16 actor.ppo_mini_batch_size=16 rollout.n=8
         rollout.response_length=128 trainer.val_before_train=false trainer.test_freq=-1)
       script=examples/sft_megatron_fsdp.sh; [ "$which" = grpo ] && script=examples/grpo_megatron.sh

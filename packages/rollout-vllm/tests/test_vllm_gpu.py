@@ -1,6 +1,7 @@
 """On a GPU: vLLM colocated with the FSDP engine in one process, its memory budget taken from what the trainer
 left free, sleep levels 1 and 2 with the memory they give back measured (and taken into torch's cache while
-asleep), and the trained weights served after every wake + sync (greedy tokens and log-probs against the HF reference, bf16 tolerance derived per check).
+asleep), and the trained weights served after every wake + sync (greedy tokens and log-probs against the HF
+reference, bf16 tolerance derived per check).
 
 Run alone (one vLLM engine with sleep mode per process: vLLM's CuMem allocator allows one instance):
 ``pytest -m gpu packages/rollout-vllm/tests/test_vllm_gpu.py -s`` prints one JSON line of memory figures.
@@ -71,8 +72,8 @@ def test_colocated_budget_sleep_levels_and_sync(model_dir):
                 assert rollout.weight_version() is None, "sleep(level=2) discarded the weights"
                 with pytest.raises(WeightSyncError, match="sleep\\(level=2\\)"):
                     rollout.generate(PROMPTS, SamplingConfig(temperature=0.0, max_new_tokens=4))
-            # a trainer's freed activations stay cached in torch's allocator; vLLM maps its pools outside it, so
-            # the wake-up must hand the cache back (a Megatron GRPO run on an H100 ran out of memory without that)
+            # a trainer's freed activations stay cached in torch's allocator; vLLM maps its pools outside it,
+            # so the wake-up must hand the cache back (a Megatron GRPO run on an H100 ran out of memory so)
             cached = torch.empty(torch.cuda.mem_get_info()[0] - GIB, dtype=torch.uint8, device="cuda")
             del cached
             assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() > 0.9 * taken * GIB

@@ -432,8 +432,8 @@ class VLLMRollout(BaseRollout):
             raise ValueError(f"wake_up tags {sorted(unknown)} are unknown: use weights and/or kv_cache")
         todo = [t for t in tags if t in self._asleep]
         if todo and self.sleep_enabled:
-            # a colocated trainer's freed activations stay cached in torch's allocator, and vLLM maps its pools
-            # outside it: hand them back first (vLLM 0.33's CuMemAllocator.wake_up does so itself, 0.26's not)
+            # a colocated trainer's freed activations stay cached in torch's allocator, and vLLM maps its
+            # pools outside it: hand them back first (vLLM 0.33's CuMemAllocator.wake_up does so, 0.26's not)
             torch.cuda.empty_cache()
             self.engine.wake_up(todo)
         self._asleep -= set(todo)
