@@ -5,8 +5,10 @@ model directory:
 
 - ``matmul_ceiling``: bf16 (fp32 with ``--tiny``) dense matmul FLOP/s, measured once, in the first launch; the
   later launches reuse it, so every MFU has the same denominator.
-- 1 GPU: ``megatron_tp1`` (TP=1), ``megatron_tp1_wgrad`` (TE's layers accumulating weight gradients into the
-  fp32 buffer, an experiment: :func:`fuse_te_wgrad`; skipped without TE), ``megatron_fsdp`` (Megatron-FSDP,
+- 1 GPU: ``megatron_tp1`` (TP=1), ``megatron_tp1_eager_head`` (TP=1 with the log-prob head's chunk math
+  eager, ``use_torch_compile=False``: the compiled head's baseline), ``megatron_tp1_wgrad`` (TE's layers
+  accumulating weight gradients into the fp32 buffer, an experiment: :func:`fuse_te_wgrad`; skipped without
+  TE), ``megatron_fsdp`` (Megatron-FSDP,
   DP=1: the documents' path), ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current
   scaling, ``tensorwise``; skipped without TE), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on). Where TE
   is installed, one more 1-GPU launch runs ``megatron_tp1_no_te``: TP=1 with TE hidden (``--hide-te``),
@@ -62,10 +64,18 @@ LAYOUTS = {
     "megatron_tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "megatron_fsdp": {"use_megatron_fsdp": True},
     "megatron_tp1_wgrad": {},
+    "megatron_tp1_eager_head": {"use_torch_compile": False},
 }
 """Megatron engine config per run."""
 RUNS = {
-    1: ["megatron_tp1", "megatron_tp1_wgrad", "megatron_fsdp", "megatron_tp1_fp8", "fsdp_engine"],
+    1: [
+        "megatron_tp1",
+        "megatron_tp1_eager_head",
+        "megatron_tp1_wgrad",
+        "megatron_fsdp",
+        "megatron_tp1_fp8",
+        "fsdp_engine",
+    ],
     2: ["megatron_tp2_sp", "megatron_fsdp", "fsdp_engine"],
 }
 """Runs of each launch, by GPU (process) count: each is a key of ``LAYOUTS`` or ``fsdp_engine``."""

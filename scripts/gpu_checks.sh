@@ -108,9 +108,10 @@ case "${1:-tests}" in
     gpus=1; [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && gpus=1,2
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1); tokens=16384
     [ "$mem" -lt 100000 ] && tokens=8192
-    # PROFILE=1: each run profiles one more step; the log ends with its kernel time by kind, run by run
+    # PROFILE=1: each run profiles one more step; the log ends with its kernel time by kind, run by run.
+    # RUNS=megatron_tp1,fsdp_engine: only those runs (names: RUNS in bench/megatron_throughput.py)
     timeout 580 python3 bench/megatron_throughput.py --gpus "${GPUS:-$gpus}" --tokens "${TOKENS:-$tokens}" \
-      ${PROFILE:+--profile} --out "$out/megathru.json" 2>&1 \
+      ${PROFILE:+--profile} ${RUNS:+--runs "$RUNS"} --out "$out/megathru.json" 2>&1 \
       | tee "$out/megathru.log" | tail -30 ;;
   sync)
     timeout 200 python3 bench/weight_sync.py --bucket-mb 2048 --json "$out/ws1.json" 2>&1 | tee "$out/ws1.log" | tail -20

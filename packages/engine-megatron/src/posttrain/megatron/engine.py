@@ -296,7 +296,8 @@ class MegatronEngine(BaseEngine):
         group = mpu.get_tensor_model_parallel_group()
         chunk = self.engine_config.logits_chunk_size(logits.shape[0])
         accuracy = bool(mb.meta.get("calculate_accuracy", False))
-        return token_outputs(logits, mb, vocab_start, group, calc_entropy, cp, chunk, accuracy)
+        compiled = self.engine_config.use_torch_compile and logits.is_cuda
+        return token_outputs(logits, mb, vocab_start, group, calc_entropy, cp, chunk, accuracy, compiled)
 
     def _cp_group(self) -> Any:
         """Megatron's context-parallel group when CP > 1, else None."""

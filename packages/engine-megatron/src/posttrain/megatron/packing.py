@@ -80,11 +80,12 @@ def token_outputs(
     cp: CpLayout | None = None,
     chunk_size: int = 2048,
     with_accuracy: bool = False,
+    use_compile: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per-token ``log_probs`` (and ``entropy``, and with ``with_accuracy`` ``correct``: 1.0 where the token
     is the argmax of the logits that predict it) aligned with the tokens they describe, from (T, V/tp) logits,
-    computed ``chunk_size`` rows at a time (:func:`.head.vocab_parallel_logprobs`,
-    :func:`.head.vocab_parallel_argmax_hits`).
+    computed ``chunk_size`` rows at a time (:func:`.head.vocab_parallel_logprobs`, its chunk math compiled
+    with ``use_compile``; :func:`.head.vocab_parallel_argmax_hits`).
 
     Row ``t`` of ``logits`` predicts token ``t+1``, so it is divided by ``temperature[t+1]``, scored against
     ``input_ids[t+1]`` and the results shift one place right; each sequence's first token gets 0. Under CP the
@@ -98,7 +99,9 @@ def token_outputs(
     if cp is not None:
         targets = cp.to_rows(targets)
         temp = None if temp is None else cp.to_rows(temp, fill=1.0)
-    lp, ent = vocab_parallel_logprobs(logits, targets, vocab_start, tp_group, with_entropy, temp, chunk_size)
+    lp, ent = vocab_parallel_logprobs(
+        logits, targets, vocab_start, tp_group, with_entropy, temp, chunk_size, use_compile
+    )
     per_row = {"log_probs": lp, "entropy": ent}
     if with_accuracy:
         per_row["correct"] = vocab_parallel_argmax_hits(logits, targets, vocab_start, tp_group, chunk_size)
