@@ -6,9 +6,9 @@ model directory:
 - ``matmul_ceiling``: bf16 (fp32 with ``--tiny``) dense matmul FLOP/s, measured once, in the first launch; the
   later launches reuse it, so every MFU has the same denominator.
 - 1 GPU: ``megatron_tp1`` (TP=1), ``megatron_tp1_eager_head`` (TP=1 with the log-prob head's chunk math
-  eager, ``use_torch_compile=False``: the compiled head's baseline), ``megatron_tp1_wgrad`` (TE's layers
-  accumulating weight gradients into the fp32 buffer, an experiment: :func:`fuse_te_wgrad`; skipped without
-  TE), ``megatron_fsdp`` (Megatron-FSDP,
+  eager, ``use_torch_compile=False``: the compiled head's baseline), ``megatron_tp1_unfused_wgrad`` (TP=1
+  with TE's weight gradients added to the fp32 buffer by Megatron's hooks, not accumulated there by the GEMM:
+  ``build.fuse_te_wgrad``'s baseline; with TE only), ``megatron_fsdp`` (Megatron-FSDP,
   DP=1: the documents' path), ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current
   scaling, ``tensorwise``; skipped without TE), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on). Where TE
   is installed, one more 1-GPU launch runs ``megatron_tp1_no_te``: TP=1 with TE hidden (``--hide-te``),
@@ -63,7 +63,7 @@ LAYOUTS = {
     "megatron_tp1_fp8": {"override_transformer_config": {"fp8": "hybrid", "fp8_recipe": "tensorwise"}},
     "megatron_tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "megatron_fsdp": {"use_megatron_fsdp": True},
-    "megatron_tp1_wgrad": {},
+    "megatron_tp1_unfused_wgrad": {"override_transformer_config": {"gradient_accumulation_fusion": False}},
     "megatron_tp1_eager_head": {"use_torch_compile": False},
 }
 """Megatron engine config per run."""
@@ -71,7 +71,7 @@ RUNS = {
     1: [
         "megatron_tp1",
         "megatron_tp1_eager_head",
-        "megatron_tp1_wgrad",
+        "megatron_tp1_unfused_wgrad",
         "megatron_fsdp",
         "megatron_tp1_fp8",
         "fsdp_engine",
@@ -197,7 +197,6 @@ def run_megatron(
     )  # as the FSDP run (no --grad-ckpt)
     eng = MegatronLanguageModelEngine(model, engine_cfg, optim, CheckpointConfig())
     eng.initialize()
-    fused = fuse_te_wgrad(eng) if name == "megatron_tp1_wgrad" else None
     per_dp = dist.get_world_size() // eng.get_data_parallel_size()  # GPUs of one data-parallel rank
     gpus = range(eng.get_data_parallel_rank() * per_dp, (eng.get_data_parallel_rank() + 1) * per_dp)
     draws = [gpu_sequences(args, cfg, g) for g in gpus]
@@ -223,29 +222,10 @@ def run_megatron(
         for m in c.modules()
         for k in type(m).__mro__
     )
+    fused = sum(bool(getattr(m, "fuse_wgrad_accumulation", False)) for c in eng.chunks for m in c.modules())
     result |= {"dp": eng.get_data_parallel_size(), "te_layers": te, "grad_norms": norms[:2]}
-    result |= {"te_wgrad_fused": fused} if fused is not None else {}
+    result |= {"te_wgrad_fused": fused}
     return result | ({"profile": profiled} if profiled else {})
-
-
-def fuse_te_wgrad(eng: Any) -> int:
-    """An experiment for ``megatron_tp1_wgrad``: TE's layers accumulate their weight gradients straight into
-    Megatron DDP's fp32 ``main_grad`` (``fuse_wgrad_accumulation``, TE's own kernel), which the engine leaves
-    off without APEX because Megatron-Core's own output layer needs APEX for it. Turns it on for the TE
-    modules only, after the build; returns how many. Its ``grad_norms`` should match ``megatron_tp1``'s."""
-    if eng.engine_config.use_megatron_fsdp:
-        raise ValueError("megatron_tp1_wgrad: Megatron-FSDP keeps its own gradient buffers")
-    count = 0
-    for chunk in eng.chunks:
-        for module in chunk.modules():
-            if type(module).__module__.startswith("megatron.core.extensions.transformer_engine") and hasattr(
-                module, "fuse_wgrad_accumulation"
-            ):
-                module.fuse_wgrad_accumulation = True
-                count += 1
-    if count == 0:
-        raise ValueError("megatron_tp1_wgrad: no Transformer Engine layers (TE not installed?)")
-    return count
 
 
 def run_fsdp(
@@ -264,7 +244,7 @@ def run(
     """One run's result; an error (on every rank: a deterministic one) becomes the result."""
     if name == "megatron_fsdp" and device.type != "cuda":
         return {"run": name, "gpus": dist.get_world_size(), "skipped": "Megatron-FSDP needs CUDA"}
-    if name in ("megatron_tp1_fp8", "megatron_tp1_wgrad") and not has_real_te():
+    if name in ("megatron_tp1_fp8", "megatron_tp1_unfused_wgrad") and not has_real_te():
         return {"run": name, "gpus": dist.get_world_size(), "skipped": f"{name} needs Transformer Engine"}
     try:
         if name == "fsdp_engine":

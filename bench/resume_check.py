@@ -1,5 +1,6 @@
 """Compare a run resumed from a checkpoint with the uninterrupted run it was cut from: every logged number but
-the timings (``perf/``, ``timing_s/``) on the steps the resumed run logged, and the HF exports (``hf_model``
+the timings (``perf/``, ``timing_s/``) and memory readings (``*_gib``: what vLLM's sleep freed depends on what
+the process allocated before, which a resumed process did not) on the steps the resumed run logged, and the HF exports (``hf_model``
 in ``checkpoint.save_contents``) of its last checkpoint. Prints the largest relative difference of each metric
 that differs and the largest absolute weight difference; exits 1 when a metric is off by more than ``--rtol``,
 a weight by more than ``--atol`` or a step, metric or tensor is missing (the defaults, 0 and 0, ask for bits).
@@ -21,10 +22,11 @@ from safetensors.torch import load_file
 def metrics(run: Path) -> dict[int, dict[str, float]]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     timed = ("perf/", "timing_s/")
-    return {
-        r["step"]: {k: v for k, v in r.items() if isinstance(v, (int, float)) and not k.startswith(timed)}
-        for r in rows
-    }
+
+    def compared(key: str, value: object) -> bool:
+        return isinstance(value, (int, float)) and not key.startswith(timed) and not key.endswith("_gib")
+
+    return {r["step"]: {k: v for k, v in r.items() if compared(k, v)} for r in rows}
 
 
 def export(run: Path) -> tuple[int, dict[str, torch.Tensor]]:

@@ -109,8 +109,10 @@ case "${1:-tests}" in
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1); tokens=16384
     [ "$mem" -lt 100000 ] && tokens=8192
     # PROFILE=1: each run profiles one more step; the log ends with its kernel time by kind, run by run.
-    # RUNS=megatron_tp1,fsdp_engine: only those runs (names: RUNS in bench/megatron_throughput.py)
+    # RUNS=megatron_tp1,fsdp_engine: only those runs (names: RUNS in bench/megatron_throughput.py). 12 timed
+    # steps: at 6 the same run read 0.2328 and 0.2614 s/step in two launches on one H100
     timeout 580 python3 bench/megatron_throughput.py --gpus "${GPUS:-$gpus}" --tokens "${TOKENS:-$tokens}" \
+      --steps "${STEPS:-12}" \
       ${PROFILE:+--profile} ${RUNS:+--runs "$RUNS"} --out "$out/megathru.json" 2>&1 \
       | tee "$out/megathru.log" | tail -30 ;;
   sync)

@@ -9,6 +9,10 @@ Usage: ``torchrun --nproc-per-node 1 te_worker.py {dense,fsdp,moe} OUT_DIR``; wr
   forward is also run with TF32 matmuls and in bfloat16 (the noise scales the bounds are derived from), and
   for an HF model of another seed (what a wrong weight mapping would look like).
 - ``fsdp``: the same model through Megatron-FSDP (``use_megatron_fsdp``, DP=1), float32 and bfloat16.
+- ``wgrad``: the dense model's float32 engine (Megatron DDP, four micro-batches a step) with TE's weight
+  gradients accumulated into the fp32 buffer by the GEMM (``build.fuse_te_wgrad``, the default without APEX)
+  and with ``gradient_accumulation_fusion`` set false: fused module count, three steps' grad norms and the
+  log-probs after them, each way (TF32 matmuls off).
 - ``moe``: a tiny Qwen3-MoE (:data:`posttrain.core.testing.TINY_QWEN3_MOE`, head_dim 64) with
   ``moe_grouped_gemm=True`` at EP=1: expert classes; R2 records routing in a forward-only pass and a training
   pass replays it, another routing is replayed, three steps train; R3 replays a routing read from the routers
@@ -40,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("mode", choices=["dense", "fsdp", "moe"])
+    parser.add_argument("mode", choices=["dense", "fsdp", "wgrad", "moe"])
     parser.add_argument("out_dir", type=Path)
     return parser.parse_args(argv)
 
@@ -249,6 +253,30 @@ def run_fsdp(out_dir: Path) -> dict[str, object]:
     return run_dense(out_dir, use_megatron_fsdp=True, use_distributed_optimizer=True)
 
 
+def run_wgrad(out_dir: Path) -> dict[str, object]:
+    """The ``wgrad`` mode (module docstring)."""
+    from megatron_cpu import make_engine, make_tiny_qwen2, nll_loss
+
+    from posttrain.megatron import build
+
+    hf = make_tiny_qwen2(str(out_dir / "hf"), **TE_QWEN2)
+    batch = te_batch()
+    res: dict[str, object] = {}
+    for tag, override in (("fused", {}), ("unfused", {"gradient_accumulation_fusion": False})):
+        eng = make_engine(hf, override_transformer_config=override)
+        res["layers"] = build.unwrap(eng.chunks[0]).config.num_layers
+        res[f"{tag}_modules"] = sum(
+            bool(getattr(m, "fuse_wgrad_accumulation", False)) for c in eng.chunks for m in c.modules()
+        )
+        with matmul_tf32(False), eng.train_mode():
+            norms = [eng.train_batch(batch, nll_loss)["metrics"]["grad_norm"] for _ in range(3)]
+        res[f"{tag}_grad_norms"] = [float(n) for n in norms]
+        res[f"{tag}_log_probs"] = engine_log_probs(eng, batch)[scored(batch)].tolist()
+        del eng
+        torch.cuda.empty_cache()
+    return res
+
+
 def experts_report(eng) -> dict[str, object]:
     """Each MoE layer's experts class and whether its fc1 / fc2 are TE ``GroupedLinear``s; the provider
     flag."""
@@ -388,7 +416,7 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.distributed.init_process_group("nccl")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    run = {"dense": run_dense, "fsdp": run_fsdp, "moe": run_moe}[args.mode]
+    run = {"dense": run_dense, "fsdp": run_fsdp, "wgrad": run_wgrad, "moe": run_moe}[args.mode]
     res = run(args.out_dir)
     (args.out_dir / f"{args.mode}_results.json").write_text(json.dumps(res, indent=1))
     torch.distributed.barrier()

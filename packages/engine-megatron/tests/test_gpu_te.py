@@ -130,6 +130,20 @@ def test_te_logprobs_equal_hf(dense):
     _assert_parity(dense)
 
 
+def test_te_wgrad_fusion_equals_megatron_hooks(tmp_path):
+    """Without APEX the engine turns on TE's own weight-gradient fusion for every dense TE layer under Megatron
+    DDP (``build.fuse_te_wgrad``: the wgrad GEMM accumulates into the fp32 ``main_grad``, four per decoder
+    layer), and ``override_transformer_config`` setting ``gradient_accumulation_fusion`` false leaves all off.
+    Three float32 steps (four micro-batches each) give the same grad norms and log-probs both ways: a
+    gradient added twice or lost would double or drop the norm."""
+    res = _run("wgrad", tmp_path)
+    assert res["fused_modules"] == 4 * res["layers"] and res["unfused_modules"] == 0, res
+    for fused, unfused in zip(res["fused_grad_norms"], res["unfused_grad_norms"], strict=True):
+        assert abs(fused - unfused) <= 1e-4 * unfused, res
+    diff = max(abs(a - b) for a, b in zip(res["fused_log_probs"], res["unfused_log_probs"], strict=True))
+    assert diff <= FP32_FLOOR, diff
+
+
 def test_megatron_fsdp_te_logprobs_equal_hf(tmp_path):
     """The same through Megatron-FSDP (``use_megatron_fsdp=True``, the distributed optimizer, DP=1 on one
     GPU):

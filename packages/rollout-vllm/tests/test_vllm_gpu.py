@@ -72,12 +72,14 @@ def test_colocated_budget_sleep_levels_and_sync(model_dir):
                 assert rollout.weight_version() is None, "sleep(level=2) discarded the weights"
                 with pytest.raises(WeightSyncError, match="sleep\\(level=2\\)"):
                     rollout.generate(PROMPTS, SamplingConfig(temperature=0.0, max_new_tokens=4))
-            # a trainer's freed activations stay cached in torch's allocator; vLLM maps its pools outside it,
-            # so the wake-up must hand the cache back (a Megatron GRPO run on an H100 ran out of memory so)
+            train_step(engine, seed=level)
+            # the update's freed activations stay cached in torch's allocator; vLLM maps its pools outside it,
+            # so the wake-up must hand the cache back (a Megatron GRPO run on an H100 ran out of memory so).
+            # After the step: a tensor that outlives it (optimizer state) inside the cached segment would pin
+            # the whole segment, which no empty_cache can return (what this test's first version did)
             cached = torch.empty(torch.cuda.mem_get_info()[0] - GIB, dtype=torch.uint8, device="cuda")
             del cached
             assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() > 0.9 * taken * GIB
-            train_step(engine, seed=level)
             check_greedy(rollout, _sync(rollout, engine, version), PROMPTS)
         print("VLLM_GPU_MEMORY " + json.dumps({k: round(v, 3) for k, v in figures.items()}))
     finally:

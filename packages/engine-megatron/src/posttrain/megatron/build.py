@@ -218,7 +218,37 @@ def build_model(
     kwargs.update(cfg.override_mcore_model_config)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*GPTModel IS DEPRECATED.*")
-        return provider.provide_distributed_model(**kwargs)
+        chunks = provider.provide_distributed_model(**kwargs)
+    if wrap_with_ddp and on_cuda and not cfg.use_megatron_fsdp:
+        fuse_te_wgrad(chunks, provider, cfg)
+    return chunks
+
+
+def fuse_te_wgrad(chunks: list[torch.nn.Module], provider: Any, cfg: McoreEngineConfig) -> int:
+    """Transformer Engine's dense layers accumulate their weight gradients straight into Megatron DDP's fp32
+    ``main_grad`` (TE's ``fuse_wgrad_accumulation``: the wgrad GEMM adds into the buffer) where
+    ``gradient_accumulation_fusion`` is off only for want of APEX, whose kernel Megatron-Core's own output
+    layer needs. Skipped where it is on already (APEX) or ``override_transformer_config`` sets it; only
+    modules whose parameters all train and have a ``main_grad`` (LoRA's frozen bases do not). Returns how
+    many modules it turned on. On the 1.5B bench it took the step from 0.2615 to 0.2328 s (BENCHMARKS.md)."""
+    if (
+        provider.gradient_accumulation_fusion
+        or "gradient_accumulation_fusion" in cfg.override_transformer_config
+    ):
+        return 0
+    if not _deps.has_transformer_engine():
+        return 0
+    from transformer_engine.pytorch import LayerNormLinear, Linear
+
+    count = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            params = list(module.parameters(recurse=False))
+            if isinstance(module, (Linear, LayerNormLinear)) and params:
+                if all(p.requires_grad and hasattr(p, "main_grad") for p in params):
+                    module.fuse_wgrad_accumulation = True
+                    count += 1
+    return count
 
 
 def build_optimizer(chunks: list[torch.nn.Module], optim: OptimizerConfig, cfg: McoreEngineConfig) -> Any:
