@@ -30,6 +30,7 @@ import torch
 from posttrain.core.batch import (
     LossFn,
     PackedBatch,
+    as_floats,
     loss_context,
     make_micro_batches,
     partition_by_tokens,
@@ -193,7 +194,7 @@ class MegatronEngine(BaseEngine):
         parts = self._micro_batches(batch, forward_only)
         micro = [batch.select(p).to(self._device) for p in parts]
         ctx = loss_context(batch, self.get_data_parallel_group())
-        collected: list[tuple[dict[str, torch.Tensor], dict[str, Any], float | None]] = []
+        collected: list[tuple[dict[str, torch.Tensor], dict[str, Any], torch.Tensor | None]] = []
         step = partial(
             self._forward_step,
             loss_fn=loss_fn,
@@ -217,16 +218,22 @@ class MegatronEngine(BaseEngine):
         if not mpu.is_pipeline_last_stage(ignore_virtual=True) or not self.is_mp_src_rank_with_outputs():
             return {}
         outputs = [c[0] for c in collected]
-        metrics: dict[str, list[float]] = {}
+        metrics: dict[str, list[Any]] = {}
         for _, mb_metrics, _ in collected:
             for key, value in mb_metrics.items():
-                metrics.setdefault(key, []).append(float(value))
+                metrics.setdefault(key, []).append(value)
         target = batch.input_ids.device
         model_output = {
             k: restore_order(parts, micro, [o[k] for o in outputs]).to(target) for k in outputs[0]
         }
-        losses = [c[2] for c in collected if c[2] is not None]
-        return {"model_output": model_output, "loss": losses, "metrics": metrics}
+        # read once, after the schedule: a read per micro-batch would stall the host between its forward and
+        # its backward
+        losses = as_floats([c[2] for c in collected if c[2] is not None])
+        return {
+            "model_output": model_output,
+            "loss": losses,
+            "metrics": {k: as_floats(v) for k, v in metrics.items()},
+        }
 
     def _forward_step(
         self,
@@ -281,9 +288,7 @@ class MegatronEngine(BaseEngine):
             collected.append(({k: v.detach() for k, v in outs.items()}, {}, None))
             return output.sum() * 0.0, {}
         loss, metrics = loss_fn(outs, mb, ctx)
-        collected.append(
-            ({k: v.detach() for k, v in outs.items()}, dict(metrics or {}), float(loss.detach()))
-        )
+        collected.append(({k: v.detach() for k, v in outs.items()}, dict(metrics or {}), loss.detach()))
         return loss * n_micro, {}
 
     def _model_outputs(
