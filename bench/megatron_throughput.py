@@ -9,7 +9,8 @@ model directory:
   eager, ``use_torch_compile=False``: the compiled head's baseline), ``megatron_tp1_unfused_wgrad`` (TP=1
   with TE's weight gradients added to the fp32 buffer by Megatron's hooks, not accumulated there by the GEMM:
   ``build.fuse_te_wgrad``'s baseline; with TE only), ``megatron_fsdp`` (Megatron-FSDP,
-  DP=1: the documents' path), ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current
+  DP=1: the documents' path), ``megatron_fsdp_wgrad`` (the same with TE's wgrad fusion, which the engine
+  turns on under Megatron DDP only: an experiment; with TE only), ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current
   scaling, ``tensorwise``; skipped without TE), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on). Where TE
   is installed, one more 1-GPU launch runs ``megatron_tp1_no_te``: TP=1 with TE hidden (``--hide-te``),
   Megatron-Core's local layer spec.
@@ -63,6 +64,7 @@ LAYOUTS = {
     "megatron_tp1_fp8": {"override_transformer_config": {"fp8": "hybrid", "fp8_recipe": "tensorwise"}},
     "megatron_tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "megatron_fsdp": {"use_megatron_fsdp": True},
+    "megatron_fsdp_wgrad": {"use_megatron_fsdp": True},
     "megatron_tp1_unfused_wgrad": {"override_transformer_config": {"gradient_accumulation_fusion": False}},
     "megatron_tp1_eager_head": {"use_torch_compile": False},
 }
@@ -73,6 +75,7 @@ RUNS = {
         "megatron_tp1_eager_head",
         "megatron_tp1_unfused_wgrad",
         "megatron_fsdp",
+        "megatron_fsdp_wgrad",
         "megatron_tp1_fp8",
         "fsdp_engine",
     ],
@@ -181,6 +184,7 @@ def run_megatron(
 ) -> dict[str, Any]:
     from posttrain.core.batch import PackedBatch
     from posttrain.core.config import CheckpointConfig, ModelConfig, OptimizerConfig
+    from posttrain.megatron import build
     from posttrain.megatron.config import McoreEngineConfig
     from posttrain.megatron.engine import MegatronLanguageModelEngine
 
@@ -197,6 +201,8 @@ def run_megatron(
     )  # as the FSDP run (no --grad-ckpt)
     eng = MegatronLanguageModelEngine(model, engine_cfg, optim, CheckpointConfig())
     eng.initialize()
+    if name == "megatron_fsdp_wgrad":  # an experiment: the engine fuses under Megatron DDP only
+        build.fuse_te_wgrad(eng.chunks, eng.provider, eng.engine_config)
     per_dp = dist.get_world_size() // eng.get_data_parallel_size()  # GPUs of one data-parallel rank
     gpus = range(eng.get_data_parallel_rank() * per_dp, (eng.get_data_parallel_rank() + 1) * per_dp)
     draws = [gpu_sequences(args, cfg, g) for g in gpus]
@@ -242,9 +248,12 @@ def run(
     name: str, args: argparse.Namespace, cfg: dict[str, Any], device: torch.device, ceiling: float
 ) -> dict:
     """One run's result; an error (on every rank: a deterministic one) becomes the result."""
-    if name == "megatron_fsdp" and device.type != "cuda":
+    if name.startswith("megatron_fsdp") and device.type != "cuda":
         return {"run": name, "gpus": dist.get_world_size(), "skipped": "Megatron-FSDP needs CUDA"}
-    if name in ("megatron_tp1_fp8", "megatron_tp1_unfused_wgrad") and not has_real_te():
+    if (
+        name in ("megatron_tp1_fp8", "megatron_tp1_unfused_wgrad", "megatron_fsdp_wgrad")
+        and not has_real_te()
+    ):
         return {"run": name, "gpus": dist.get_world_size(), "skipped": f"{name} needs Transformer Engine"}
     try:
         if name == "fsdp_engine":

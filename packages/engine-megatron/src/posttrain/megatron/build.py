@@ -230,7 +230,9 @@ def fuse_te_wgrad(chunks: list[torch.nn.Module], provider: Any, cfg: McoreEngine
     ``gradient_accumulation_fusion`` is off only for want of APEX, whose kernel Megatron-Core's own output
     layer needs. Skipped where it is on already (APEX) or ``override_transformer_config`` sets it; only
     modules whose parameters all train and have a ``main_grad`` (LoRA's frozen bases do not). Returns how
-    many modules it turned on. On the 1.5B bench it took the step from 0.2615 to 0.2328 s (BENCHMARKS.md)."""
+    many modules it turned on. The engine calls it under Megatron DDP only: on the 1.5B bench it took the step
+    from 0.2694 to 0.2525 s (BENCHMARKS.md). Megatron-FSDP takes TE's fusion too (TE >= 2.10); the bench's
+    ``megatron_fsdp_wgrad`` tries it there."""
     if (
         provider.gradient_accumulation_fusion
         or "gradient_accumulation_fusion" in cfg.override_transformer_config
@@ -245,7 +247,11 @@ def fuse_te_wgrad(chunks: list[torch.nn.Module], provider: Any, cfg: McoreEngine
         for module in chunk.modules():
             params = list(module.parameters(recurse=False))
             if isinstance(module, (Linear, LayerNormLinear)) and params:
-                if all(p.requires_grad and hasattr(p, "main_grad") for p in params):
+                # Megatron DDP gives a parameter its main_grad; Megatron-FSDP a get_main_grad, which TE calls
+                if all(
+                    p.requires_grad and (hasattr(p, "main_grad") or hasattr(p, "get_main_grad"))
+                    for p in params
+                ):
                     module.fuse_wgrad_accumulation = True
                     count += 1
     return count
