@@ -192,7 +192,7 @@ class MegatronEngine(BaseEngine):
         if loss_fn is None and not forward_only:
             raise ValueError("forward_backward_batch(forward_only=False) needs a loss_fn")
         parts = self._micro_batches(batch, forward_only)
-        micro = [batch.select(p).to(self._device) for p in parts]
+        micro = [batch.select(p).to(self._device, non_blocking=True) for p in parts]  # no wait on the device
         ctx = loss_context(batch, self.get_data_parallel_group())
         collected: list[tuple[dict[str, torch.Tensor], dict[str, Any], torch.Tensor | None]] = []
         step = partial(

@@ -56,14 +56,15 @@ def pack_micro_batch(
             mb.input_ids, mb.cu_seqlens, pad_multiple, cp_group, device
         )
         return PackedInput(ids, pos, params, mb.input_ids.numel(), layout)
+    # nothing here reads the device: a read would stall the host until the previous micro-batch's backward ends
     ids, pos, cu = mb.input_ids, mb.position_ids, mb.cu_seqlens.to(torch.int32)
     total = ids.numel()
     pad = (-total) % pad_multiple
     if pad:
         ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype, device=ids.device)])
         pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype, device=pos.device)])
-        cu = torch.cat([cu, torch.tensor([total + pad], dtype=torch.int32, device=cu.device)])
-    max_len = int((cu[1:] - cu[:-1]).max())
+        cu = torch.cat([cu, cu[-1:] + pad])
+    max_len = max(mb.max_seqlen, pad)  # the padding is a sequence of its own
     cu = cu.to(device)
     params = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
