@@ -8,12 +8,12 @@ model directory:
 - 1 GPU: ``megatron_tp1`` (TP=1), ``megatron_tp1_eager_head`` (TP=1 with the log-prob head's chunk math
   eager, ``use_torch_compile=False``: the compiled head's baseline), ``megatron_tp1_unfused_wgrad`` (TP=1
   with TE's weight gradients added to the fp32 buffer by Megatron's hooks, not accumulated there by the GEMM:
-  ``build.fuse_te_wgrad``'s baseline; with TE only), ``megatron_fsdp`` (Megatron-FSDP,
-  DP=1: the documents' path), ``megatron_fsdp_wgrad`` (the same with TE's wgrad fusion, which the engine
-  turns on under Megatron DDP only: an experiment; with TE only), ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with per-tensor current
-  scaling, ``tensorwise``; skipped without TE), then ``fsdp_engine`` (FSDP2, ``compile_layers`` on). Where TE
-  is installed, one more 1-GPU launch runs ``megatron_tp1_no_te``: TP=1 with TE hidden (``--hide-te``),
-  Megatron-Core's local layer spec.
+  ``build.fuse_te_wgrad``'s baseline; with TE only), ``megatron_fsdp`` (Megatron-FSDP, DP=1: the documents'
+  path), ``megatron_fsdp_wgrad`` (the same with TE's wgrad fusion, which the engine turns on under Megatron
+  DDP only: an experiment; with TE only), ``megatron_tp1_fp8`` (TE's FP8, the ``hybrid`` format with
+  per-tensor current scaling, ``tensorwise``; skipped without TE), then ``fsdp_engine`` (FSDP2,
+  ``compile_layers`` on). Where TE is installed, one more 1-GPU launch runs ``megatron_tp1_no_te``: TP=1 with
+  TE hidden (``--hide-te``), Megatron-Core's local layer spec.
 - 2 GPUs: ``megatron_tp2_sp`` (TP=2 + sequence parallel), ``megatron_fsdp`` (Megatron-FSDP, DP=2), then
   ``fsdp_engine`` on both GPUs.
 

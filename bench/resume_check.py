@@ -1,9 +1,10 @@
 """Compare a run resumed from a checkpoint with the uninterrupted run it was cut from: every logged number but
 the timings (``perf/``, ``timing_s/``) and memory readings (``*_gib``: what vLLM's sleep freed depends on what
-the process allocated before, which a resumed process did not) on the steps the resumed run logged, and the HF exports (``hf_model``
-in ``checkpoint.save_contents``) of its last checkpoint. Prints the largest relative difference of each metric
-that differs and the largest absolute weight difference; exits 1 when a metric is off by more than ``--rtol``,
-a weight by more than ``--atol`` or a step, metric or tensor is missing (the defaults, 0 and 0, ask for bits).
+the process allocated before, which a resumed process did not) on the steps the resumed run logged, and the HF
+exports (``hf_model`` in ``checkpoint.save_contents``) of its last checkpoint. Prints the largest relative
+difference of each metric that differs and the largest absolute weight difference; exits 1 when a metric is
+off by more than ``--rtol``, a weight by more than ``--atol`` or a step, metric or tensor is missing (the
+defaults, 0 and 0, ask for bits).
 
     python3 bench/resume_check.py REF_RUN RESUMED_RUN [--rtol 1e-3] [--atol 1e-3]
 """

@@ -131,10 +131,10 @@ def test_te_logprobs_equal_hf(dense):
 
 
 def test_te_wgrad_fusion_equals_megatron_hooks(tmp_path):
-    """Without APEX the engine turns on TE's own weight-gradient fusion for every dense TE layer under Megatron
-    DDP (``build.fuse_te_wgrad``: the wgrad GEMM accumulates into the fp32 ``main_grad``, four per decoder
-    layer), and ``override_transformer_config`` setting ``gradient_accumulation_fusion`` false leaves all off.
-    Three float32 steps (four micro-batches each) give the same grad norms and log-probs both ways: a
+    """Without APEX the engine turns on TE's own weight-gradient fusion for every dense TE layer under
+    Megatron DDP (``build.fuse_te_wgrad``: the wgrad GEMM accumulates into the fp32 ``main_grad``, four per
+    decoder layer), and ``override_transformer_config`` setting ``gradient_accumulation_fusion`` false leaves
+    all off. Three float32 steps (four micro-batches each) give the same grad norms and log-probs both ways: a
     gradient added twice or lost would double or drop the norm."""
     res = _run("wgrad", tmp_path)
     assert res["fused_modules"] == 4 * res["layers"] and res["unfused_modules"] == 0, res

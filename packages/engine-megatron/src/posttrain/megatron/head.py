@@ -130,7 +130,8 @@ def _chunk_forward(
 
 class _VocabParallelHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, temp, vocab_start, group, with_entropy, chunk_size, fns):  # noqa: ANN001
+    def forward(ctx, logits, targets, temp, vocab_start, group, with_entropy, chunk_size, fns):
+        # fns: the ChunkFns, eager or compiled
         lps, maxes, log_zs, ents = [], [], [], []
         for start in range(0, logits.size(0), chunk_size):
             rows = slice(start, start + chunk_size)

@@ -56,7 +56,7 @@ def pack_micro_batch(
             mb.input_ids, mb.cu_seqlens, pad_multiple, cp_group, device
         )
         return PackedInput(ids, pos, params, mb.input_ids.numel(), layout)
-    # nothing here reads the device: a read would stall the host until the previous micro-batch's backward ends
+    # nothing here reads the device: a read stalls the host until the previous micro-batch's backward ends
     ids, pos, cu = mb.input_ids, mb.position_ids, mb.cu_seqlens.to(torch.int32)
     total = ids.numel()
     pad = (-total) % pad_multiple
