@@ -11,7 +11,9 @@ Backward needs no collective: with ``E = sum_v p_v s_v = log Z - H`` (saved per 
 ``d log p(y) / d s_v = [v = y] - p_v`` and ``dH / d s_v = -p_v (s_v - E)``, and each rank fills the gradient
 of its own columns; ``d / d l = (d / d s) / tau``. Forward and backward both walk ``chunk_size`` rows at a
 time in float32, so the fp32 working set is one chunk; autograd keeps the logits in their own dtype (bf16 on
-GPU) and three floats per row, and backward recomputes ``p`` once per chunk.
+GPU) and three floats per row, and backward recomputes ``p`` once per chunk. This is cheaper than autograd
+through the same formulas (which saves several fp32 ``(T, V/tp)`` tensors) and than activation checkpointing
+of each chunk (which runs the forward twice): measured on the GPU machine, BENCHMARKS.md.
 
 The per-chunk math between the collectives is four pure functions (:class:`ChunkFns`). Eager, each chunk
 costs about ten fp32 passes over ``(rows, V/tp)`` forward and as many backward; ``use_compile`` runs them
