@@ -67,8 +67,6 @@ class FSDPEngineConfig(EngineConfig):
     """FSDP1 ``use_orig_params``."""
     mixed_precision: dict[str, str] | None = None
     """``param_dtype``/``reduce_dtype``/``buffer_dtype``; None = params in ``dtype``, reductions fp32."""
-    use_torch_compile: bool = True
-    """Compile the log-prob/entropy head's per-chunk function on CUDA."""
     entropy_checkpointing: bool = True
     """Recompute each head chunk's fp32 softmax in backward, keeping only its logits in the compute dtype.
     false keeps the fp32 intermediates of every chunk (faster backward, more memory). verl's default is false;

@@ -184,8 +184,7 @@ def build_model(
         if value_model:
             model.score.requires_grad_(True)
     if not value_model:
-        use_compile = isinstance(engine_config, FSDPEngineConfig) and engine_config.use_torch_compile
-        model.lm_head = PackedLogProbHead(model.lm_head, use_compile=use_compile)
+        model.lm_head = PackedLogProbHead(model.lm_head, use_compile=engine_config.use_torch_compile)
     if model_config.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return BuiltModel(module, model, config, peft_config, meta)

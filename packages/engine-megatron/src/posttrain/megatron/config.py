@@ -64,9 +64,6 @@ class McoreEngineConfig(EngineConfig):
     """Save the distributed optimizer in the fully reshardable layout."""
     distrib_optim_fully_reshardable_mem_efficient: bool = False
     """Lower-memory variant of the fully reshardable layout."""
-    use_torch_compile: bool = True
-    """Compile the log-prob/entropy head's per-chunk math on CUDA (:mod:`posttrain.megatron.head`): one fused
-    read of the logits a pass instead of about ten fp32 passes. The first steps pay the compile time."""
     portable_checkpoint: bool = False
     """Save model and optimizer keyed by HF names in the FSDP engine's layout (DCP, flattened AdamW state,
     LR scheduler state in extra), so the checkpoint resumes on either backend; false saves Megatron's

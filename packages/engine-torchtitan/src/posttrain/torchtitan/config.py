@@ -56,8 +56,6 @@ class TorchTitanEngineConfig(EngineConfig):
     compile: bool = False
     """``torch.compile`` each transformer block (torchtitan's ``apply_compile``); the first steps pay for
     it."""
-    use_torch_compile: bool = True
-    """Compile the log-prob/entropy head's per-chunk function on CUDA."""
     entropy_checkpointing: bool = True
     """Recompute each head chunk's fp32 softmax in backward instead of keeping it."""
 

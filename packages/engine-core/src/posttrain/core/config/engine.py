@@ -106,6 +106,9 @@ class EngineConfig:
     is false; posttrain's is true."""
     entropy_from_logits_chunk_size: int = 2048
     """Tokens per chunk of the log-prob/entropy head (bounds its fp32 working set)."""
+    use_torch_compile: bool = True
+    """Compile the log-prob/entropy head's per-chunk math on CUDA (fused passes over the logits instead of
+    several fp32 ones); the first steps pay the compile time. Ignored on the CPU."""
     seed: int = 42
     """Seed for parameter init and dropout."""
     full_determinism: bool = False
