@@ -13,6 +13,7 @@ from posttrain.core.memory_policy import (
     choose_gradient_checkpointing,
     choose_max_num_seqs,
     choose_ref_offload,
+    rollout_reserve_bytes,
 )
 
 GiB = 2**30
@@ -55,6 +56,22 @@ def test_checkpointing_turns_on_exactly_past_the_budget() -> None:
     off = choose_gradient_checkpointing(s, tokens, 139 * GiB)
     assert off.value is False and "fit in" in off.reason
     assert choose_gradient_checkpointing(s, tokens, 40 * GiB).value is True
+
+
+def test_a_rollout_beside_the_update_takes_its_share_first() -> None:
+    s = ModelShape.from_hf_config(QWEN_05B)
+    free, tokens = 80 * GiB, 16384
+    held = 6 * s.params  # the actor's fp32 weights and the bf16 reference, built before the rollout
+    reserve = rollout_reserve_bytes(s, free, 1, 0.6, ref_on_device=True)
+    assert reserve == int(0.6 * (free - held))
+    assert rollout_reserve_bytes(s, free, 1, 0.6, ref_on_device=False) == int(0.6 * (free - 4 * s.params))
+    assert rollout_reserve_bytes(s, free, 1, 0.6, ref_on_device=True, gib=12) == 12 * GiB
+    assert choose_gradient_checkpointing(s, tokens, free).value is False
+    beside = choose_gradient_checkpointing(s, tokens, free, beside=reserve)
+    assert (
+        beside.value is True
+        and f"of 80.0 GiB free less the rollout's {reserve / GiB:.1f} GiB" in beside.reason
+    )
 
 
 def test_ref_offload_only_when_the_rollout_would_not_fit() -> None:

@@ -8,6 +8,8 @@ always taken as given. Each choice comes with the reason, in bytes, which the ca
   (``max_token_len_per_gpu`` tokens) would not fit beside the training state in the free memory;
   :func:`resolve_gradient_checkpointing` applies it to a null ``model.enable_gradient_checkpointing`` for an
   engine.
+  A rollout that generates on the same device while the actor trains (one_step_off, async, stream) holds
+  :func:`rollout_reserve_bytes` of it, which the caller passes as ``beside``.
 - :func:`choose_ref_offload`: keep the reference model on the device unless, with it there, the rollout's
   share of the memory left could not hold its weights and the KV cache of one generate call.
 - :func:`choose_max_num_seqs`: let vLLM schedule every sequence of one generate call at once (at most 1024).
@@ -115,23 +117,47 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def choose_gradient_checkpointing(shape: ModelShape, tokens: int, free_bytes: int, world: int = 1) -> Choice:
+def choose_gradient_checkpointing(
+    shape: ModelShape, tokens: int, free_bytes: int, world: int = 1, beside: int = 0
+) -> Choice:
     """Off when the training state and one ``tokens``-token micro-batch's activations without recomputation
-    fit in :data:`HEADROOM` of ``free_bytes``; on otherwise."""
+    fit in :data:`HEADROOM` of ``free_bytes`` less ``beside`` (what another user of the device, a rollout that
+    generates while the actor trains, will hold: :func:`rollout_reserve_bytes`); on otherwise."""
     state = shape.train_state_bytes(world)
     need = state + shape.activation_bytes(tokens, checkpointing=False)
-    budget = int(HEADROOM * free_bytes)
+    budget = int(HEADROOM * max(free_bytes - beside, 0))
+    free = f"{_gib(free_bytes)} free" + (f" less the rollout's {_gib(beside)}" if beside else "")
     if need <= budget:
         return Choice(
             False,
             f"state {_gib(state)} + activations of {tokens} tokens = {_gib(need)} fit in "
-            f"{_gib(budget)} ({HEADROOM:.0%} of {_gib(free_bytes)} free)",
+            f"{_gib(budget)} ({HEADROOM:.0%} of {free})",
         )
     return Choice(
         True,
         f"state + activations of {tokens} tokens = {_gib(need)} exceed {_gib(budget)} "
-        f"({HEADROOM:.0%} of {_gib(free_bytes)} free)",
+        f"({HEADROOM:.0%} of {free})",
     )
+
+
+def rollout_reserve_bytes(
+    shape: ModelShape,
+    free_bytes: int,
+    world: int,
+    rollout_share: float,
+    *,
+    ref_on_device: bool,
+    gib: float = 0,
+) -> int:
+    """What a vLLM rollout on the trainer's GPU holds while the actor trains, ``free_bytes`` being free before
+    the trainer's engines are built: ``gib`` GiB when set, else ``rollout_share`` of what the engines leave
+    (the actor's fp32 weights and, unless offloaded, the bf16 reference; Adam's state comes at the first step,
+    after the rollout took its share). vLLM's CUDA graphs and context come on top (~2.5 GiB for the 0.5B
+    shape on an H100), inside :data:`HEADROOM`."""
+    if gib:
+        return int(gib * 2**30)
+    held = (4 + (2 if ref_on_device else 0)) * shape.params // max(world, 1)
+    return int(rollout_share * max(free_bytes - held, 0))
 
 
 def choose_ref_offload(
