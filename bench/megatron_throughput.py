@@ -202,7 +202,7 @@ def run_megatron(
     eng = MegatronLanguageModelEngine(model, engine_cfg, optim, CheckpointConfig())
     eng.initialize()
     if name == "megatron_fsdp_wgrad":  # an experiment: the engine fuses under Megatron DDP only
-        build.fuse_te_wgrad(eng.chunks, eng.provider, eng.engine_config)
+        build.fuse_te_wgrad(eng.chunks, eng.provider, eng.engine_config, megatron_fsdp=True)
     per_dp = dist.get_world_size() // eng.get_data_parallel_size()  # GPUs of one data-parallel rank
     gpus = range(eng.get_data_parallel_rank() * per_dp, (eng.get_data_parallel_rank() + 1) * per_dp)
     draws = [gpu_sequences(args, cfg, g) for g in gpus]

@@ -202,7 +202,13 @@ def print_profile(step: Any, device: torch.device, trace: str | None = None) -> 
     for key in keys:
         table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
         print(table, flush=True)
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]  # CPU ops hold no kernels
+    # CPU ops hold no kernels; a record_function range on the GPU timeline (Megatron-FSDP's
+    # "CustomFSDP.forward", the optimizer's "Optimizer.step#...") spans kernels counted already
+    kernels = [
+        e
+        for e in prof.key_averages()
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
     by_kind: dict[str, float] = {}
     for e in kernels:
         kind = kernel_kind(e.key)

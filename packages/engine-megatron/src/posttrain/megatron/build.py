@@ -224,15 +224,19 @@ def build_model(
     return chunks
 
 
-def fuse_te_wgrad(chunks: list[torch.nn.Module], provider: Any, cfg: McoreEngineConfig) -> int:
+def fuse_te_wgrad(
+    chunks: list[torch.nn.Module], provider: Any, cfg: McoreEngineConfig, *, megatron_fsdp: bool = False
+) -> int:
     """Transformer Engine's dense layers accumulate their weight gradients straight into Megatron DDP's fp32
     ``main_grad`` (TE's ``fuse_wgrad_accumulation``: the wgrad GEMM adds into the buffer) where
     ``gradient_accumulation_fusion`` is off only for want of APEX, whose kernel Megatron-Core's own output
     layer needs. Skipped where it is on already (APEX) or ``override_transformer_config`` sets it; only
     modules whose parameters all train and have a ``main_grad`` (LoRA's frozen bases do not). Returns how
     many modules it turned on. The engine calls it under Megatron DDP only: on the 1.5B bench it took the step
-    from 0.2694 to 0.2525 s (BENCHMARKS.md). Megatron-FSDP takes TE's fusion too (TE >= 2.10); the bench's
-    ``megatron_fsdp_wgrad`` tries it there."""
+    from 0.2694 to 0.2525 s (BENCHMARKS.md). Megatron-FSDP takes TE's fusion too (TE >= 2.10), but attaches
+    ``get_main_grad`` to the unsharded parameters it swaps in for forward and backward, not to the sharded ones
+    the modules hold here, so with ``megatron_fsdp`` only ``requires_grad`` is checked; the bench's
+    ``megatron_fsdp_wgrad`` tries it (with the attribute check it fused no module)."""
     if (
         provider.gradient_accumulation_fusion
         or "gradient_accumulation_fusion" in cfg.override_transformer_config
@@ -249,7 +253,8 @@ def fuse_te_wgrad(chunks: list[torch.nn.Module], provider: Any, cfg: McoreEngine
             if isinstance(module, (Linear, LayerNormLinear)) and params:
                 # Megatron DDP gives a parameter its main_grad; Megatron-FSDP a get_main_grad, which TE calls
                 if all(
-                    p.requires_grad and (hasattr(p, "main_grad") or hasattr(p, "get_main_grad"))
+                    p.requires_grad
+                    and (megatron_fsdp or hasattr(p, "main_grad") or hasattr(p, "get_main_grad"))
                     for p in params
                 ):
                     module.fuse_wgrad_accumulation = True
