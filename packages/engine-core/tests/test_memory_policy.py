@@ -15,22 +15,13 @@ from posttrain.core.memory_policy import (
     choose_ref_offload,
     rollout_reserve_bytes,
 )
+from posttrain.core.testing import QWEN25_05B
 
 GiB = 2**30
-# Qwen2.5-0.5B's config.json fields (tied embeddings)
-QWEN_05B = dict(
-    hidden_size=896,
-    num_hidden_layers=24,
-    vocab_size=151936,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    tie_word_embeddings=True,
-)
 
 
 def test_shape_counts_qwen_05b_parameters_and_kv_bytes(tmp_path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(QWEN_05B))
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_05B))
     shape = ModelShape.from_path(tmp_path)
     # 494,032,768 parameters in the real model (its q/k/v biases, 1,536 per layer... left out here)
     assert abs(shape.params - 494_032_768) / 494_032_768 < 0.002
@@ -46,7 +37,7 @@ def test_activation_bytes_by_hand() -> None:
 
 
 def test_checkpointing_turns_on_exactly_past_the_budget() -> None:
-    s = ModelShape.from_hf_config(QWEN_05B)
+    s = ModelShape.from_hf_config(QWEN25_05B)
     tokens = 16384
     need = s.train_state_bytes(1) + s.activation_bytes(tokens, checkpointing=False)
     free_fits = int(need / HEADROOM) + 16
@@ -59,7 +50,7 @@ def test_checkpointing_turns_on_exactly_past_the_budget() -> None:
 
 
 def test_a_rollout_beside_the_update_takes_its_share_first() -> None:
-    s = ModelShape.from_hf_config(QWEN_05B)
+    s = ModelShape.from_hf_config(QWEN25_05B)
     free, tokens = 80 * GiB, 16384
     held = 6 * s.params  # the actor's fp32 weights and the bf16 reference, built before the rollout
     reserve = rollout_reserve_bytes(s, free, 1, 0.6, ref_on_device=True)
@@ -75,7 +66,7 @@ def test_a_rollout_beside_the_update_takes_its_share_first() -> None:
 
 
 def test_ref_offload_only_when_the_rollout_would_not_fit() -> None:
-    s = ModelShape.from_hf_config(QWEN_05B)
+    s = ModelShape.from_hf_config(QWEN25_05B)
     tokens = 640 * 1536  # 128 prompts x 5 responses x (512 + 1024) tokens
     keep = choose_ref_offload(s, 139 * GiB, world=1, rollout_share=0.6, rollout_tokens=tokens)
     assert keep.value is False

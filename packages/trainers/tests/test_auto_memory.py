@@ -10,25 +10,17 @@ import json
 import pytest
 import torch
 
+from posttrain.core.testing import QWEN25_05B
 from posttrain.trainers.config import load_config
 from posttrain.trainers.rl.auto_memory import checkpointing_beside_rollout
 
 GiB = 2**30
 H100_FREE = int(78.7 * GiB)  # what the run logged free on the H100 before its engines were built
-QWEN_05B = dict(
-    hidden_size=896,
-    num_hidden_layers=24,
-    vocab_size=151936,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    tie_word_embeddings=True,
-)
 CUDA0 = torch.device("cuda", 0)
 
 
 def readme_config(tmp_path, *overrides: str):
-    (tmp_path / "config.json").write_text(json.dumps(QWEN_05B))
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_05B))
     return load_config(
         [f"model.path={tmp_path}", "ref.engine.param_offload=false", *overrides], ["grpo_gsm8k", "vllm_gpu"]
     )

@@ -47,6 +47,18 @@ TINY_QWEN3_MOE = dict(
 )
 """The tiny Qwen3-MoE: 4 experts, top-2, in both layers."""
 
+QWEN25_05B = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    vocab_size=151936,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    tie_word_embeddings=True,
+)
+"""Qwen2.5-0.5B's ``config.json`` fields that the memory policy reads (the shape, no weights): the tests of the
+memory choices size the real model with it."""
+
 ARCHS = {"qwen2": TINY_QWEN2, "qwen3_moe": TINY_QWEN3_MOE}
 
 
