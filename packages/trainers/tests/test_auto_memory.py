@@ -6,6 +6,7 @@ alone."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -19,11 +20,24 @@ H100_FREE = int(78.7 * GiB)  # what the run logged free on the H100 before its e
 CUDA0 = torch.device("cuda", 0)
 
 
-def readme_config(tmp_path, *overrides: str):
+@dataclass(frozen=True)
+class VLLMMemory:
+    """The vLLM rollout config's two memory keys, at the ``vllm_gpu`` preset's values (this venv has no
+    posttrain-rollout-vllm: it pulls vLLM in, so its config class is not registered here)."""
+
+    gpu_memory_utilization: float = 0.6
+    gpu_memory_gib: float = 0.0
+
+
+def readme_config(tmp_path, *overrides: str, rollout=VLLMMemory()):
+    """The README's GRPO config (``grpo_gsm8k``) on the 0.5B shape with ``rollout`` as its rollout config."""
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_05B))
-    return load_config(
-        [f"model.path={tmp_path}", "ref.engine.param_offload=false", *overrides], ["grpo_gsm8k", "vllm_gpu"]
+    cfg = load_config(
+        [f"model.path={tmp_path}", "ref.engine.param_offload=false", *overrides], ["grpo_gsm8k"]
     )
+    if rollout is not None:
+        cfg.rollout = rollout
+    return cfg
 
 
 def test_one_step_off_on_the_trainers_h100_recomputes(tmp_path) -> None:
@@ -42,7 +56,7 @@ def test_one_step_off_on_the_trainers_h100_recomputes(tmp_path) -> None:
 
 
 def test_a_small_rollout_budget_leaves_the_actor_room(tmp_path) -> None:
-    cfg = readme_config(tmp_path, "trainer.mode=async", "rollout.gpu_memory_gib=16")
+    cfg = readme_config(tmp_path, "trainer.mode=async", rollout=VLLMMemory(gpu_memory_gib=16))
     choice = checkpointing_beside_rollout(cfg, 1, CUDA0, H100_FREE)
     assert choice.value is False and "less the rollout's 16.0 GiB" in choice.reason
 
@@ -57,3 +71,8 @@ def test_a_small_rollout_budget_leaves_the_actor_room(tmp_path) -> None:
 )
 def test_the_engine_chooses_alone_otherwise(tmp_path, overrides) -> None:
     assert checkpointing_beside_rollout(readme_config(tmp_path, *overrides), 1, CUDA0, H100_FREE) is None
+
+
+def test_a_rollout_without_a_memory_share_leaves_it_to_the_engine(tmp_path) -> None:
+    cfg = readme_config(tmp_path, "trainer.mode=one_step_off", "rollout.name=hf", rollout=None)
+    assert checkpointing_beside_rollout(cfg, 1, CUDA0, H100_FREE) is None
