@@ -61,7 +61,7 @@ def test_a_rollout_beside_the_update_takes_its_share_first() -> None:
     beside = choose_gradient_checkpointing(s, tokens, free, beside=reserve)
     assert (
         beside.value is True
-        and f"of 80.0 GiB free less the rollout's {reserve / GiB:.1f} GiB" in beside.reason
+        and f"of 80.0 GiB free less {reserve / GiB:.1f} GiB held beside the update" in beside.reason
     )
 
 

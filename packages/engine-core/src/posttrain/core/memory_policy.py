@@ -8,8 +8,8 @@ always taken as given. Each choice comes with the reason, in bytes, which the ca
   (``max_token_len_per_gpu`` tokens) would not fit beside the training state in the free memory;
   :func:`resolve_gradient_checkpointing` applies it to a null ``model.enable_gradient_checkpointing`` for an
   engine.
-  A rollout that generates on the same device while the actor trains (one_step_off, async, stream) holds
-  :func:`rollout_reserve_bytes` of it, which the caller passes as ``beside``.
+  What else holds the device through the update comes off first (``beside``): a rollout that generates on
+  it while the actor trains (one_step_off, async, stream; :func:`rollout_reserve_bytes`), a critic's state.
 - :func:`choose_ref_offload`: keep the reference model on the device unless, with it there, the rollout's
   share of the memory left could not hold its weights and the KV cache of one generate call.
 - :func:`choose_max_num_seqs`: let vLLM schedule every sequence of one generate call at once (at most 1024).
@@ -121,12 +121,13 @@ def choose_gradient_checkpointing(
     shape: ModelShape, tokens: int, free_bytes: int, world: int = 1, beside: int = 0
 ) -> Choice:
     """Off when the training state and one ``tokens``-token micro-batch's activations without recomputation
-    fit in :data:`HEADROOM` of ``free_bytes`` less ``beside`` (what another user of the device, a rollout that
-    generates while the actor trains, will hold: :func:`rollout_reserve_bytes`); on otherwise."""
+    fit in :data:`HEADROOM` of ``free_bytes`` less ``beside`` (what else the device holds through the update:
+    a rollout that generates meanwhile, :func:`rollout_reserve_bytes`; the reference; another trained role's
+    state); on otherwise."""
     state = shape.train_state_bytes(world)
     need = state + shape.activation_bytes(tokens, checkpointing=False)
     budget = int(HEADROOM * max(free_bytes - beside, 0))
-    free = f"{_gib(free_bytes)} free" + (f" less the rollout's {_gib(beside)}" if beside else "")
+    free = f"{_gib(free_bytes)} free" + (f" less {_gib(beside)} held beside the update" if beside else "")
     if need <= budget:
         return Choice(
             False,

@@ -82,7 +82,7 @@ class RLTrainer(StepLoop):
         )
         steps = cfg.trainer.total_training_steps or self.sampler.steps_per_epoch * cfg.trainer.total_epochs
         self.total_steps = steps
-        choose_memory_trades(cfg, pdist.world_size(), pdist.rank())
+        choose_memory_trades(cfg, pdist.world_size(), pdist.rank(), critic=self.use_critic)
         self._build_engines()
         self.dp_size = self.actor.get_data_parallel_size()
         self.dp_rank = self.actor.get_data_parallel_rank()
