@@ -31,7 +31,8 @@
 # fits; verl keeps the forward-only reference's parameters on the CPU whatever the setting), FSDP forward
 # prefetch and deferred gradient sync over micro-batches (the guide's FSDP items), vLLM at 0.6 of the memory
 # and max_num_seqs 1024, gradient checkpointing off (what posttrain's policy chooses for this shape on an H200;
-# the guide's checkpointing tip is for memory), verl's default V1 trainer (`trainer.use_v1=False` selects the
+# the guide's checkpointing tip is for memory; VERL_GRAD_CKPT=True where posttrain's log shows it chose it on,
+# as for the 1.5B shape on an 80 GB H100), verl's default V1 trainer (`trainer.use_v1=False` selects the
 # deprecated ray_trainer path, which runs the same engine workers).
 # Why the fused head: verl computes log-probs with flash-attn's Triton cross-entropy when flash-attn imports
 # (verl/utils/torch_functional.py:35-39, 95-101) and otherwise with logprobs_from_logits_v2, a Python loop over
@@ -82,7 +83,7 @@ timeout "${VERL_TIMEOUT:-570}" python3 -m verl.trainer.main_ppo \
   data.train_files="$data/train.parquet" data.val_files="$data/test.parquet" data.train_batch_size=128 \
   data.max_prompt_length=512 data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation=error \
   actor_rollout_ref.model.path="$model" actor_rollout_ref.model.use_remove_padding=True \
-  actor_rollout_ref.model.enable_gradient_checkpointing=False \
+  actor_rollout_ref.model.enable_gradient_checkpointing="${VERL_GRAD_CKPT:-False}" \
   `# verl/trainer/config/model/hf_model.yaml:60-68; perf_tuning.rst "fused kernels optimize the output head"` \
   actor_rollout_ref.model.use_fused_kernels="$([ "$fused" = off ] && echo False || echo True)" \
   actor_rollout_ref.model.fused_kernel_options.impl_backend="$([ "$fused" = off ] && echo torch || echo "$fused")" \
