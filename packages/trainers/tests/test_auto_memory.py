@@ -100,3 +100,13 @@ def test_ppo_counts_the_other_roles_state(tmp_path) -> None:
     # the value head writes one number per token, not a row of the vocabulary: the critic fits without
     assert got["critic.model"].value is False, got["critic.model"].reason
     assert checkpointing_choices(cfg, 1, CUDA0, free, critic=False) == {}  # GRPO in sync: the engine's
+    lora = readme_config(
+        tmp_path,
+        "algorithm.adv_estimator=gae",
+        "critic.model.enable_gradient_checkpointing=null",
+        "critic.engine.max_token_len_per_gpu=16384",
+        "model.lora_rank=8",
+    )
+    # LoRA's reference is the actor with its adapter off: no bf16 copy held beside the update
+    without_ref = checkpointing_choices(lora, 1, CUDA0, free, critic=True)["model"].reason
+    assert f"less {shape.train_state_bytes(1) / GiB:.1f} GiB held beside" in without_ref, without_ref

@@ -81,10 +81,7 @@ def checkpointing_choices(
     if critic:
         shape = ModelShape.from_path(cfg.critic.model.path or cfg.model.path)
         roles["critic.model"] = (cfg.critic.model, cfg.critic.engine, dataclasses.replace(shape, vocab=1))
-    use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    shared = (reserve or 0) + (
-        2 * actor_shape.params // max(world, 1) if use_ref and not cfg.ref.engine.param_offload else 0
-    )
+    shared = (reserve or 0) + (2 * actor_shape.params // max(world, 1) if _ref_on_device(cfg) else 0)
     choices = {}
     for key, (model, engine, shape) in roles.items():
         if model.enable_gradient_checkpointing is not None or not engine.use_dynamic_bsz:
@@ -105,12 +102,19 @@ def _rollout_beside_actor(cfg: Any, world: int, device: torch.device, free: int)
         return None
     if rollout_device(cfg.trainer.rollout_devices, device) != str(device):
         return None
-    use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     return rollout_reserve_bytes(
         ModelShape.from_path(cfg.model.path),
         free,
         world,
         share,
-        ref_on_device=use_ref and not cfg.ref.engine.param_offload,
+        ref_on_device=_ref_on_device(cfg),
         gib=getattr(cfg.rollout, "gpu_memory_gib", 0),
     )
+
+
+def _ref_on_device(cfg: Any) -> bool:
+    """Whether the run builds a reference engine whose bf16 weights stay on the device: a KL term needs one,
+    LoRA's reference is the actor with its adapter off (no weights of its own), and an offloaded one holds
+    host memory."""
+    use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    return bool(use_ref and cfg.model.lora_rank == 0 and not cfg.ref.engine.param_offload)
