@@ -13,9 +13,10 @@ from posttrain.core.memory_policy import (
     choose_gradient_checkpointing,
     choose_max_num_seqs,
     choose_ref_offload,
+    choose_token_budget,
     rollout_reserve_bytes,
 )
-from posttrain.core.testing import QWEN25_05B
+from posttrain.core.testing import QWEN25_05B, QWEN25_15B
 
 GiB = 2**30
 
@@ -81,3 +82,22 @@ def test_max_num_seqs_covers_one_generate_call(seqs: int, want: int) -> None:
 def test_max_num_seqs_refuses_an_empty_call() -> None:
     with pytest.raises(ValueError, match="sequences=0"):
         choose_max_num_seqs(0)
+
+
+def test_a_smaller_budget_before_recomputation() -> None:
+    """The 1.5B shape on an 80 GB card: 16,384 tokens would need recomputation (the README's run chose it on
+    with 78.7 GiB free), 8,192 fit without; on a 141 GB card the default fits; with 20 GiB nothing does."""
+    s = ModelShape.from_hf_config(QWEN25_15B)
+    h100 = int(78.7 * GiB)
+    assert choose_gradient_checkpointing(s, 16384, h100).value is True
+    half = choose_token_budget(s, 16384, 1536, h100)
+    assert half.value == 8192 and choose_gradient_checkpointing(s, 8192, h100).value is False
+    assert "16384 tokens would need recomputation" in half.reason, half.reason
+    assert choose_token_budget(s, 16384, 1536, 139 * GiB).value == 16384
+    none = choose_token_budget(s, 16384, 1536, 20 * GiB)
+    assert none.value == 16384 and "down to 4096" in none.reason
+    # never below the longest sequence: 12,288-token sequences keep a 16,384 budget (and recompute)
+    assert choose_token_budget(s, 16384, 12288, h100).value == 16384
+    # the choice is the largest that fits: 4,096 where 8,192 would not
+    tight = choose_token_budget(s, 16384, 1536, h100, beside=30 * GiB)
+    assert tight.value == 4096 and choose_gradient_checkpointing(s, 8192, h100, beside=30 * GiB).value is True

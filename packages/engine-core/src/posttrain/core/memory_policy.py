@@ -10,6 +10,8 @@ always taken as given. Each choice comes with the reason, in bytes, which the ca
   engine.
   What else holds the device through the update comes off first (``beside``): a rollout that generates on
   it while the actor trains (one_step_off, async, stream; :func:`rollout_reserve_bytes`), a critic's state.
+- :func:`choose_token_budget`: where the default micro-batch token budget would need recomputation, the
+  largest half, quarter, ... of it (down to :data:`MIN_TOKEN_BUDGET` or the longest sequence) that does not.
 - :func:`choose_ref_offload`: keep the reference model on the device unless, with it there, the rollout's
   share of the memory left could not hold its weights and the KV cache of one generate call.
 - :func:`choose_max_num_seqs`: let vLLM schedule every sequence of one generate call at once (at most 1024).
@@ -42,6 +44,8 @@ HEADROOM = 0.8
 fragmentation."""
 MAX_SEQS = 1024
 """The most sequences :func:`choose_max_num_seqs` lets vLLM run at once."""
+MIN_TOKEN_BUDGET = 4096
+"""The smallest micro-batch token budget :func:`choose_token_budget` takes to avoid recomputation."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +143,28 @@ def choose_gradient_checkpointing(
         f"state + activations of {tokens} tokens = {_gib(need)} exceed {_gib(budget)} "
         f"({HEADROOM:.0%} of {free})",
     )
+
+
+def choose_token_budget(
+    shape: ModelShape, default: int, longest: int, free_bytes: int, world: int = 1, beside: int = 0
+) -> Choice:
+    """A micro-batch token budget: ``default`` when its activations fit without recomputation
+    (:func:`choose_gradient_checkpointing`), else the largest of ``default / 2``, ``default / 4``, ... that fits,
+    not below the run's ``longest`` sequence or :data:`MIN_TOKEN_BUDGET`; ``default`` when none fits (then
+    with recomputation). Smaller micro-batches cost more steps of smaller matmuls; recomputation costs a
+    second forward of every layer, about a third more compute."""
+    floor = max(longest, MIN_TOKEN_BUDGET)
+    tokens = default
+    while (
+        tokens // 2 >= floor and choose_gradient_checkpointing(shape, tokens, free_bytes, world, beside).value
+    ):
+        tokens //= 2
+    fit = choose_gradient_checkpointing(shape, tokens, free_bytes, world, beside)
+    if fit.value:
+        return Choice(default, f"no budget from {default} down to {floor} tokens fits without recomputation")
+    if tokens == default:
+        return Choice(default, "the default fits without recomputation")
+    return Choice(tokens, f"{default} tokens would need recomputation; {fit.reason}")
 
 
 def rollout_reserve_bytes(

@@ -59,6 +59,17 @@ QWEN25_05B = dict(
 """Qwen2.5-0.5B's ``config.json`` fields that the memory policy reads (the shape, no weights): the tests of the
 memory choices size the real model with it."""
 
+QWEN25_15B = dict(
+    hidden_size=1536,
+    num_hidden_layers=28,
+    vocab_size=151936,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    intermediate_size=8960,
+    tie_word_embeddings=True,
+)
+"""Qwen2.5-1.5B's, as :data:`QWEN25_05B`."""
+
 ARCHS = {"qwen2": TINY_QWEN2, "qwen3_moe": TINY_QWEN3_MOE}
 
 

@@ -6,7 +6,9 @@ puts the config class of the role's backend there (its ``strategy``, else ``mode
 Batch sizes follow verl: ``ppo_mini_batch_size`` counts prompts over all data-parallel ranks (multiplied by
 ``rollout.n`` inside the trainer); ``*_micro_batch_size_per_gpu`` counts sequences on one rank. With
 ``use_dynamic_bsz`` (the default) and no ``max_token_len_per_gpu``, the trainers give each role's engine
-:func:`fill_token_budget`'s budget: verl's 16384 tokens, or the run's longest sequence when that is longer.
+:func:`fill_token_budget`'s budget: verl's 16384 tokens, or the run's longest sequence when that is longer (the
+RL trainer on a GPU first tries a smaller budget where that one would need recomputation:
+:mod:`posttrain.trainers.rl.auto_memory`).
 """
 
 from __future__ import annotations

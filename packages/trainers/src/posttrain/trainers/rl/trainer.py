@@ -46,7 +46,6 @@ from ..loop import StepLoop
 from ..model_files import load_tokenizer, require_model_weights
 from ..resume import resume_point
 from ..rewards import RewardManager, reward_metrics
-from ..roles import fill_token_budget
 from . import phases, router_replay
 from .auto_memory import choose_memory_trades
 from .batch import build_batch
@@ -124,7 +123,8 @@ class RLTrainer(StepLoop):
 
     def _check_config(self) -> None:
         """Refuse, before anything is built, a model path without weights, a router replay mode the actor's
-        engine cannot do, or two different prompt lengths; then fill in the micro-batch token budgets."""
+        engine cannot do, or two different prompt lengths (the micro-batch token budgets are filled in by
+        :func:`.auto_memory.choose_memory_trades`)."""
         cfg = self.cfg
         require_model_weights(
             cfg.model, cfg.actor.engine, rollout_loads_weights=cfg.rollout.load_format != "dummy"
@@ -139,10 +139,6 @@ class RLTrainer(StepLoop):
         cfg.trainer.check_estimator(self.estimator)
         phases.check_behaviour_old_log_probs(cfg.algorithm.rollout_correction, cfg.rollout, self.replay_mode)
         cfg.data.max_prompt_length = cfg.data.prompt_length(cfg.rollout.prompt_length)
-        for role in ("actor", "ref", "critic"):
-            fill_token_budget(
-                getattr(cfg, role).engine, cfg.rollout.prompt_length + cfg.rollout.response_length
-            )
 
     def _new_engine(self, model_type: str, role_cfg: Any, model_cfg: Any, optim: Any = None) -> Any:
         optim = optim or self.cfg.actor.optim
