@@ -30,17 +30,10 @@ from typing import Any
 
 import torch
 
-QWEN25_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rope_theta=1_000_000.0,
-    tie_word_embeddings=True,
-)
+from posttrain.core import testing
+
+QWEN25_05B = dict(testing.QWEN25_05B, max_position_embeddings=32768, rope_theta=1_000_000.0)
+"""The Qwen2.5 shape of ``posttrain.core.testing`` with the fields a model built from it needs."""
 TINY = dict(
     vocab_size=512,
     hidden_size=64,

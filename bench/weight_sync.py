@@ -34,17 +34,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-QWEN25_15B = dict(
-    vocab_size=151936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rope_theta=1_000_000.0,
-    tie_word_embeddings=True,
-)
+from posttrain.core import testing
+
+QWEN25_15B = dict(testing.QWEN25_15B, max_position_embeddings=32768, rope_theta=1_000_000.0)
+"""The Qwen2.5 shape of ``posttrain.core.testing`` with the fields a model built from it needs."""
 TINY = dict(
     vocab_size=1024,
     hidden_size=256,
