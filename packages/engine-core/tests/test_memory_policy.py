@@ -101,7 +101,9 @@ def test_a_smaller_budget_before_recomputation() -> None:
     # never below MIN_TOKEN_BUDGET: where 8,192 would not fit either, the default with recomputation (4,096
     # tokens without it measured slower than 16,384 with it)
     tight = choose_token_budget(s, 16384, 1536, h100, beside=30 * GiB)
-    assert tight.value == 16384 and choose_gradient_checkpointing(s, 8192, h100, beside=30 * GiB).value is True
+    assert (
+        tight.value == 16384 and choose_gradient_checkpointing(s, 8192, h100, beside=30 * GiB).value is True
+    )
     assert choose_gradient_checkpointing(s, 4096, h100, beside=30 * GiB).value is False
     # a larger default halves as far as it fits: 32,768 -> 8,192 on the 80 GB card
     assert choose_token_budget(s, 32768, 1536, h100).value == 8192
