@@ -142,7 +142,9 @@ def test_stream_with_vllm_server_episodes_in_the_rollout_process(assets):
     )
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["actor/pg_loss"]) for r in rows)
-    assert all(r["rollout/stream/episodes_in_flight"] > 0 for r in rows)
+    # a time-weighted mean since the previous step's read: a clean-clone CI run on this 2-core CPU once read 0 for
+    # one of the two steps (the pool idle through that interval), so some step must show episodes in flight
+    assert max(r["rollout/stream/episodes_in_flight"] for r in rows) > 0
     assert rows[1]["timing_s/update_weights"] > 0  # step 2's weights went into the worker's paused pool
     assert max(r["reward/extra/agent/turns/mean"] for r in rows) >= 1
 
